@@ -1,0 +1,376 @@
+"""The coordinator: the one owner of the event log during a run.
+
+It replays the log into a plan, starts the workers, hands them samples, commits their reports in batches,
+answers live queries over its socket, pauses writers on disk watermarks, and stops at a safe point on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .build import code_fingerprint, load_config
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, HsbuildError, ModelError, UsageError
+from .events import Event, EventLog, detail
+from .layout import layout
+from .lock import BuildLock
+from .plan import Plan, check_source, make_plan
+from .progress import ProgressBar
+from .server import QueryServer
+from .source import Sample, load_source
+from .watermarks import SpaceMonitor
+from .worker import Task, WorkerSettings, worker_main
+
+FLUSH_SECONDS = 0.5
+FLUSH_EVENTS = 512
+
+
+@dataclass
+class RunOptions:
+    workers: int | None = None
+    limit: int | None = None
+    max_attempts: int | None = None
+    device: str | None = None
+    verify_after_write: bool | None = None
+    allow_overcommit: bool = False
+    force: bool = False
+    progress: bool | None = None  # None: only on a terminal
+    low: float | None = None
+    high: float | None = None
+    flood: float | None = None
+    min_free: int | None = None
+
+
+@dataclass
+class RunReport:
+    run_id: str
+    plan: Plan
+    written: int = 0
+    failed: int = 0
+    pauses: int = 0
+    outcome: str = "completed"
+    exit_code: int = EXIT_OK
+    failed_in_build: int = 0
+    messages: list[str] = field(default_factory=list)
+
+
+class Coordinator:
+    def __init__(self, build: str | Path, opts: RunOptions | None = None, echo=print):
+        self.lay = layout(build).require()
+        self.opts = opts or RunOptions()
+        self.cfg = load_config(self.lay)
+        if self.opts.max_attempts is not None:
+            if self.opts.max_attempts < 1:
+                raise UsageError("--max-attempts: must be at least 1")
+            self.cfg.max_attempts = self.opts.max_attempts
+        if self.opts.verify_after_write is not None:
+            self.cfg.verify_after_write = self.opts.verify_after_write
+        for k in ("low", "high", "flood", "min_free"):
+            v = getattr(self.opts, k)
+            if v is not None:
+                setattr(self.cfg.watermarks, k, v)
+        self.cfg.watermarks.validate()
+        self.workers = self.opts.workers or self.cfg.workers
+        if self.workers < 1:
+            raise UsageError(f"--workers {self.workers}: must be at least 1")
+        self.echo = echo
+        self.run_id = uuid.uuid4().hex
+        self.stop_requested = 0
+        self.buffer: list[Event] = []
+        self.last_flush = time.monotonic()
+        self.space = SpaceMonitor(self.lay, self.cfg)
+        self.paused_reason: str | None = None
+
+    # -- signals ------------------------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        self.stop_requested += 1
+        if self.stop_requested >= 2:
+            os._exit(EXIT_INTERRUPTED)  # still safe: nothing uncommitted is ever referenced
+        self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
+
+    # -- events -------------------------------------------------------------------------------------------
+    def emit(self, ev: Event) -> None:
+        ev.run_id = ev.run_id or self.run_id
+        self.buffer.append(ev)
+
+    def flush(self, force: bool = False) -> None:
+        if not self.buffer:
+            return
+        now = time.monotonic()
+        if force or len(self.buffer) >= FLUSH_EVENTS or now - self.last_flush >= FLUSH_SECONDS:
+            self.space.before_commit()
+            self.log.append(self.buffer)
+            self.buffer = []
+            self.last_flush = now
+
+    # -- live status ----------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        prog = self.log.progress()
+        return {"running": True, "run_id": self.run_id, "pid": os.getpid(), "workers": self.workers,
+                **prog, **self.space.snapshot(), "paused": self.paused_reason is not None,
+                "pause_reason": self.paused_reason}
+
+    # -- the run ----------------------------------------------------------------------------------------------
+    def run(self, resume: bool = False) -> RunReport:
+        lock = BuildLock(self.lay, "run", self.run_id).acquire()
+        try:
+            self.log = _open_log(self.lay.events)
+            try:
+                return self._run_locked(lock, resume)
+            finally:
+                self.log.close()
+        finally:
+            lock.release()
+
+    def _run_locked(self, lock: BuildLock, resume: bool) -> RunReport:
+        meta = self.log.meta()
+        samples = load_source(self.cfg.source, _tokenizer_for(self.cfg))
+        added = check_source(self.log, samples)
+        plan = make_plan(self.log, samples, self.cfg.max_attempts, self.opts.limit)
+        report = RunReport(self.run_id, plan)
+        if resume or plan.done or plan.interrupted or plan.failed_retry or plan.damaged:
+            self.echo(
+                f"replayed {self.log._seq} events: {plan.done} done, {len(plan.interrupted)} interrupted in flight, "
+                f"{len(plan.failed_retry) + len(plan.failed_final)} failed ({len(plan.failed_retry)} to retry), "
+                f"{len(plan.damaged)} damaged (re-extract), {len(plan.pending)} never started; "
+                f"{len(plan.todo)} to do now" + (f" (+{added} new in source)" if added else "")
+            )
+        self.space.preflight(sum(s.num_tokens for s in plan.todo), meta, measured_bytes_per_token(self.log),
+                             allow_overcommit=self.opts.allow_overcommit, echo=self.echo)
+        by_id = {s.sample_id: s for s in plan.todo}
+        self.emit(Event("run_started", detail=detail(
+            workers=self.workers, resume=resume, plan=plan.summary(), config=self.cfg.to_toml(),
+            config_fingerprint=self.cfg.fingerprint(), model_fingerprint=meta.get("model_fingerprint"),
+            code_fingerprint=code_fingerprint(), pid=os.getpid(), previous_owner=lock.previous)))
+        self.flush(force=True)
+        server = QueryServer(lock.socket_path, self.log, self.status).start()
+        old_int = signal.signal(signal.SIGINT, self._on_signal)
+        old_term = signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            if plan.todo:
+                self._extract(plan, by_id, meta, report)
+        except BaseException as e:
+            self.emit(Event("run_finished", reason="error", detail=detail(error=f"{type(e).__name__}: {e}")))
+            self.flush(force=True)
+            raise
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)
+            server.stop()
+        report.failed_in_build = self.log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
+        if self.stop_requested:
+            report.outcome, report.exit_code = "interrupted", EXIT_INTERRUPTED
+        elif report.failed_in_build:
+            report.exit_code = EXIT_SAMPLES_FAILED
+        self.emit(Event("run_finished", reason=report.outcome, detail=detail(
+            written=report.written, failed=report.failed, pauses=report.pauses,
+            failed_in_build=report.failed_in_build)))
+        self.flush(force=True)
+        return report
+
+    def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
+        ctx = mp.get_context("spawn")
+        tasks, results = ctx.Queue(), ctx.Queue()
+        stop, gate = ctx.Event(), ctx.Event()
+        gate.set()
+        threads = max(1, (os.cpu_count() or 1) // self.workers)
+        procs = []
+        for w in range(self.workers):
+            settings = WorkerSettings(
+                build_root=str(self.lay.root), data_root=str(self.lay.data), run_id=self.run_id, worker=w,
+                model=self.cfg.model, aux_layers=self.cfg.aux_layers, dtype=self.cfg.dtype,
+                device=self.opts.device or self.cfg.device, codec=self.cfg.codec, chunk_tokens=self.cfg.chunk_tokens,
+                max_tokens=self.cfg.max_tokens, threads=threads, verify_after_write=self.cfg.verify_after_write,
+                flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free)
+            p = ctx.Process(target=worker_main, args=(settings, tasks, results, stop, gate), daemon=True,
+                            name=f"hsbuild-worker-{w}")
+            p.start()
+            procs.append(p)
+        pending = deque(s.sample_id for s in plan.todo)
+        attempts = dict(plan.attempts)
+        inflight: set[str] = set()  # dispatched, not yet reported back
+        current: dict[int, str] = {}  # worker -> sample it is on
+        alive = set(range(self.workers))
+        ready: set[int] = set()
+        bar = ProgressBar(len(plan.todo), enabled=self.opts.progress)
+        max_outstanding = self.workers + 1
+        sentinels_sent = False
+        try:
+            while alive:
+                stopping = bool(self.stop_requested)
+                if stopping:
+                    stop.set()
+                pause = self.space.poll()
+                if pause != self.paused_reason:
+                    self._set_paused(pause, gate, report)
+                if not stopping and self.paused_reason is None:
+                    while pending and len(inflight) < max_outstanding:
+                        sid = pending.popleft()
+                        s = by_id[sid]
+                        tasks.put(Task(sid, attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids, s.loss_mask))
+                        inflight.add(sid)
+                if (stopping or not pending) and not inflight and not sentinels_sent:
+                    for _ in alive:
+                        tasks.put(None)
+                    sentinels_sent = True
+                try:
+                    msg = results.get(timeout=0.1)
+                except queue.Empty:
+                    msg = None
+                if msg is not None:
+                    self._handle(msg, by_id, attempts, pending, inflight, current, alive, ready, meta, bar, report)
+                for w, p in enumerate(procs):
+                    if w in alive and not p.is_alive() and p.exitcode is not None:
+                        self._worker_died(w, p.exitcode, current, inflight, pending, attempts, alive, report)
+                self.flush()
+                bar.update(note=f"PAUSED: {self.paused_reason}" if self.paused_reason else "")
+        finally:
+            stop.set()
+            gate.set()
+            bar.close()
+            self.flush(force=True)
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            tasks.close()
+            results.close()
+
+    def _set_paused(self, reason: str | None, gate, report: RunReport) -> None:
+        figures = self.space.snapshot()
+        if reason is not None:
+            gate.clear()
+            report.pauses += 1
+            self.emit(Event("paused", reason=reason, detail=detail(**figures)))
+            self.echo(f"\nPAUSED ({reason}): {self.space.describe()}; resumes by itself below the low watermark")
+        else:
+            gate.set()
+            self.emit(Event("resumed", reason=self.paused_reason, detail=detail(**figures)))
+            self.echo(f"\nresumed: {self.space.describe()}")
+        self.paused_reason = reason
+        self.flush(force=True)
+
+    def _handle(self, msg, by_id, attempts, pending, inflight, current, alive, ready, meta, bar, report) -> None:
+        kind, wid = msg[0], msg[1]
+        if kind == "ready":
+            fp = msg[2]
+            ready.add(wid)
+            if meta.get("model_fingerprint") and fp != meta["model_fingerprint"]:
+                self.stop_requested = max(self.stop_requested, 1)
+                raise ModelError(
+                    f"model fingerprint {fp} differs from the build's {meta['model_fingerprint']}: the model changed "
+                    "since `init`; restore it, or start a new build with `hsbuild init --force`"
+                )
+        elif kind == "fatal":
+            raise ModelError(f"worker {wid} could not start: {msg[2]}")
+        elif kind == "started":
+            _, _, sid, attempt, fp, _t = msg
+            current[wid] = sid
+            attempts[sid] = attempt
+            self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
+        elif kind == "written":
+            _, _, sid, attempt, fp, loc, truncated, seconds, verified = msg
+            import json  # noqa: PLC0415
+
+            self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, segment=loc.segment,
+                            token_start=loc.token_start, num_tokens=loc.num_tokens, nbytes=loc.nbytes,
+                            checksums=json.dumps(loc.checksums, sort_keys=True),
+                            detail=detail(truncated=truncated, seconds=round(seconds, 4))))
+            if verified:
+                self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+                                segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
+                                detail=detail(mode="after_write")))
+            inflight.discard(sid)
+            current.pop(wid, None)
+            report.written += 1
+            self.space.account(loc.nbytes, loc.num_tokens)
+            bar.update(1, loc.num_tokens, loc.nbytes)
+        elif kind == "failed":
+            _, _, sid, attempt, fp, reason, message = msg
+            self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason=reason,
+                            detail=detail(message=message)))
+            inflight.discard(sid)
+            current.pop(wid, None)
+            report.failed += 1
+            bar.update(1)
+        elif kind == "nospace":
+            _, _, sid, attempt, fp, message = msg
+            self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason="no_space",
+                            detail=detail(message=message)))
+            inflight.discard(sid)
+            current.pop(wid, None)
+            pending.appendleft(sid)  # retried once space returns
+            self.space.disk_full()
+        elif kind == "deferred":
+            inflight.discard(msg[2])
+            current.pop(wid, None)
+            pending.appendleft(msg[2])
+            self.space.flood_block(msg[3])
+        elif kind in ("skipped", "abandoned"):
+            inflight.discard(msg[2])
+            current.pop(wid, None)
+            if not self.stop_requested:
+                pending.appendleft(msg[2])
+        elif kind == "sealed":
+            info = msg[2]
+            self.emit(Event("segment_sealed", worker=wid, segment=info["segment"], num_tokens=info["tokens"],
+                            detail=detail(**info)))
+        elif kind == "seal_failed":
+            self.emit(Event("segment_sealed", worker=wid, segment=msg[2], reason="seal_failed",
+                            detail=detail(error=msg[3])))
+        elif kind == "exit":
+            alive.discard(wid)
+
+    def _worker_died(self, w, code, current, inflight, pending, attempts, alive, report) -> None:
+        alive.discard(w)
+        sid = current.pop(w, None)
+        self.echo(f"\nworker {w} died (exit code {code})" + (f" while on sample {sid}" if sid else ""))
+        if sid is not None:
+            inflight.discard(sid)
+            self.emit(Event("failed", sample_id=sid, attempt=attempts.get(sid), worker=w, reason="worker_died",
+                            detail=detail(exitcode=code)))
+            report.failed += 1
+        if not alive and (pending or inflight):
+            raise HsbuildError(f"all workers died (last exit code {code}); see the failed events, then `hsbuild resume`")
+
+
+def measured_bytes_per_token(log: EventLog) -> float | None:
+    row = log.query("SELECT sum(nbytes), sum(num_tokens) FROM samples WHERE state IN ('written', 'verified')")[1][0]
+    return row[0] / row[1] if row[0] and row[1] else None
+
+
+def _open_log(path: Path, wait: float = 15.0) -> EventLog:
+    """Open the log for writing; a short-lived read-only reader (hsbuild sql) may hold it for a moment."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return EventLog(path)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _tokenizer_for(cfg):
+    if cfg.model == "builtin" or cfg.model.startswith("builtin:"):
+        from .model import BuiltinSpec, builtin_tokenizer  # noqa: PLC0415
+
+        return builtin_tokenizer(BuiltinSpec.parse(cfg.model).vocab)
+    try:
+        import transformers  # noqa: PLC0415
+
+        tok = transformers.AutoTokenizer.from_pretrained(cfg.model)
+        return lambda text: tok(text)["input_ids"]
+    except Exception:  # noqa: BLE001 - sources with input_ids need no tokenizer
+        return None
+
+
+def run_build(build: str | Path, opts: RunOptions | None = None, resume: bool = False, echo=print) -> RunReport:
+    return Coordinator(build, opts, echo).run(resume=resume)

@@ -1,0 +1,235 @@
+"""The event log: an append-only DuckDB table that is the only truth about each sample's state.
+
+One process owns the log at a time (the coordinator of a run, or a verify sweep). It appends events in
+batches, each batch one transaction, as an Arrow table (DuckDB autocommit fsyncs every statement and
+`executemany` is slow). Readers either open the file read-only (no owner) or ask the owner over its socket.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from .errors import BuildLockedError, QueryError
+from .source import Sample
+
+SAMPLE_KINDS = ("started", "written", "verified", "failed")
+RUN_KINDS = ("run_started", "run_finished", "segment_sealed", "paused", "resumed", "verify_started",
+             "verify_finished", "doctor", "gpu_stats", "gc")
+
+
+def schema_dir() -> Path:
+    """`schema/` beside the package in a checkout, or `builder/_schema` in an installed wheel."""
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "schema", here / "_schema"):
+        if (cand / "events.sql").is_file():
+            return cand
+    return Path(str(resources.files("builder") / "_schema"))
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+@dataclass
+class Event:
+    kind: str
+    run_id: str | None = None
+    sample_id: str | None = None
+    fingerprint: str | None = None
+    attempt: int | None = None
+    worker: int | None = None
+    segment: str | None = None
+    token_start: int | None = None
+    num_tokens: int | None = None
+    nbytes: int | None = None
+    checksums: str | None = None
+    reason: str | None = None
+    detail: str | None = None
+    ts: dt.datetime | None = None
+    seq: int | None = None
+
+
+ARROW_SCHEMA = pa.schema([
+    ("seq", pa.int64()), ("ts", pa.timestamp("us")), ("kind", pa.string()), ("run_id", pa.string()),
+    ("sample_id", pa.string()), ("fingerprint", pa.string()), ("attempt", pa.int32()), ("worker", pa.int32()),
+    ("segment", pa.string()), ("token_start", pa.int64()), ("num_tokens", pa.int64()), ("nbytes", pa.int64()),
+    ("checksums", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
+])
+COLUMNS = [f.name for f in ARROW_SCHEMA]
+
+
+def detail(**kw: object) -> str:
+    return json.dumps(kw, default=str, sort_keys=True)
+
+
+class EventLog:
+    """Owner's (or read-only) handle on `events.duckdb`."""
+
+    def __init__(self, path: Path, read_only: bool = False):
+        self.path = Path(path)
+        self.read_only = read_only
+        try:
+            self.con = duckdb.connect(str(self.path), read_only=read_only)
+        except duckdb.IOException as e:
+            if "lock" in str(e).lower():
+                raise BuildLockedError(
+                    f"{self.path}: the event log is held by another process (a run or verify is going); "
+                    "use `hsbuild status` / `hsbuild sql`, which ask that process, or wait for it to finish"
+                ) from e
+            raise
+        if not read_only:
+            d = schema_dir()
+            self.con.execute((d / "events.sql").read_text())
+            self.con.execute((d / "views.sql").read_text())
+        self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing ----------------------------------------------------------------------------------------
+    def append(self, events: Sequence[Event]) -> None:
+        """Commit a batch of events in one transaction."""
+        if not events:
+            return
+        now = utcnow()
+        cols: dict[str, list] = {c: [] for c in COLUMNS}
+        seq = self._seq
+        for ev in events:
+            seq += 1
+            ev.seq = seq
+            if ev.ts is None:
+                ev.ts = now
+            for c in COLUMNS:
+                cols[c].append(getattr(ev, c))
+        batch = pa.Table.from_pydict(cols, schema=ARROW_SCHEMA)
+        cur = self.con.cursor()
+        try:
+            cur.register("_batch", batch)
+            cur.execute("BEGIN TRANSACTION")
+            cur.execute("INSERT INTO events SELECT * FROM _batch")
+            cur.execute("COMMIT")
+        except BaseException:
+            try:
+                cur.execute("ROLLBACK")
+            except duckdb.Error:
+                pass
+            raise
+        finally:
+            cur.unregister("_batch")
+            cur.close()
+        self._seq = seq
+
+    def set_meta(self, items: dict[str, object]) -> None:
+        rows = pa.Table.from_pydict({"key": list(items), "value": [json.dumps(v, default=str) for v in items.values()]})
+        cur = self.con.cursor()
+        cur.register("_meta", rows)
+        cur.execute("INSERT OR REPLACE INTO meta SELECT * FROM _meta")
+        cur.close()
+
+    def meta(self) -> dict[str, object]:
+        return {k: json.loads(v) for k, v in self.con.execute("SELECT key, value FROM meta").fetchall()}
+
+    def register_samples(self, samples: Iterable[Sample]) -> int:
+        """Register source samples not yet known; returns how many were added."""
+        samples = list(samples)
+        if not samples:
+            return 0
+        tbl = pa.Table.from_pydict({
+            "sample_id": [s.sample_id for s in samples], "row_idx": [s.row for s in samples],
+            "fingerprint": [s.fingerprint for s in samples], "num_tokens": [s.num_tokens for s in samples],
+        })
+        cur = self.con.cursor()
+        cur.register("_src", tbl)
+        before = cur.execute("SELECT count(*) FROM source_samples").fetchone()[0]
+        cur.execute("INSERT INTO source_samples SELECT * FROM _src "
+                    "WHERE sample_id NOT IN (SELECT sample_id FROM source_samples)")
+        after = cur.execute("SELECT count(*) FROM source_samples").fetchone()[0]
+        cur.close()
+        return after - before
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def registered(self) -> dict[str, tuple[int, str, int]]:
+        rows = self.con.execute("SELECT sample_id, row_idx, fingerprint, num_tokens FROM source_samples").fetchall()
+        return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+    def samples(self, where: str = "", params: Sequence[object] = ()) -> list[dict]:
+        return self.query_dicts(f"SELECT * FROM samples {where}", params)
+
+    def progress(self) -> dict:
+        return self.query_dicts("SELECT * FROM progress")[0]
+
+    def query(self, sql: str, params: Sequence[object] = ()) -> tuple[list[str], list[tuple]]:
+        cur = self.con.cursor()
+        try:
+            res = cur.execute(sql, list(params))
+            cols = [d[0] for d in res.description] if res.description else []
+            return cols, res.fetchall() if res.description else []
+        except duckdb.Error as e:
+            raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from e
+        finally:
+            cur.close()
+
+    def query_dicts(self, sql: str, params: Sequence[object] = ()) -> list[dict]:
+        cols, rows = self.query(sql, params)
+        return [dict(zip(cols, r, strict=True)) for r in rows]
+
+    def count(self, kind: str) -> int:
+        return self.con.execute("SELECT count(*) FROM events WHERE kind = ?", [kind]).fetchone()[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fold, in Python: the reference the `samples` view must agree with (tested with Hypothesis).
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SampleState:
+    state: str = "pending"
+    attempts: int = 0
+    segment: str | None = None
+    token_start: int | None = None
+    num_tokens: int | None = None
+    error: str | None = None
+    verified_seq: int | None = None
+
+    def as_tuple(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "verified_seq")
+
+
+def fold(events: Iterable[Event]) -> SampleState:
+    """State of one sample from its events (in log order)."""
+    s = SampleState()
+    main: Event | None = None
+    last_verified: int | None = None
+    for ev in events:
+        if ev.kind == "started":
+            s.attempts += 1
+        if ev.kind == "verified":
+            last_verified = ev.seq
+        elif ev.kind in ("started", "written", "failed"):
+            main = ev
+    if main is None:
+        return s
+    s.state = main.kind
+    if main.kind == "written":
+        s.segment, s.token_start, s.num_tokens = main.segment, main.token_start, main.num_tokens
+        if last_verified is not None and main.seq is not None and last_verified > main.seq:
+            s.state = "verified"
+            s.verified_seq = last_verified
+    elif main.kind == "failed":
+        s.error = main.reason
+    return s

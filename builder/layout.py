@@ -1,0 +1,57 @@
+"""Where things live inside a build directory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BuildNotFoundError
+
+CONFIG_NAME = "hsbuild.toml"
+EVENTS_NAME = "events.duckdb"
+DATA_NAME = "data"
+LOCK_NAME = "hsbuild.lock"
+BALLAST_NAME = ".ballast"
+
+
+@dataclass(frozen=True)
+class BuildLayout:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_NAME
+
+    @property
+    def events(self) -> Path:
+        return self.root / EVENTS_NAME
+
+    @property
+    def data(self) -> Path:
+        return self.root / DATA_NAME
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_NAME
+
+    @property
+    def ballast(self) -> Path:
+        return self.root / BALLAST_NAME
+
+    def segment(self, name: str) -> Path:
+        return self.data / name
+
+    def exists(self) -> bool:
+        return self.config.is_file() and self.events.is_file()
+
+    def require(self) -> BuildLayout:
+        if not self.exists():
+            raise BuildNotFoundError(
+                f"{self.root}: not an hsbuild build (no {CONFIG_NAME} / {EVENTS_NAME}); "
+                f"create one with `hsbuild init {self.root} --source FILE`"
+            )
+        return self
+
+
+def layout(path: str | Path) -> BuildLayout:
+    return BuildLayout(Path(path).absolute())

@@ -1,0 +1,233 @@
+"""The data: a Zarr v3 group of write-once segments, ragged along the token axis.
+
+    data/                      Zarr v3 group (layout attributes)
+      seg-<run>-w<k>-<rand>/   one segment per writer start; only that writer ever writes into it
+        input_ids              int32   [T]
+        loss_mask              uint8   [T]
+        hidden_state           uint16  [T, H]        raw bfloat16 bit patterns (attribute logical_dtype)
+        aux_hidden_state       uint16  [T, n_aux*H]
+        seal.json              written (atomically) when the writer stops cleanly
+
+Every sample starts on a chunk boundary, so each chunk file belongs to exactly one sample and is written once,
+whole, and never touched again. Arrays are created with a fixed, very large shape, so no metadata is rewritten
+while writing. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import torch
+import zarr
+import zarr.codecs as zc
+
+from .errors import UsageError
+from .fsutil import atomic_write_bytes, fsync_path, fsync_paths
+
+FIELDS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+SEGMENT_CAPACITY = 1 << 36  # tokens; arrays never resize
+LAYOUT_VERSION = 1
+SEAL_NAME = "seal.json"
+STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
+
+
+def parse_codec(spec: str) -> list:
+    """`zstd:LEVEL`, `blosc-lz4:LEVEL`, `blosc-zstd:LEVEL` or `none` (zarr's codecs, backed by numcodecs)."""
+    name, _, level_s = spec.partition(":")
+    try:
+        level = int(level_s) if level_s else None
+    except ValueError:
+        raise UsageError(f"codec '{spec}': level must be an integer") from None
+    if name == "none":
+        return []
+    if name == "zstd":
+        return [zc.ZstdCodec(level=1 if level is None else level)]
+    if name in ("blosc-lz4", "blosc-zstd"):
+        return [zc.BloscCodec(cname=name.split("-")[1], clevel=5 if level is None else level, shuffle="shuffle",
+                              typesize=2)]
+    raise UsageError(f"codec '{spec}': use zstd:LEVEL, blosc-lz4:LEVEL, blosc-zstd:LEVEL or none")
+
+
+def to_storage(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the numpy array stored in Zarr (bfloat16 as its raw uint16 bit patterns)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def from_storage(a: np.ndarray, logical_dtype: str) -> torch.Tensor:
+    if logical_dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def checksum(a: np.ndarray) -> str:
+    return f"crc32c:{crc32c.crc32c(np.ascontiguousarray(a).data):08x}"
+
+
+@dataclass
+class Location:
+    segment: str
+    token_start: int
+    num_tokens: int
+    nbytes: int
+    checksums: dict[str, str]
+
+
+def init_data_group(data_root: Path, attrs: dict) -> None:
+    zarr.create_group(store=str(data_root), zarr_format=3, attributes={"hsbuild_layout": LAYOUT_VERSION, **attrs},
+                      overwrite=False)
+    fsync_path(data_root)
+    fsync_path(data_root.parent)
+
+
+def read_data_attrs(data_root: Path) -> dict:
+    return dict(zarr.open_group(store=str(data_root), mode="r").attrs)
+
+
+def chunk_paths(seg_dir: Path, fld: str, token_start: int, num_tokens: int, chunk_tokens: int) -> list[Path]:
+    """The chunk files holding tokens [token_start, token_start+num_tokens) of one field."""
+    first = token_start // chunk_tokens
+    last = (token_start + max(num_tokens, 1) - 1) // chunk_tokens
+    base = seg_dir / fld / "c"
+    if fld in ("input_ids", "loss_mask"):
+        return [base / str(i) for i in range(first, last + 1)]
+    return [base / str(i) / "0" for i in range(first, last + 1)]
+
+
+def new_segment_name(run_id: str, worker: int) -> str:
+    return f"seg-{run_id[:8]}-w{worker:02d}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class SegmentWriter:
+    """The only writer of one segment. Appends samples at chunk-aligned offsets; each write is durable on return."""
+
+    data_root: Path
+    name: str
+    hidden_size: int
+    n_aux: int
+    chunk_tokens: int
+    codec: str = "zstd:1"
+    dtype: str = "bfloat16"
+    cursor: int = 0
+    samples: int = 0
+    _arrays: dict = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return self.data_root / self.name
+
+    def create(self) -> SegmentWriter:
+        self.path.mkdir()  # exclusive: a segment name is never reused
+        compressors = parse_codec(self.codec)
+        group = zarr.create_group(store=str(self.path), zarr_format=3,
+                                  attributes={"segment": self.name, "created_at": time.time()})
+        store_dtype = STORAGE_DTYPES[self.dtype]
+        specs = {
+            "input_ids": ((SEGMENT_CAPACITY,), (self.chunk_tokens,), "int32", {}),
+            "loss_mask": ((SEGMENT_CAPACITY,), (self.chunk_tokens,), "uint8", {}),
+            "hidden_state": ((SEGMENT_CAPACITY, self.hidden_size), (self.chunk_tokens, self.hidden_size), store_dtype,
+                             {"logical_dtype": self.dtype}),
+            "aux_hidden_state": ((SEGMENT_CAPACITY, self.n_aux * self.hidden_size),
+                                 (self.chunk_tokens, self.n_aux * self.hidden_size), store_dtype,
+                                 {"logical_dtype": self.dtype}),
+        }
+        for fld, (shape, chunks, dtype, attrs) in specs.items():
+            self._arrays[fld] = group.create_array(
+                name=fld, shape=shape, chunks=chunks, dtype=dtype, compressors=compressors, fill_value=0,
+                attributes=attrs, config={"write_empty_chunks": True},
+            )
+        fsync_paths([self.path / f / "zarr.json" for f in FIELDS] + [self.path / f for f in FIELDS]
+                    + [self.path / "zarr.json", self.path, self.data_root])
+        return self
+
+    def write(self, input_ids: np.ndarray, loss_mask: np.ndarray, aux: torch.Tensor, final: torch.Tensor) -> Location:
+        """Write one sample whole and make it durable (chunk files and their directories fsynced)."""
+        n = int(input_ids.shape[0])
+        start = self.cursor
+        arrays = {
+            "input_ids": np.ascontiguousarray(input_ids, dtype=np.int32),
+            "loss_mask": np.ascontiguousarray(loss_mask, dtype=np.uint8),
+            "hidden_state": to_storage(final),
+            "aux_hidden_state": to_storage(aux),
+        }
+        # The cursor moves past this range before writing: if the write fails (full disk), the range is
+        # abandoned, never reused.
+        self.cursor = -(-(start + n) // self.chunk_tokens) * self.chunk_tokens
+        nbytes = 0
+        to_sync: list[Path] = []
+        for fld, a in arrays.items():
+            self._arrays[fld][start : start + n] = a
+            for p in chunk_paths(self.path, fld, start, n, self.chunk_tokens):
+                nbytes += p.stat().st_size
+                to_sync.append(p)
+                to_sync.append(p.parent)
+                if fld in ("hidden_state", "aux_hidden_state"):
+                    to_sync.append(p.parent.parent)
+        fsync_paths(to_sync)
+        self.samples += 1
+        return Location(self.name, start, n, nbytes, {f: checksum(a) for f, a in arrays.items()})
+
+    def discard(self, token_start: int, num_tokens: int) -> None:
+        """Remove whatever a failed (never committed) write left of its own range."""
+        for fld in FIELDS:
+            for p in chunk_paths(self.path, fld, token_start, num_tokens, self.chunk_tokens):
+                p.unlink(missing_ok=True)
+                for stray in p.parent.glob(p.name + ".*.partial"):
+                    stray.unlink(missing_ok=True)
+
+    def seal(self) -> dict:
+        info = {"segment": self.name, "sealed_at": time.time(), "tokens": self.cursor, "samples": self.samples,
+                "chunk_tokens": self.chunk_tokens}
+        atomic_write_bytes(self.path / SEAL_NAME, json.dumps(info).encode())
+        return info
+
+
+class SegmentReader:
+    """Reads samples back by location. Keeps opened arrays per segment."""
+
+    def __init__(self, data_root: Path):
+        self.data_root = Path(data_root)
+        self._cache: dict[str, dict] = {}
+
+    def arrays(self, segment: str) -> dict:
+        if segment not in self._cache:
+            group = zarr.open_group(store=str(self.data_root / segment), mode="r")
+            self._cache[segment] = {f: group[f] for f in FIELDS}
+        return self._cache[segment]
+
+    def read_raw(self, segment: str, token_start: int, num_tokens: int) -> dict[str, np.ndarray]:
+        arrs = self.arrays(segment)
+        return {f: arrs[f][token_start : token_start + num_tokens] for f in FIELDS}
+
+    def read(self, segment: str, token_start: int, num_tokens: int) -> dict[str, torch.Tensor]:
+        raw = self.read_raw(segment, token_start, num_tokens)
+        out = {}
+        for f, a in raw.items():
+            logical = self.arrays(segment)[f].attrs.get("logical_dtype")
+            out[f] = from_storage(a, logical) if logical else torch.from_numpy(np.ascontiguousarray(a))
+        return out
+
+
+def segment_sealed(seg_dir: Path) -> bool:
+    return (seg_dir / SEAL_NAME).is_file()
+
+
+def list_segments(data_root: Path) -> list[str]:
+    if not data_root.is_dir():
+        return []
+    return sorted(p.name for p in data_root.iterdir() if p.is_dir() and p.name.startswith("seg-"))
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,139 @@
+"""Extraction worker process: loads the model, extracts, writes samples into its own segment.
+
+Workers never touch the event log. They report to the coordinator over a queue; the coordinator commits
+`written` only after the worker has made the sample durable. A worker dies with its coordinator
+(PR_SET_PDEATHSIG), so a SIGKILLed run leaves no writer behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .model import Extractor, SampleError
+from .store import SegmentWriter, new_segment_name
+
+
+@dataclass
+class WorkerSettings:
+    build_root: str
+    data_root: str
+    run_id: str
+    worker: int
+    model: str
+    aux_layers: list[int]
+    dtype: str
+    device: str
+    codec: str
+    chunk_tokens: int
+    max_tokens: int | None
+    threads: int
+    verify_after_write: bool = False
+    flood: float = 0.95
+    min_free: int = 0
+
+
+@dataclass
+class Task:
+    sample_id: str
+    attempt: int
+    fingerprint: str
+    input_ids: object  # np.ndarray int32
+    loss_mask: object  # np.ndarray uint8
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def worker_main(settings: WorkerSettings, tasks, results, stop, gate) -> None:  # pragma: no cover - subprocess
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    wid = settings.worker
+    try:
+        torch.set_num_threads(max(1, settings.threads))
+        ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, settings.device)
+    except Exception as e:  # noqa: BLE001
+        results.put(("fatal", wid, f"{type(e).__name__}: {e}"))
+        return
+    results.put(("ready", wid, ex.fingerprint, ex.metadata()))
+    writer: SegmentWriter | None = None
+    while True:
+        task: Task | None = tasks.get()
+        if task is None:
+            break
+        if stop.is_set():
+            results.put(("skipped", wid, task.sample_id))
+            continue
+        results.put(("started", wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
+        t0 = time.perf_counter()
+        try:
+            ids = ex.check(task.input_ids, settings.max_tokens)
+            mask = task.loss_mask[: ids.shape[0]]
+            aux, final = ex.extract(ids)
+            # Pause point: the coordinator may hold the gate shut (disk watermarks). Never mid-write.
+            while not gate.is_set() and not stop.is_set():
+                time.sleep(0.05)
+            if not gate.is_set():
+                results.put(("abandoned", wid, task.sample_id))
+                continue
+            if writer is None:
+                writer = SegmentWriter(Path(settings.data_root), new_segment_name(settings.run_id, wid),
+                                       ex.hidden_size, len(ex.aux_layers), settings.chunk_tokens, settings.codec,
+                                       settings.dtype).create()
+            projected = int(ids.nbytes + mask.nbytes + aux.numel() * aux.element_size()
+                            + final.numel() * final.element_size())
+            st = os.statvfs(settings.data_root)
+            total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+            if (total - free + projected) / total >= settings.flood or free - projected < settings.min_free:
+                results.put(("deferred", wid, task.sample_id, projected))  # would cross flood: not started
+                continue
+            start = writer.cursor
+            try:
+                loc = writer.write(ids, mask, aux, final)
+            except OSError as e:
+                writer.discard(start, int(ids.shape[0]))
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    results.put(("nospace", wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
+                    continue
+                raise
+            verified = False
+            if settings.verify_after_write:
+                from .verify import check_location  # noqa: PLC0415
+
+                finding = check_location(Path(settings.data_root), loc.segment, loc.token_start, loc.num_tokens,
+                                         loc.checksums, settings.chunk_tokens)
+                if finding is not None:
+                    results.put(("failed", wid, task.sample_id, task.attempt, task.fingerprint, finding[0],
+                                 finding[1]))
+                    continue
+                verified = True
+            results.put(("written", wid, task.sample_id, task.attempt, task.fingerprint, loc,
+                         int(task.input_ids.shape[0]) - loc.num_tokens, time.perf_counter() - t0, verified))
+        except SampleError as e:
+            results.put(("failed", wid, task.sample_id, task.attempt, task.fingerprint, e.reason, str(e)))
+        except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
+            tb = traceback.format_exception_only(type(e), e)[-1].strip()
+            results.put(("failed", wid, task.sample_id, task.attempt, task.fingerprint, "error", tb))
+    if writer is not None:
+        try:
+            results.put(("sealed", wid, writer.seal()))
+        except OSError as e:
+            results.put(("seal_failed", wid, writer.name, str(e)))
+    results.put(("exit", wid))

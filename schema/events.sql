@@ -1,0 +1,38 @@
+-- hsbuild event log (DuckDB). Append-only: rows are inserted, never updated or deleted.
+-- A sample's state is the fold of its events (see docs/design.md, "Event model").
+-- Timestamps are UTC.
+
+CREATE TABLE IF NOT EXISTS meta (
+    key   VARCHAR PRIMARY KEY,   -- written once by `init` (layout, model metadata, fingerprints)
+    value VARCHAR NOT NULL       -- JSON
+);
+
+-- The samples of the source, registered by `init` (and appended when the source grows).
+CREATE TABLE IF NOT EXISTS source_samples (
+    sample_id   VARCHAR PRIMARY KEY,  -- the row's `id`, or its row number
+    row_idx     BIGINT  NOT NULL,     -- 0-based row in the source file
+    fingerprint VARCHAR NOT NULL,     -- blake2b-64 of input_ids (int32) and loss_mask (uint8)
+    num_tokens  BIGINT  NOT NULL      -- tokens in the source (before any --max-tokens truncation)
+);
+
+CREATE TABLE IF NOT EXISTS events (
+    seq         BIGINT    NOT NULL,   -- strictly increasing; the order of the log
+    ts          TIMESTAMP NOT NULL,   -- UTC
+    kind        VARCHAR   NOT NULL,   -- sample: started, written, verified, failed
+                                      -- run: run_started, run_finished, segment_sealed, paused, resumed,
+                                      --      verify_started, verify_finished, doctor, gpu_stats, gc
+    run_id      VARCHAR,              -- the run (or verify sweep) that wrote the event
+    sample_id   VARCHAR,              -- NULL for run events
+    fingerprint VARCHAR,              -- the sample's token fingerprint at the time of the event
+    attempt     INTEGER,              -- 1, 2, ... for started/written/failed
+    worker      INTEGER,
+    segment     VARCHAR,              -- written: the segment holding the sample
+    token_start BIGINT,               -- written: first token of the sample in its segment
+    num_tokens  BIGINT,               -- written: tokens stored
+    nbytes      BIGINT,               -- written: compressed bytes of its chunk files
+    checksums   VARCHAR,              -- written: JSON {field: "crc32c:xxxxxxxx"} of uncompressed bytes
+    reason      VARCHAR,              -- failed: nonfinite, token_out_of_range, empty_sample, too_long,
+                                      --   worker_died, no_space, error, checksum_mismatch, missing_data,
+                                      --   unreadable; paused: high_watermark, flood, disk_full, min_free
+    detail      VARCHAR               -- JSON: free text, figures, configs
+);
