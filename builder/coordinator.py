@@ -121,17 +121,18 @@ class Coordinator:
     def run(self, resume: bool = False) -> RunReport:
         lock = BuildLock(self.lay, "run", self.run_id).acquire()
         try:
+            # validate the source before the log is even opened: bad input changes nothing
+            samples = load_source(self.cfg.source, _tokenizer_for(self.cfg))
             self.log = _open_log(self.lay.events)
             try:
-                return self._run_locked(lock, resume)
+                return self._run_locked(lock, resume, samples)
             finally:
                 self.log.close()
         finally:
             lock.release()
 
-    def _run_locked(self, lock: BuildLock, resume: bool) -> RunReport:
+    def _run_locked(self, lock: BuildLock, resume: bool, samples: list[Sample]) -> RunReport:
         meta = self.log.meta()
-        samples = load_source(self.cfg.source, _tokenizer_for(self.cfg))
         added = check_source(self.log, samples)
         plan = make_plan(self.log, samples, self.cfg.max_attempts, self.opts.limit)
         report = RunReport(self.run_id, plan)

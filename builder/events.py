@@ -8,6 +8,7 @@ batches, each batch one transaction, as an Arrow table (DuckDB autocommit fsyncs
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -86,10 +87,23 @@ class EventLog:
                 ) from e
             raise
         if not read_only:
-            d = schema_dir()
-            self.con.execute((d / "events.sql").read_text())
-            self.con.execute((d / "views.sql").read_text())
+            self._apply_schema()
         self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+
+    def _apply_schema(self) -> None:
+        """Create tables and views; re-create views only when schema/*.sql changed (opening changes nothing)."""
+        d = schema_dir()
+        ddl = (d / "events.sql").read_text() + (d / "views.sql").read_text()
+        digest = hashlib.blake2b(ddl.encode(), digest_size=8).hexdigest()
+        try:
+            row = self.con.execute("SELECT value FROM meta WHERE key = 'schema_digest'").fetchone()
+        except duckdb.CatalogException:
+            row = None
+        if row and json.loads(row[0]) == digest:
+            return
+        self.con.execute((d / "events.sql").read_text())
+        self.con.execute((d / "views.sql").read_text())
+        self.set_meta({"schema_digest": digest})
 
     def close(self) -> None:
         self.con.close()

@@ -63,11 +63,15 @@ def load_source(path: str | Path, tokenizer: Tokenizer | None = None) -> list[Sa
         kind = "parquet"
     else:
         raise SourceError(path, f"unknown source type '{suffix}'; use a .jsonl or .parquet file")
-    table = _read_with_duckdb(path, kind)
+    table, types = _read_with_duckdb(path, kind)
+    if types.get("id") == "JSON":  # ids of mixed types (strings and numbers): DuckDB hands back JSON text
+        ids = [None if v is None else json.loads(v) for v in table.column("id").to_pylist()]
+        table = table.set_column(table.column_names.index("id"), "id", pa.array([None if v is None else str(v)
+                                                                                  for v in ids]))
     return _samples_from_table(path, kind, table, tokenizer)
 
 
-def _read_with_duckdb(path: Path, kind: str) -> pa.Table:
+def _read_with_duckdb(path: Path, kind: str) -> tuple[pa.Table, dict[str, str]]:
     con = duckdb.connect()
     try:
         if kind == "json":
@@ -81,7 +85,7 @@ def _read_with_duckdb(path: Path, kind: str) -> pa.Table:
         else:
             rel = con.sql("SELECT * FROM read_parquet($p)", params={"p": str(path)})
         fetch = getattr(rel, "to_arrow_table", None) or rel.arrow  # duckdb 2.x / 1.x
-        return fetch()
+        return fetch(), {c: str(t) for c, t in zip(rel.columns, rel.types, strict=True)}
     except SourceError:
         raise
     except duckdb.Error as e:

@@ -1,0 +1,62 @@
+"""Shared fixtures: small real sources and builds on disk, and the CLI run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from builder.build import init_build
+from builder.config import Watermarks
+
+# Builds in tests live on the machine's ordinary disk, whose fill level we do not control: unless a test is
+# about watermarks, give them watermarks near 100% so a fairly full CI disk does not pause or refuse them.
+ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def random_rows(n: int, seed: int = 0, vocab: int = 1024, lo: int = 5, hi: int = 120) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        k = int(rng.integers(lo, hi))
+        rows.append({"id": f"s{i:04d}", "input_ids": rng.integers(3, vocab, size=k).tolist(),
+                     "loss_mask": [0] * (k // 3) + [1] * (k - k // 3)})
+    return rows
+
+
+@pytest.fixture
+def make_build(tmp_path):
+    """make_build(n=20, rows=None, **init_kwargs) -> build path (initialised, not run)."""
+
+    def make(n: int = 20, rows: list[dict] | None = None, name: str = "build", seed: int = 0, **kw) -> Path:
+        src = write_jsonl(tmp_path / f"{name}-source.jsonl", rows if rows is not None else random_rows(n, seed))
+        kw.setdefault("watermarks", ROOMY)
+        kw.setdefault("model", "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128")
+        return init_build(tmp_path / name, src, **kw).root
+
+    return make
+
+
+def hsbuild(*args: str, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cp = subprocess.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
+                        timeout=timeout, env=env, **kw)
+    if check and cp.returncode != 0:
+        raise AssertionError(f"hsbuild {args} exited {cp.returncode}\nstdout:{cp.stdout}\nstderr:{cp.stderr}")
+    return cp
+
+
+@pytest.fixture
+def cli():
+    return hsbuild
