@@ -189,7 +189,7 @@ class Coordinator:
                 model=self.cfg.model, aux_layers=self.cfg.aux_layers, dtype=self.cfg.dtype,
                 device=self.opts.device or self.cfg.device, codec=self.cfg.codec, chunk_tokens=self.cfg.chunk_tokens,
                 max_tokens=self.cfg.max_tokens, threads=threads, verify_after_write=self.cfg.verify_after_write,
-                flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free)
+                flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free, coordinator_pid=os.getpid())
             p = ctx.Process(target=worker_main, args=(settings, tasks, results, stop, gate), daemon=True,
                             name=f"hsbuild-worker-{w}")
             p.start()

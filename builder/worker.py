@@ -38,6 +38,7 @@ class WorkerSettings:
     threads: int
     verify_after_write: bool = False
     flood: float = 0.95
+    coordinator_pid: int = 0
     min_free: int = 0
 
 
@@ -59,9 +60,8 @@ def _die_with_parent() -> None:
 
 
 def worker_main(settings: WorkerSettings, tasks, results, stop, gate) -> None:  # pragma: no cover - subprocess
-    parent = os.getppid()
     _die_with_parent()
-    if os.getppid() != parent:
+    if os.getppid() != settings.coordinator_pid:  # the coordinator died while this process was starting
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
