@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,12 +17,24 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+_POOL: ThreadPoolExecutor | None = None
+
+
 def fsync_paths(paths: Iterable[Path]) -> None:
-    seen: set[Path] = set()
-    for p in paths:
-        if p not in seen:
-            seen.add(p)
+    """fsync many files/directories concurrently (the device merges the flushes; fsync releases the GIL).
+
+    Files before directories is not needed for correctness here: the caller commits nothing until all return.
+    """
+    global _POOL
+    unique = list(dict.fromkeys(paths))
+    if len(unique) <= 2:
+        for p in unique:
             fsync_path(p)
+        return
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="hsbuild-fsync")
+    for _ in _POOL.map(fsync_path, unique):
+        pass
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -1,0 +1,137 @@
+"""Write benchmark: hsbuild's durable sample writes against `torch.save` + fsync (one .pt file a sample, what
+EAGLE-3 data pipelines do today) and against a raw sequential write of the same bytes, on the same synthetic
+bf16 states, in one run. Prints throughput (MB/s of uncompressed state bytes), ratios and bytes on disk.
+
+    python tools/bench.py                      # 2048 tokens x 4096 hidden x 4 layers a sample, 8 samples
+    python tools/bench.py --samples 4 --hidden 1024 --codecs zstd:1,blosc-lz4:5,none
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from builder.events import Event, EventLog
+from builder.fsutil import dir_size, fsync_path
+from builder.model import suggest_chunk_tokens
+from builder.store import SegmentWriter, init_data_group
+
+
+def synthetic(tokens: int, hidden: int, layers: int, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    aux = (torch.randn(tokens, (layers - 1) * hidden, generator=g) * 2).to(torch.bfloat16)
+    final = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    ids = np.random.default_rng(seed).integers(0, 150000, tokens).astype(np.int32)
+    mask = np.ones(tokens, dtype=np.uint8)
+    return ids, mask, aux, final
+
+
+def logical_bytes(s: tuple) -> int:
+    ids, mask, aux, final = s
+    return ids.nbytes + mask.nbytes + aux.numel() * 2 + final.numel() * 2
+
+
+def bench_hsbuild(root: Path, samples: list, codec: str, chunk_tokens: int) -> tuple[float, int]:
+    root.mkdir(parents=True)
+    data = root / "data"
+    init_data_group(data, {})
+    log = EventLog(root / "events.duckdb")
+    hidden = samples[0][3].shape[1]
+    n_aux = samples[0][2].shape[1] // hidden
+    t0 = time.perf_counter()
+    w = SegmentWriter(data, "seg-bench", hidden, n_aux, chunk_tokens, codec).create()
+    for i, (ids, mask, aux, final) in enumerate(samples):
+        loc = w.write(ids, mask, aux, final)
+        log.append([Event("written", sample_id=str(i), segment=loc.segment, token_start=loc.token_start,
+                          num_tokens=loc.num_tokens, nbytes=loc.nbytes)])  # commit per sample: worst case
+    w.seal()
+    dt = time.perf_counter() - t0
+    log.close()
+    return dt, dir_size(data)
+
+
+def bench_torch_save(root: Path, samples: list) -> tuple[float, int]:
+    root.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for i, (ids, mask, aux, final) in enumerate(samples):
+        path = root / f"data_{i}.pt"
+        with open(path, "wb") as f:
+            torch.save({"input_ids": torch.from_numpy(ids), "loss_mask": torch.from_numpy(mask),
+                        "hidden_state": final, "aux_hidden_state": aux}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(root)
+    return time.perf_counter() - t0, dir_size(root)
+
+
+def bench_raw(root: Path, samples: list) -> tuple[float, int]:
+    root.mkdir(parents=True)
+    path = root / "raw.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for ids, mask, aux, final in samples:
+            for a in (ids, mask, aux.view(torch.int16).numpy(), final.view(torch.int16).numpy()):
+                f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_path(root)
+    return time.perf_counter() - t0, dir_size(root)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=4, help="aux layers + the final hidden state")
+    ap.add_argument("--chunk-tokens", type=int, help="default: what `init` would choose")
+    ap.add_argument("--codecs", default="zstd:1", help="comma-separated codecs to compare")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", help="where to write (default: a temp dir on the current volume)")
+    args = ap.parse_args()
+
+    if args.chunk_tokens is None:
+        args.chunk_tokens = suggest_chunk_tokens(args.hidden, args.layers - 1, args.tokens)
+    samples = [synthetic(args.tokens, args.hidden, args.layers, i) for i in range(args.samples)]
+    total = sum(logical_bytes(s) for s in samples)
+    base = Path(tempfile.mkdtemp(prefix="hsbuild-bench-", dir=args.dir or "."))
+    print(f"{args.samples} samples x {args.tokens} tokens x {args.hidden} hidden x {args.layers} layers, bf16: "
+          f"{total / 1e6:.0f} MB of states; chunk {args.chunk_tokens} tokens; median of {args.repeat} rounds")
+    methods = [("torch.save+fsync", lambda d: bench_torch_save(d, samples)),
+               ("raw write+fsync", lambda d: bench_raw(d, samples))]
+    for codec in args.codecs.split(","):
+        methods.append((f"hsbuild {codec}",
+                        lambda d, c=codec: bench_hsbuild(d, samples, c, args.chunk_tokens)))
+    times: dict[str, list[float]] = {name: [] for name, _ in methods}
+    sizes: dict[str, int] = {}
+    try:
+        for r in range(args.repeat):
+            order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotate to spread drift
+            for i, (name, fn) in enumerate(order):
+                d = base / f"r{r}-{i}"
+                d.mkdir()
+                t, b = fn(d / "out")
+                times[name].append(t)
+                sizes[name] = b
+                shutil.rmtree(d, ignore_errors=True)
+        t_pt, t_raw, b_pt = (statistics.median(times["torch.save+fsync"]), statistics.median(times["raw write+fsync"]),
+                             sizes["torch.save+fsync"])
+        print(f"{'method':22s} {'MB/s':>8s} {'vs torch.save':>14s} {'vs raw':>8s} {'on disk':>10s} {'vs .pt':>7s}")
+        for name, _ in methods:
+            t, b = statistics.median(times[name]), sizes[name]
+            print(f"{name:22s} {total / t / 1e6:8.0f} {t_pt / t:13.2f}x {t_raw / t:7.2f}x {b / 1e6:8.0f} MB "
+                  f"{b / b_pt:6.2f}x")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
