@@ -17,7 +17,7 @@ from pathlib import Path
 
 import duckdb
 
-from .errors import QueryError, ReadOnlyQueryError
+from .errors import BuildLockedError, QueryError, ReadOnlyQueryError
 from .events import EventLog
 from .layout import BuildLayout
 from .lock import inspect_lock
@@ -107,29 +107,40 @@ def request(lay: BuildLayout, req: dict, wait: float = 3.0) -> dict | None:
         time.sleep(0.1)
 
 
+def _ask_or_read(lay: BuildLayout, req: dict, offline, timeout: float = 10.0):
+    """Ask the live owner; with none, read the file. Handles a run that starts between the two."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = request(lay, req)
+        if reply is not None:
+            if not reply.get("ok"):
+                raise QueryError(reply.get("error", "query failed"))
+            return reply
+        try:
+            with EventLog(lay.events, read_only=True) as log:
+                return {"offline": offline(log)}
+        except BuildLockedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def run_query(lay: BuildLayout, sql: str) -> tuple[list[str], list[list]]:
     """Run one read-only statement against a build; returns (columns, rows) with JSON-able values."""
     check_read_only(sql)
-    reply = request(lay, {"op": "sql", "sql": sql})
-    if reply is not None:
-        if not reply.get("ok"):
-            raise QueryError(reply.get("error", "query failed"))
-        return reply["columns"], reply["rows"]
-    with open_read_only(lay) as log:
-        cols, rows = log.query(sql)
-    return cols, [[jsonable(v) for v in r] for r in rows]
+    reply = _ask_or_read(lay, {"op": "sql", "sql": sql}, lambda log: log.query(sql))
+    if "offline" in reply:
+        cols, rows = reply["offline"]
+        return cols, [[jsonable(v) for v in r] for r in rows]
+    return reply["columns"], reply["rows"]
 
 
 def status_snapshot(lay: BuildLayout) -> dict:
     """Progress plus live state (paused, free space, ...) from the owner, or from the file when idle."""
-    reply = request(lay, {"op": "status"})
-    if reply is not None:
-        if not reply.get("ok"):
-            raise QueryError(reply.get("error", "status failed"))
-        return reply["status"]
-    with open_read_only(lay) as log:
-        prog = {k: jsonable(v) for k, v in log.progress().items()}
-    return {"running": False, **prog}
+    reply = _ask_or_read(lay, {"op": "status"}, lambda log: log.progress())
+    if "offline" in reply:
+        return {"running": False, **{k: jsonable(v) for k, v in reply["offline"].items()}}
+    return reply["status"]
 
 
 def open_read_only(lay: BuildLayout, wait: float = 5.0) -> EventLog:

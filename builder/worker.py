@@ -101,7 +101,9 @@ def worker_main(settings: WorkerSettings, tasks, results, stop, gate) -> None:  
                             + final.numel() * final.element_size())
             st = os.statvfs(settings.data_root)
             total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-            if (total - free + projected) / total >= settings.flood or free - projected < settings.min_free:
+            over_flood = settings.flood < 1.0 and (total - free + projected) / total >= settings.flood
+            under_min_free = settings.min_free > 0 and free - projected < settings.min_free
+            if over_flood or under_min_free:
                 results.put(("deferred", wid, task.sample_id, projected))  # would cross flood: not started
                 continue
             start = writer.cursor
