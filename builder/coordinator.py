@@ -213,6 +213,10 @@ class Coordinator:
                     self._set_paused(pause, gate, report)
                 if not stopping and self.paused_reason is None:
                     while pending and len(inflight) < max_outstanding:
+                        pause = self.space.poll(force=True)  # fresh figures before every dispatch
+                        if pause is not None:
+                            self._set_paused(pause, gate, report)
+                            break
                         sid = pending.popleft()
                         s = by_id[sid]
                         tasks.put(Task(sid, attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids, s.loss_mask))

@@ -98,10 +98,10 @@ class SpaceMonitor:
     def _over(self, u: Usage, frac: float) -> bool:
         return u.usage >= frac or (self.wm.min_free and u.free < self.wm.min_free)
 
-    def poll(self) -> str | None:
+    def poll(self, force: bool = False) -> str | None:
         """Pause reason, or None to write. Hysteresis: pause at `high`, resume below `low`."""
         now = time.monotonic()
-        if now - self._last_poll < POLL_SECONDS:
+        if not force and now - self._last_poll < POLL_SECONDS:
             return self._paused
         self._last_poll = now
         usages = self.refresh()
