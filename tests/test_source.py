@@ -9,12 +9,11 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from conftest import random_rows, write_jsonl
 
 from builder.errors import SourceError
 from builder.model import builtin_tokenizer
 from builder.source import fingerprint, load_source
-
-from conftest import random_rows, write_jsonl
 
 
 def test_jsonl_with_ids_masks_and_text(tmp_path):
