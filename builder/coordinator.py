@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .build import code_fingerprint, load_config
+from .doctor import preflight_for_run, warning_lines
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, HsbuildError, ModelError, UsageError
 from .events import Event, EventLog, detail
+from .gpu import GpuSampler
 from .layout import layout
 from .lock import BuildLock
 from .plan import Plan, check_source, make_plan
@@ -143,6 +145,13 @@ class Coordinator:
                 f"{len(plan.damaged)} damaged (re-extract), {len(plan.pending)} never started; "
                 f"{len(plan.todo)} to do now" + (f" (+{added} new in source)" if added else "")
             )
+        if plan.todo:
+            doc = preflight_for_run(self.lay, self.cfg, self.log, self.opts.force, {os.getpid()},
+                                    device=self.opts.device or self.cfg.device, run_id=self.run_id,
+                                    previous_owner=lock.previous)
+            self.gpu_build = doc.gpu_build
+            for line in warning_lines(doc):
+                self.echo(line)
         self.space.preflight(sum(s.num_tokens for s in plan.todo), meta, measured_bytes_per_token(self.log),
                              allow_overcommit=self.opts.allow_overcommit, echo=self.echo)
         by_id = {s.sample_id: s for s in plan.todo}
@@ -203,6 +212,7 @@ class Coordinator:
         bar = ProgressBar(len(plan.todo), enabled=self.opts.progress)
         max_outstanding = self.workers + 1
         sentinels_sent = False
+        gpus = GpuSampler(interval=5.0) if getattr(self, "gpu_build", False) else None
         try:
             while alive:
                 stopping = bool(self.stop_requested)
@@ -234,6 +244,9 @@ class Coordinator:
                 for w, p in enumerate(procs):
                     if w in alive and not p.is_alive() and p.exitcode is not None:
                         self._worker_died(w, p.exitcode, current, inflight, pending, attempts, alive, report)
+                stats = gpus.poll() if gpus else None
+                if stats:
+                    self.emit(Event("gpu_stats", detail=detail(devices=stats)))
                 self.flush()
                 bar.update(note=f"PAUSED: {self.paused_reason}" if self.paused_reason else "")
         finally:

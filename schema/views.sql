@@ -112,3 +112,17 @@ FROM starts s
 LEFT JOIN ends e USING (run_id)
 LEFT JOIN per_run p USING (run_id)
 ORDER BY s.started_at;
+
+-- GPU utilisation and memory per device, sampled every few seconds during GPU runs (NVML).
+CREATE OR REPLACE VIEW gpu_stats AS
+SELECT ts, run_id, d.index AS gpu, d.name, d.util_percent, d.mem_used, d.mem_total
+FROM (SELECT ts, run_id, unnest(from_json(detail->'devices',
+        '[{"index":"INTEGER","name":"VARCHAR","util_percent":"INTEGER","mem_used":"BIGINT","mem_total":"BIGINT"}]')) AS d
+      FROM events WHERE kind = 'gpu_stats');
+
+-- The checks of every recorded `hsbuild doctor` / run preflight.
+CREATE OR REPLACE VIEW doctor_checks AS
+SELECT seq, ts, run_id, detail->>'$.context' AS context, c.name, c.status, c.summary, c.fix
+FROM (SELECT seq, ts, run_id, detail, unnest(from_json(detail->'checks',
+        '[{"name":"VARCHAR","status":"VARCHAR","summary":"VARCHAR","fix":"VARCHAR"}]')) AS c
+      FROM events WHERE kind = 'doctor');
