@@ -252,7 +252,10 @@ class Extractor:
             raise ModelError(f"--model '{spec}': loading Hugging Face models needs `pip install hsbuild[hf]`") from None
         cfg = json.loads((path / "config.json").read_text())
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=self.dtype)
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
+            except TypeError:  # transformers < 4.56 knows only torch_dtype
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=self.dtype)
         except Exception as e:  # noqa: BLE001 - report any loader failure as a model error
             raise ModelError(f"--model '{spec}': cannot load ({type(e).__name__}: {e})") from e
         self._model = model.to(self.device).eval()
