@@ -124,6 +124,8 @@ def test_pauses_at_high_and_resumes_when_the_volume_grows(tmp_path, tmpfs, cli):
     assert [e["kind"] for e in ev][:2] == ["paused", "resumed"] and ev[0]["reason"] == "high_watermark"
     assert json.loads(ev[0]["detail"])["usage"] >= 0.90 and json.loads(ev[1]["detail"])["usage"] < 0.85
     assert assert_all_verify(build) == 120
+    cp = cli("verify", build, "--no-progress")
+    assert cp.returncode == 0 and "120 of 120" in cp.stdout, cp.stdout + cp.stderr
 
 
 def test_volume_filled_from_outside_while_writing(tmp_path, tmpfs, cli):
@@ -155,6 +157,8 @@ def test_volume_filled_from_outside_while_writing(tmp_path, tmpfs, cli):
             p.kill()
     assert p.returncode == 0, err
     assert assert_all_verify(build) == 60
+    cp = cli("verify", build, "--no-progress")
+    assert cp.returncode == 0, cp.stdout + cp.stderr
     with EventLog(layout(build).events, read_only=True) as log:
         per = log.query("SELECT count(*) FROM events WHERE kind = 'written' GROUP BY sample_id HAVING count(*) > 1")[1]
     assert per == []
