@@ -158,7 +158,11 @@ def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
 
 def status_lines(st: dict) -> list[str]:
     lines = []
-    if st.get("running"):
+    if st.get("running") and st.get("purpose") == "verify" and isinstance(st.get("sweep"), dict):
+        sw = st["sweep"]
+        lines.append(f"running: verify sweep {str(st.get('run_id', ''))[:8]} (pid {st.get('pid')}): "
+                     f"{sw.get('checked')} of {sw.get('selected')} checked")
+    elif st.get("running"):
         lines.append(f"running: run {str(st.get('run_id', ''))[:8]} (pid {st.get('pid')}, {st.get('workers')} worker(s))")
     else:
         lines.append("idle: no run is going")

@@ -218,7 +218,7 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
             ctx.query = _live_query(lay)
             try:
                 ctx.query("SELECT count(*) FROM meta")
-            except HsbuildError as e:  # the owner serves no queries (e.g. a verify sweep): skip state checks
+            except HsbuildError as e:  # the owner does not answer (still starting, or stuck): skip state checks
                 ctx.query, ctx.query_error = None, str(e)
         else:
             assert log is not None

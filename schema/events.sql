@@ -29,10 +29,14 @@ CREATE TABLE IF NOT EXISTS events (
     segment     VARCHAR,              -- written: the segment holding the sample
     token_start BIGINT,               -- written: first token of the sample in its segment
     num_tokens  BIGINT,               -- written: tokens stored
-    nbytes      BIGINT,               -- written: compressed bytes of its chunk files
+    nbytes      BIGINT,               -- written: compressed bytes of its chunk files; verified: bytes read
     checksums   VARCHAR,              -- written: JSON {field: "crc32c:xxxxxxxx"} of uncompressed bytes
     reason      VARCHAR,              -- failed: nonfinite, token_out_of_range, empty_sample, too_long,
                                       --   worker_died, no_space, error, checksum_mismatch, missing_data,
-                                      --   unreadable; paused: high_watermark, flood, disk_full, min_free
+                                      --   unreadable (verify: segment/token_start locate the damaged bytes);
+                                      -- paused: high_watermark, flood, disk_full, min_free;
+                                      -- run_finished: completed, interrupted, error;
+                                      -- verify_finished: completed, damage_found, continued;
+                                      -- doctor: ok, warn, fail
     detail      VARCHAR               -- JSON: free text, figures, configs
 );
