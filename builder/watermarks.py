@@ -187,5 +187,9 @@ class SpaceMonitor:
                 raise WontFitError(msg + "; free space, move the build, or pass --allow-overcommit to pause at "
                                          "the watermark instead")
             echo(f"warning: {msg}; continuing (--allow-overcommit): writers will pause at the watermark")
+        else:
+            echo(f"capacity: {human_bytes(p['projected_bytes'])} more projected ({p['basis']}, "
+                 f"{p['bytes_per_token']} B/token); {human_bytes(p['free_bytes'])} free; fits below the high "
+                 f"watermark ({self.wm.high:.0%})")
         self.ensure_ballast()
         return p
