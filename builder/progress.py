@@ -33,8 +33,11 @@ class ProgressBar:
         self.last_draw = 0.0
         self.done = self.tokens = self.nbytes = 0
         self.note = ""
+        self.started = False
 
     def update(self, done: int = 0, tokens: int = 0, nbytes: int = 0, note: str = "", force: bool = False) -> None:
+        if self.done == 0 and done and not self.started:  # rates count from the first result, not model loading
+            self.t0, self.started = time.monotonic(), True
         self.done += done
         self.tokens += tokens
         self.nbytes += nbytes
