@@ -57,7 +57,7 @@ def init_build(
         raise UsageError(f"--dtype {dtype}: use one of {sorted(STORAGE_DTYPES)}")
     parse_codec(codec)
     wm = (watermarks or Watermarks()).validate()
-    ex = Extractor(model, aux_layers, dtype, device="cpu" if model.startswith("builtin") else "cpu")
+    ex = Extractor(model, aux_layers, dtype, device="cpu", load_weights=False)  # metadata; no HF weights
     source = Path(source).absolute()
     samples = load_source(source, ex.tokenizer)
     median = int(statistics.median(s.num_tokens for s in samples)) if samples else 128

@@ -206,7 +206,7 @@ class Extractor:
     """Loads a model and extracts the EAGLE-3 auxiliary hidden states plus the final hidden state."""
 
     def __init__(self, spec: str, aux_layers: list[int] | None = None, dtype: str = "bfloat16",
-                 device: str = "auto"):
+                 device: str = "auto", load_weights: bool = True):
         if dtype not in DTYPES:
             raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPES)}")
         self.spec, self.dtype_name, self.dtype = spec, dtype, DTYPES[dtype]
@@ -223,7 +223,8 @@ class Extractor:
             self.tokenizer = builtin_tokenizer(s.vocab)
             self.fingerprint = self._weights_fingerprint(s.canonical())
         else:
-            self._load_hf(spec)
+            self._model = None
+            self._load_hf(spec, load_weights)
         self.aux_layers = list(aux_layers) if aux_layers else default_aux_layers(self.num_layers)
         for i in self.aux_layers:
             if not 0 <= i <= self.num_layers:
@@ -240,17 +241,44 @@ class Extractor:
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
-    def _load_hf(self, spec: str) -> None:
+    def _load_hf(self, spec: str, load_weights: bool) -> None:
+        """A local HF directory. Dimensions, tokenizer and fingerprint come from its files; the weights are
+        loaded only when extracting (never by `init` or `doctor`)."""
         path = Path(spec)
         if not (path / "config.json").is_file():
             raise ModelError(
                 f"--model '{spec}': not 'builtin[:...]' and not a Hugging Face model directory (no config.json)"
             )
         try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelError(f"--model '{spec}': config.json is unreadable ({e})") from e
+        text = cfg.get("text_config") or cfg  # multimodal checkpoints nest the language model's config
+        try:
+            self.num_layers = int(text["num_hidden_layers"])
+            self.hidden_size = int(text["hidden_size"])
+            self.vocab_size = int(text["vocab_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelError(f"--model '{spec}': config.json lacks {e} (num_hidden_layers, hidden_size, vocab_size)") from None
+        self.max_positions = int(text.get("max_position_embeddings") or 1 << 30)
+        self._hf = True
+        h = hashlib.blake2b(b"hf:", digest_size=8)
+        h.update((path / "config.json").read_bytes())
+        for f in sorted(path.iterdir()):
+            if f.suffix in {".safetensors", ".bin", ".json"}:
+                h.update(f"{f.name}:{f.stat().st_size}".encode())
+        self.fingerprint = h.hexdigest()
+        try:
             import transformers  # noqa: PLC0415
         except ImportError:
-            raise ModelError(f"--model '{spec}': loading Hugging Face models needs `pip install hsbuild[hf]`") from None
-        cfg = json.loads((path / "config.json").read_text())
+            raise ModelError(f"--model '{spec}': Hugging Face models need `pip install hsbuild[hf]`") from None
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(str(path))
+            self.tokenizer = lambda text: tok(text)["input_ids"]
+        except Exception:  # noqa: BLE001 - a model without a tokenizer can still take input_ids
+            self.tokenizer = None
+        if not load_weights:
+            return
         try:
             try:
                 model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
@@ -259,22 +287,6 @@ class Extractor:
         except Exception as e:  # noqa: BLE001 - report any loader failure as a model error
             raise ModelError(f"--model '{spec}': cannot load ({type(e).__name__}: {e})") from e
         self._model = model.to(self.device).eval()
-        self._hf = True
-        self.num_layers = int(cfg.get("num_hidden_layers") or model.config.num_hidden_layers)
-        self.hidden_size = int(cfg.get("hidden_size") or model.config.hidden_size)
-        self.vocab_size = int(cfg.get("vocab_size") or model.config.vocab_size)
-        self.max_positions = int(cfg.get("max_position_embeddings") or 1 << 30)
-        try:
-            tok = transformers.AutoTokenizer.from_pretrained(str(path))
-            self.tokenizer = lambda text: tok(text)["input_ids"]
-        except Exception:  # noqa: BLE001 - a model without a tokenizer can still take input_ids
-            self.tokenizer = None
-        h = hashlib.blake2b(b"hf:", digest_size=8)
-        h.update((path / "config.json").read_bytes())
-        for f in sorted(path.iterdir()):
-            if f.suffix in {".safetensors", ".bin", ".json"}:
-                h.update(f"{f.name}:{f.stat().st_size}".encode())
-        self.fingerprint = h.hexdigest()
 
     # -- extraction -----------------------------------------------------------------------------------
     def metadata(self) -> dict:
@@ -310,6 +322,8 @@ class Extractor:
     @torch.inference_mode()
     def extract(self, input_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward pass; returns (aux [n, len(aux)*H], final [n, H]) on the CPU in the model dtype."""
+        if self._model is None:
+            raise ModelError(f"{self.spec}: opened for metadata only (load_weights=False)")
         ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).unsqueeze(0).to(self.device)
         if self._hf:
             states = self._model(input_ids=ids, output_hidden_states=True).hidden_states

@@ -43,3 +43,24 @@ def test_hf_model_directory(tmp_path):
         aux = torch.cat([hs[i][0] for i in (1, 3, 5)], dim=-1)
         assert np.array_equal(item["aux_hidden_state"].view(torch.int16).numpy(), aux.view(torch.int16).numpy())
         assert np.array_equal(item["hidden_state"].view(torch.int16).numpy(), hs[6][0].view(torch.int16).numpy())
+
+
+def test_init_reads_only_the_config_of_a_hf_model(tmp_path, cli):
+    """init (and doctor) must not load a large model's weights: a directory whose weight file is garbage still
+    initialises; the run's workers then fail to load it, with a clear error, and nothing is written."""
+    model_dir = tmp_path / "big-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama", "text_config": {"num_hidden_layers": 61, '
+                                          '"hidden_size": 7168, "vocab_size": 163840}}')
+    (model_dir / "model.safetensors").write_bytes(b"not weights")
+    src = write_jsonl(tmp_path / "src.jsonl", random_rows(3))
+    cp = cli("init", tmp_path / "b", "--source", src, "--model", model_dir, "--allow-overcommit")
+    assert cp.returncode == 0, cp.stderr
+    with EventLog(layout(tmp_path / "b").events, read_only=True) as log:
+        meta = log.meta()
+    assert (meta["num_layers"], meta["hidden_size"], meta["aux_layers"]) == (61, 7168, [2, 30, 58])
+    cp = cli("run", tmp_path / "b", "--no-progress", "--device", "cpu", "--allow-overcommit", "--high", "0.999",
+             "--low", "0.998", "--flood", "0.9995")
+    assert cp.returncode == 2 and "cannot load" in cp.stderr, cp.stderr
+    cp = cli("sql", tmp_path / "b", "SELECT count(*) AS n FROM events WHERE kind = 'written'", "--json")
+    assert cp.stdout.strip() == '[{"n": 0}]'
