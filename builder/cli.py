@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from . import __version__
-from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HsbuildError
+from .errors import EXIT_INTERRUPTED, EXIT_OK, HsbuildError
 from .output import print_json, print_rows
 from .progress import human_bytes, human_seconds
 
@@ -263,5 +262,3 @@ def entry() -> None:
 
 if __name__ == "__main__":
     entry()
-
-__all__ = ["main", "build_parser", "EXIT_USAGE", "Path"]

@@ -6,6 +6,7 @@ answers live queries over its socket, pauses writers on disk watermarks, and sto
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -295,8 +296,6 @@ class Coordinator:
             self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
         elif kind == "written":
             _, _, sid, attempt, fp, loc, truncated, seconds, verified = msg
-            import json  # noqa: PLC0415
-
             self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, segment=loc.segment,
                             token_start=loc.token_start, num_tokens=loc.num_tokens, nbytes=loc.nbytes,
                             checksums=json.dumps(loc.checksums, sort_keys=True),

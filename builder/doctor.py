@@ -13,7 +13,6 @@ it takes the lock for the moment it reads the build state and records its event.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
@@ -146,20 +145,6 @@ def _open_log(lay: BuildLayout, wait: float = 10.0) -> EventLog:
             time.sleep(0.2)
 
 
-def _release_keeping(lock: BuildLock) -> None:
-    """Release doctor's lock but leave a dead owner's record in the file for the next run to report."""
-    if lock.fd is None:
-        return
-    try:
-        os.ftruncate(lock.fd, 0)
-        if lock.previous:
-            os.pwrite(lock.fd, json.dumps(lock.previous).encode(), 0)
-        fcntl.flock(lock.fd, fcntl.LOCK_UN)
-    finally:
-        os.close(lock.fd)
-        lock.fd = None
-
-
 @contextlib.contextmanager
 def _build_reader(lay: BuildLayout, record: bool) -> Iterator[tuple[str, EventLog | None, LockState]]:
     """('live', None, state) while a run owns the build; ('locked', log, state) with doctor holding the lock
@@ -180,7 +165,7 @@ def _build_reader(lay: BuildLayout, record: bool) -> Iterator[tuple[str, EventLo
                 finally:
                     log.close()
             finally:
-                _release_keeping(lock)
+                lock.release(keep_previous=True)
             return
         state = inspect_lock(lay)
     if state.held:

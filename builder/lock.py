@@ -104,11 +104,15 @@ class BuildLock:
         self.fd = fd
         return self
 
-    def release(self) -> None:
+    def release(self, keep_previous: bool = False) -> None:
+        """Release; `keep_previous` puts a dead owner's record back (for a short look by `doctor`, so the next
+        run still reports whom it took over from)."""
         if self.fd is None:
             return
         try:
             os.ftruncate(self.fd, 0)
+            if keep_previous and self.previous:
+                os.pwrite(self.fd, json.dumps(self.previous).encode(), 0)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
         finally:
             os.close(self.fd)
