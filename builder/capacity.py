@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from .build import load_config
+from .events import open_log
 from .layout import BuildLayout
 from .progress import human_bytes
-from .query import open_read_only
 from .watermarks import SpaceMonitor
 
 
 def capacity_for(lay: BuildLayout, progress: dict | None = None) -> dict:
     """Projection for the samples not yet done, from measured bytes/token when there are any."""
     cfg = load_config(lay)
-    with open_read_only(lay) as log:
+    with open_log(lay.events, read_only=True, wait=5.0) as log:
         meta = log.meta()
         prog = progress or log.progress()
         row = log.query("SELECT sum(nbytes), sum(num_tokens), "

@@ -64,7 +64,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     out = _out_flags()
-    ap = argparse.ArgumentParser(prog="hsbuild", description="Crash-safe, storage-aware hidden-state dataset builder")
+    ap = argparse.ArgumentParser(
+        prog="hsbuild", description="Crash-safe, storage-aware hidden-state dataset builder",
+        epilog="exit codes: 0 done; 1 some samples failed (run) / damage found (verify); 2 usage error or bad input "
+               "(nothing changed); 3 will not fit below the high watermark; 4 blocking preflight problem; "
+               "130 interrupted (safe; `hsbuild resume` continues)")
     ap.add_argument("--version", action="version", version=f"hsbuild {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from .build import code_fingerprint, load_config
 from .doctor import preflight_for_run, warning_lines
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, HsbuildError, ModelError, UsageError
-from .events import Event, EventLog, detail
+from .events import Event, EventLog, detail, open_log
 from .gpu import GpuSampler
 from .layout import layout
 from .lock import BuildLock
@@ -126,7 +126,7 @@ class Coordinator:
         try:
             # validate the source before the log is even opened: bad input changes nothing
             samples = load_source(self.cfg.source, _tokenizer_for(self.cfg))
-            self.log = _open_log(self.lay.events)
+            self.log = open_log(self.lay.events)
             try:
                 return self._run_locked(lock, resume, samples)
             finally:
@@ -361,18 +361,6 @@ class Coordinator:
 def measured_bytes_per_token(log: EventLog) -> float | None:
     row = log.query("SELECT sum(nbytes), sum(num_tokens) FROM samples WHERE state IN ('written', 'verified')")[1][0]
     return row[0] / row[1] if row[0] and row[1] else None
-
-
-def _open_log(path: Path, wait: float = 15.0) -> EventLog:
-    """Open the log for writing; a short-lived read-only reader (hsbuild sql) may hold it for a moment."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            return EventLog(path)
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def _tokenizer_for(cfg):

@@ -25,7 +25,7 @@ from .build import load_config
 from .config import BuildConfig
 from .doctor_checks import FAIL, OK, WARN, Check, Context, plural
 from .errors import BuildLockedError, HsbuildError, PreflightError
-from .events import Event, EventLog
+from .events import Event, EventLog, open_log
 from .layout import BuildLayout
 from .lock import BuildLock, LockState, inspect_lock
 from .query import jsonable, run_query
@@ -133,18 +133,6 @@ def _event(report: DoctorReport) -> Event:
                  detail=json.dumps(jsonable(report.as_dict()), sort_keys=True, default=str))
 
 
-def _open_log(lay: BuildLayout, wait: float = 10.0) -> EventLog:
-    """Writable log; a short-lived read-only reader (hsbuild sql) may hold the file for a moment."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            return EventLog(lay.events)
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
 @contextlib.contextmanager
 def _build_reader(lay: BuildLayout, record: bool) -> Iterator[tuple[str, EventLog | None, LockState]]:
     """('live', None, state) while a run owns the build; ('locked', log, state) with doctor holding the lock
@@ -159,7 +147,7 @@ def _build_reader(lay: BuildLayout, record: bool) -> Iterator[tuple[str, EventLo
             lock = None  # cannot write here (someone else's build, read-only mount): read only
         if lock is not None:
             try:
-                log = _open_log(lay)
+                log = open_log(lay.events, wait=10.0)
                 try:
                     yield "locked", log, state
                 finally:
@@ -171,9 +159,7 @@ def _build_reader(lay: BuildLayout, record: bool) -> Iterator[tuple[str, EventLo
     if state.held:
         yield "live", None, state
         return
-    from .query import open_read_only  # noqa: PLC0415
-
-    log = open_read_only(lay)
+    log = open_log(lay.events, read_only=True, wait=5.0)
     try:
         yield "read_only", log, state
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -203,6 +204,19 @@ class EventLog:
 
     def count(self, kind: str) -> int:
         return self.con.execute("SELECT count(*) FROM events WHERE kind = ?", [kind]).fetchone()[0]
+
+
+def open_log(path: Path, read_only: bool = False, wait: float = 15.0) -> EventLog:
+    """Open the log, waiting while another process holds the file for a moment (a short-lived `hsbuild sql`
+    reader, or an owner that is just finishing)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return EventLog(path, read_only=read_only)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1 if read_only else 0.2)
 
 
 # ---------------------------------------------------------------------------------------------------

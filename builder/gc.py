@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .build import load_config
-from .events import Event, EventLog, detail
+from .events import Event, EventLog, detail, open_log
 from .layout import BuildLayout, layout
 from .lock import BuildLock
 from .server import QueryServer
@@ -194,18 +194,6 @@ class GcReport:
         return {"gc_id": self.gc_id, "dry_run": self.dry_run, "orphans": self.orphans.as_dict(with_items=True),
                 "removed_files": self.removed_files, "removed_bytes": self.removed_bytes,
                 "seconds": round(self.seconds, 3)}
-
-
-def open_log(path: Path, wait: float = 15.0) -> EventLog:
-    """Open the log for writing; a short-lived read-only reader (hsbuild sql) may hold it for a moment."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            return EventLog(path)
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def collect_garbage(build: str | Path, dry_run: bool = False) -> GcReport:

@@ -141,14 +141,3 @@ def status_snapshot(lay: BuildLayout) -> dict:
     if "offline" in reply:
         return {"running": False, **{k: jsonable(v) for k, v in reply["offline"].items()}}
     return reply["status"]
-
-
-def open_read_only(lay: BuildLayout, wait: float = 5.0) -> EventLog:
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            return EventLog(lay.events, read_only=True)
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)

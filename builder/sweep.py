@@ -32,8 +32,8 @@ from pathlib import Path
 
 from .build import load_config
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, UsageError
-from .events import Event, EventLog, detail
-from .gc import OrphanReport, open_log, scan_orphans
+from .events import Event, EventLog, detail, open_log
+from .gc import OrphanReport, scan_orphans
 from .layout import BuildLayout, layout
 from .lock import BuildLock
 from .progress import ProgressBar
