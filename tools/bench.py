@@ -4,6 +4,8 @@ bf16 states, in one run. Prints throughput (MB/s of uncompressed state bytes), r
 
     python tools/bench.py                      # 2048 tokens x 4096 hidden x 4 layers a sample, 8 samples
     python tools/bench.py --samples 4 --hidden 1024 --codecs zstd:1,blosc-lz4:5,none
+
+Then, on the same shape, verify throughput against a plain read + decode + crc32c loop (tools/bench_verify.py).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, help="default: what `init` would choose")
     ap.add_argument("--codecs", default="zstd:1", help="comma-separated codecs to compare")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-verify", action="store_true", help="skip the verify-throughput part (tools/bench_verify.py)")
     ap.add_argument("--dir", help="where to write (default: a temp dir on the current volume)")
     args = ap.parse_args()
 
@@ -131,6 +134,13 @@ def main() -> None:
                   f"{b / b_pt:6.2f}x")
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    if not args.no_verify:
+        import bench_verify  # noqa: PLC0415 - beside this file
+
+        print("\nverify throughput (same shape):")
+        bench_verify.main(["--samples", str(args.samples), "--tokens", str(args.tokens), "--hidden", str(args.hidden),
+                           "--states", str(args.layers), "--chunk-tokens", str(args.chunk_tokens),
+                           "--codec", args.codecs.split(",")[0], "--repeat", str(args.repeat)])
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def plain_loop(root: Path, codec: str) -> tuple[int, float, bool]:
     return raw, time.perf_counter() - t0, all_match
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--jobs", default="1,4", help="comma-separated --jobs values to measure")
     ap.add_argument("--repeat", type=int, default=5, help="best of N timings (interleaved)")
     ap.add_argument("--dir", help="where to build (default: a temporary directory, removed afterwards)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hsbuild-bench-verify-"))
     root = base / "build"
