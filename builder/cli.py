@@ -172,6 +172,10 @@ def status_lines(st: dict) -> list[str]:
     lines.append(f"samples: {st['total']} total | {st['done']} done ({st['written']} written, {st['verified']} "
                  f"verified) | {st['failed']} failed | {st['started']} in flight/interrupted | {st['pending']} pending")
     lines.append(f"tokens:  {st['tokens_done']:,} of {st['tokens_total']:,} | data {human_bytes(st['bytes_done'])}")
+    if st.get("failed_by_reason"):
+        reasons = ", ".join(f"{k} {v}" for k, v in st["failed_by_reason"].items())
+        lines.append(f"failed:  {reasons} (details: SELECT sample_id, error, error_detail FROM samples "
+                     "WHERE state = 'failed')")
     rate = st.get("recent_samples_per_s")
     if st.get("running") and rate:
         lines.append(f"rate:    {rate:.2f} samples/s | ETA {human_seconds(st.get('eta_seconds'))}")
@@ -190,12 +194,15 @@ def status_lines(st: dict) -> list[str]:
 def cmd_status(args: argparse.Namespace) -> int:
     from .capacity import capacity_for  # noqa: PLC0415
     from .layout import layout  # noqa: PLC0415
-    from .query import status_snapshot  # noqa: PLC0415
+    from .query import run_query, status_snapshot  # noqa: PLC0415
 
     lay = layout(args.build).require()
     st = status_snapshot(lay)
     if not st.get("running"):
         st.update(capacity_for(lay, st))
+    if st.get("failed"):
+        _, rows = run_query(lay, "SELECT error, count(*) FROM samples WHERE state = 'failed' GROUP BY 1 ORDER BY 2 DESC")
+        st["failed_by_reason"] = {r[0]: r[1] for r in rows}
     fmt = _fmt(args)
     if fmt == "json":
         print_json(st)

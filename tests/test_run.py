@@ -84,6 +84,9 @@ def test_per_sample_failures_are_events_and_the_run_goes_on(tmp_path, make_build
     assert got == {"s0000": ("written", None), "s0001": ("failed", "empty_sample"),
                    "s0002": ("failed", "token_out_of_range"), "s0003": ("failed", "nonfinite"),
                    "s0004": ("failed", "too_long"), "s0005": ("written", None)}
+    st = json.loads(cli("status", build, "--json").stdout)
+    assert st["failed"] == 4 and st["failed_by_reason"] == {"empty_sample": 1, "token_out_of_range": 1,
+                                                            "nonfinite": 1, "too_long": 1}
     # resume retries failed samples until --max-attempts, then stops retrying them
     cp = cli("resume", build, "--no-progress", "--max-attempts", "2")
     assert cp.returncode == 1 and "4 failed (4 to retry)" in cp.stderr
