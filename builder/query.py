@@ -71,15 +71,20 @@ def ask_owner(sock_path: Path, request: dict, timeout: float = 2.0) -> dict:
     try:
         s.connect(str(sock_path))
         s.sendall(json.dumps(request).encode() + b"\n")
-        buf = bytearray()
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(1 << 16)
-            if not chunk:
-                break
-            buf += chunk
+        return json.loads(recv_line(s))
     finally:
         s.close()
-    return json.loads(buf)
+
+
+def recv_line(s: socket.socket) -> bytes:
+    """One newline-terminated message (the query protocol: one JSON line each way)."""
+    buf = bytearray()
+    while not buf.endswith(b"\n"):
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
 
 
 def _live_socket(lay: BuildLayout) -> Path | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .errors import HsbuildError
 from .events import EventLog
-from .query import check_read_only, jsonable
+from .query import check_read_only, jsonable, recv_line
 
 
 class QueryServer:
@@ -62,13 +62,7 @@ class QueryServer:
     def _handle(self, conn: socket.socket) -> None:
         conn.settimeout(5)
         try:
-            buf = bytearray()
-            while not buf.endswith(b"\n"):
-                chunk = conn.recv(1 << 16)
-                if not chunk:
-                    break
-                buf += chunk
-            reply = self.answer(json.loads(buf))
+            reply = self.answer(json.loads(recv_line(conn)))
         except Exception as e:  # noqa: BLE001 - a bad request must not kill the server
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         try:

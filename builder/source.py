@@ -172,37 +172,24 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, tokenizer: Token
         raise SourceError(path, f"has neither 'input_ids' nor 'text' (columns: {sorted(names)})", field="input_ids")
 
     n = table.num_rows
-    ids_list: list[np.ndarray | None] = [None] * n
-    if "input_ids" in names:
-        col = table.column("input_ids").combine_chunks()
-        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) or not pa.types.is_integer(
-            col.type.value_type
-        ):
+
+    def list_column(name: str, ok_value, what: str) -> list[np.ndarray | None]:
+        """A list column as per-row numpy views (None for a missing value); a wrong type names the line."""
+        if name not in names:
+            return [None] * n
+        col = table.column(name).combine_chunks()
+        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) or not ok_value(col.type.value_type):
             if kind == "json":
                 _scan_json_lines(path)
-            raise SourceError(path, f"must be a list of integers (column type is {col.type})", field="input_ids")
+            raise SourceError(path, f"must be a list of {what} (column type is {col.type})", field=name)
         offsets = col.offsets.to_numpy()
         values = col.values.to_numpy(zero_copy_only=False)
         nulls = col.is_null().to_numpy(zero_copy_only=False)
-        for i in range(n):
-            if not nulls[i]:
-                ids_list[i] = values[offsets[i] : offsets[i + 1]]
+        return [None if nulls[i] else values[offsets[i] : offsets[i + 1]] for i in range(n)]
+
+    ids_list = list_column("input_ids", pa.types.is_integer, "integers")
+    masks = list_column("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t), "0/1 integers")
     texts = table.column("text").to_pylist() if "text" in names else [None] * n
-    masks: list[np.ndarray | None] = [None] * n
-    if "loss_mask" in names:
-        col = table.column("loss_mask").combine_chunks()
-        if not pa.types.is_list(col.type) or not (
-            pa.types.is_integer(col.type.value_type) or pa.types.is_boolean(col.type.value_type)
-        ):
-            if kind == "json":
-                _scan_json_lines(path)
-            raise SourceError(path, f"must be a list of 0/1 integers (column type is {col.type})", field="loss_mask")
-        offsets = col.offsets.to_numpy()
-        values = col.values.to_numpy(zero_copy_only=False)
-        nulls = col.is_null().to_numpy(zero_copy_only=False)
-        for i in range(n):
-            if not nulls[i]:
-                masks[i] = values[offsets[i] : offsets[i + 1]]
     raw_ids = table.column("id").to_pylist() if "id" in names else None
 
     samples: list[Sample] = []
