@@ -156,6 +156,8 @@ def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
               f"hsbuild sql {args.build} \"SELECT sample_id, error, error_detail FROM samples WHERE state='failed'\"")
     if report.outcome == "interrupted":
         print(f"interrupted at a safe point; continue with: hsbuild resume {args.build}")
+    if report.outcome == "worker_died":
+        print(f"{'; '.join(report.messages)}: stopped at a safe point; continue with: hsbuild resume {args.build}")
     return report.exit_code
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .build import code_fingerprint, load_config
 from .doctor import preflight_for_run, warning_lines
-from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, HsbuildError, ModelError, UsageError
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
 from .events import Event, EventLog, detail, open_log
 from .gpu import GpuSampler
 from .layout import layout
@@ -86,6 +86,7 @@ class Coordinator:
         self.echo = echo
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
+        self.aborted: str | None = None  # a worker died: stop at a safe point, `resume` continues
         self.buffer: list[Event] = []
         self.last_flush = time.monotonic()
         self.space = SpaceMonitor(self.lay, self.cfg)
@@ -178,6 +179,9 @@ class Coordinator:
         report.failed_in_build = self.log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
         if self.stop_requested:
             report.outcome, report.exit_code = "interrupted", EXIT_INTERRUPTED
+        elif self.aborted:
+            report.outcome, report.exit_code = "worker_died", EXIT_SAMPLES_FAILED
+            report.messages.append(self.aborted)
         elif report.failed_in_build:
             report.exit_code = EXIT_SAMPLES_FAILED
         self.emit(Event("run_finished", reason=report.outcome, detail=detail(
@@ -216,7 +220,7 @@ class Coordinator:
         gpus = GpuSampler(interval=5.0) if getattr(self, "gpu_build", False) else None
         try:
             while alive:
-                stopping = bool(self.stop_requested)
+                stopping = bool(self.stop_requested or self.aborted)
                 if stopping:
                     stop.set()
                 pause = self.space.poll()
@@ -232,7 +236,7 @@ class Coordinator:
                         s = by_id[sid]
                         tasks.put(Task(sid, attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids, s.loss_mask))
                         inflight.add(sid)
-                if (stopping or not pending) and not inflight and not sentinels_sent:
+                if not sentinels_sent and (stopping or (not pending and not inflight)):
                     for _ in alive:
                         tasks.put(None)
                     sentinels_sent = True
@@ -354,8 +358,8 @@ class Coordinator:
             self.emit(Event("failed", sample_id=sid, attempt=attempts.get(sid), worker=w, reason="worker_died",
                             detail=detail(exitcode=code)))
             report.failed += 1
-        if not alive and (pending or inflight):
-            raise HsbuildError(f"all workers died (last exit code {code}); see the failed events, then `hsbuild resume`")
+        self.aborted = f"worker {w} died (exit code {code})"
+        self.echo("stopping the run at a safe point; `hsbuild resume` continues")
 
 
 def measured_bytes_per_token(log: EventLog) -> float | None:
