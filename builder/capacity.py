@@ -5,7 +5,7 @@ from __future__ import annotations
 from .build import load_config
 from .events import open_log
 from .layout import BuildLayout
-from .progress import human_bytes
+from .progress import human_bytes, pct
 from .watermarks import SpaceMonitor
 
 
@@ -33,6 +33,6 @@ def describe_capacity(lay: BuildLayout) -> list[str]:
     return [
         f"projected size: {human_bytes(p['final_bytes'])} ({p['basis']}, {p['bytes_per_token']} B/token)",
         f"volume: {human_bytes(p['free_bytes'])} free of {human_bytes(p['total_bytes'])} ({p['usage']:.1%} used); "
-        f"the build {fit} below the high watermark ({p['high']:.0%})"
+        f"the build {fit} below the high watermark ({pct(p['high'])})"
         + ("" if p["fits"] else "; `run` will refuse unless --allow-overcommit"),
     ]

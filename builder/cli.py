@@ -13,7 +13,7 @@ import sys
 from . import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_OK, HsbuildError
 from .output import print_json, print_rows
-from .progress import human_bytes, human_seconds
+from .progress import human_bytes, human_seconds, pct
 
 
 def _fmt(args: argparse.Namespace) -> str:
@@ -184,7 +184,7 @@ def status_lines(st: dict) -> list[str]:
     if "usage" in st:
         disk = f"disk:    {st['usage']:.1%} used, {human_bytes(st['free_bytes'])} free"
         if st.get("paused"):
-            disk += f" | PAUSED ({st.get('pause_reason')}): resumes below {st.get('low', 0.85):.0%}"
+            disk += f" | PAUSED ({st.get('pause_reason')}): resumes below {pct(st.get('low', 0.85))}"
         lines.append(disk)
     if "projected_bytes" in st:
         fit = "fits" if st.get("fits") else "DOES NOT FIT"

@@ -22,7 +22,7 @@ from .config import BuildConfig
 from .errors import HsbuildError
 from .layout import BuildLayout
 from .lock import LockState, pid_alive
-from .progress import human_bytes
+from .progress import human_bytes, pct
 from .query import jsonable
 from .watermarks import SpaceMonitor, disk_usage
 
@@ -67,10 +67,6 @@ class Context:
     cgroup_reader: Callable[[int], str | None] | None = None
     cuda: tuple[bool, int, str] | None = None  # (usable, device count, description); filled by env checks
     model_fp: tuple[str | None, str | None] | None = None  # (fingerprint, error), computed before the lock
-
-
-def pct(x: float) -> str:
-    return f"{x:.0%}" if round(x * 100, 6).is_integer() else f"{x:.1%}"
 
 
 def plural(n: int, word: str, suffix: str = "s") -> str:

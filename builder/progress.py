@@ -15,6 +15,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def pct(x: float) -> str:
+    """A fraction as a percentage, with a decimal only where one is needed (0.9 -> 90%, 0.998 -> 99.8%)."""
+    return f"{x:.0%}" if round(x * 100, 6).is_integer() else f"{x:.1%}"
+
+
 def human_seconds(s: float | None) -> str:
     if s is None or s != s or s == float("inf"):
         return "?"

@@ -17,7 +17,7 @@ from pathlib import Path
 from .config import BuildConfig
 from .errors import WontFitError
 from .layout import BuildLayout
-from .progress import human_bytes
+from .progress import human_bytes, pct
 
 POLL_SECONDS = 0.25
 BALLAST_MIN, BALLAST_MAX = 1 << 20, 64 << 20
@@ -86,7 +86,7 @@ class SpaceMonitor:
     def describe(self) -> str:
         u = self._usage[0]
         return (f"{u.path} {u.usage:.1%} used, {human_bytes(u.free)} free "
-                f"(low {self.wm.low:.0%}, high {self.wm.high:.0%}, flood {self.wm.flood:.0%})")
+                f"(low {pct(self.wm.low)}, high {pct(self.wm.high)}, flood {pct(self.wm.flood)})")
 
     def account(self, nbytes: int, tokens: int) -> None:
         self.bytes_written += nbytes
@@ -182,7 +182,7 @@ class SpaceMonitor:
         if not p["fits"]:
             msg = (f"projected {human_bytes(p['projected_bytes'])} more ({p['basis']}: {p['bytes_per_token']} B/token) "
                    f"but only {human_bytes(max(p['room_below_high'], 0))} fit below the high watermark "
-                   f"({self.wm.high:.0%}) on {self.lay.root}")
+                   f"({pct(self.wm.high)}) on {self.lay.root}")
             if not allow_overcommit:
                 raise WontFitError(msg + "; free space, move the build, or pass --allow-overcommit to pause at "
                                          "the watermark instead")
@@ -190,6 +190,6 @@ class SpaceMonitor:
         else:
             echo(f"capacity: {human_bytes(p['projected_bytes'])} more projected ({p['basis']}, "
                  f"{p['bytes_per_token']} B/token); {human_bytes(p['free_bytes'])} free; fits below the high "
-                 f"watermark ({self.wm.high:.0%})")
+                 f"watermark ({pct(self.wm.high)})")
         self.ensure_ballast()
         return p
