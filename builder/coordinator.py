@@ -11,7 +11,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 from .build import code_fingerprint, load_config
 from .doctor import preflight_for_run, warning_lines
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
-from .events import Event, EventLog, detail, open_log
+from .events import Event, EventBatch, EventLog, detail, open_log
 from .gpu import GpuSampler
 from .layout import layout
 from .lock import BuildLock
@@ -30,9 +29,6 @@ from .server import QueryServer
 from .source import Sample, load_source
 from .watermarks import SpaceMonitor
 from .worker import Task, WorkerSettings, worker_main
-
-FLUSH_SECONDS = 0.5
-FLUSH_EVENTS = 512
 
 
 @dataclass
@@ -87,8 +83,6 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
         self.aborted: str | None = None  # a worker died: stop at a safe point, `resume` continues
-        self.buffer: list[Event] = []
-        self.last_flush = time.monotonic()
         self.space = SpaceMonitor(self.lay, self.cfg)
         self.paused_reason: str | None = None
 
@@ -101,18 +95,10 @@ class Coordinator:
 
     # -- events -------------------------------------------------------------------------------------------
     def emit(self, ev: Event) -> None:
-        ev.run_id = ev.run_id or self.run_id
-        self.buffer.append(ev)
+        self.batch.emit(ev)
 
     def flush(self, force: bool = False) -> None:
-        if not self.buffer:
-            return
-        now = time.monotonic()
-        if force or len(self.buffer) >= FLUSH_EVENTS or now - self.last_flush >= FLUSH_SECONDS:
-            self.space.before_commit()
-            self.log.append(self.buffer)
-            self.buffer = []
-            self.last_flush = now
+        self.batch.flush(force)
 
     # -- live status ----------------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -128,6 +114,7 @@ class Coordinator:
             # validate the source before the log is even opened: bad input changes nothing
             samples = load_source(self.cfg.source, _tokenizer_for(self.cfg))
             self.log = open_log(self.lay.events)
+            self.batch = EventBatch(self.log, self.run_id, self.space.before_commit)
             try:
                 return self._run_locked(lock, resume, samples)
             finally:

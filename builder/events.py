@@ -11,7 +11,7 @@ import datetime as dt
 import hashlib
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -204,6 +204,33 @@ class EventLog:
 
     def count(self, kind: str) -> int:
         return self.con.execute("SELECT count(*) FROM events WHERE kind = ?", [kind]).fetchone()[0]
+
+
+FLUSH_SECONDS = 0.5  # an owner commits its pending events at least this often ...
+FLUSH_EVENTS = 512  # ... or once this many are pending
+
+
+class EventBatch:
+    """An owner's pending events, committed in batches (one transaction each): when FLUSH_EVENTS are pending,
+    FLUSH_SECONDS after the last commit, or when forced. `before_commit` runs first (e.g. release the ballast)."""
+
+    def __init__(self, log: EventLog, run_id: str, before_commit: Callable[[], None] | None = None):
+        self.log, self.run_id, self.before_commit = log, run_id, before_commit
+        self.events: list[Event] = []
+        self.last_commit = time.monotonic()
+
+    def emit(self, ev: Event) -> None:
+        ev.run_id = ev.run_id or self.run_id
+        self.events.append(ev)
+
+    def flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.events and (force or len(self.events) >= FLUSH_EVENTS or now - self.last_commit >= FLUSH_SECONDS):
+            if self.before_commit is not None:
+                self.before_commit()
+            self.log.append(self.events)
+            self.events = []
+            self.last_commit = now
 
 
 def open_log(path: Path, read_only: bool = False, wait: float = 15.0) -> EventLog:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .build import load_config
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, UsageError
-from .events import Event, EventLog, detail, open_log
+from .events import Event, EventBatch, EventLog, detail, open_log
 from .gc import OrphanReport, scan_orphans
 from .layout import BuildLayout, layout
 from .lock import BuildLock
@@ -41,8 +41,6 @@ from .server import QueryServer
 from .store import SegmentReader
 from .verify import MISMATCH, MISSING, UNREADABLE, SampleCheck, check_files, check_sample, field_specs
 
-FLUSH_SECONDS = 0.5
-FLUSH_EVENTS = 512
 MB = 1_000_000
 
 
@@ -355,8 +353,6 @@ class Sweep:
         self.sweep_id = uuid.uuid4().hex
         self.stop = threading.Event()
         self.signals = 0
-        self.buffer: list[Event] = []
-        self.last_flush = time.monotonic()
         self.summary: SweepSummary | None = None
         self._geometry: dict[str, tuple[int, dict | None]] = {}  # segment -> (chunk_tokens, field specs)
 
@@ -369,15 +365,10 @@ class Sweep:
         self.echo("\nstopping the sweep (Ctrl-C again to exit at once; continue later with --continue) ...")
 
     def emit(self, ev: Event) -> None:
-        ev.run_id = ev.run_id or self.sweep_id
-        self.buffer.append(ev)
+        self.batch.emit(ev)
 
     def flush(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.buffer and (force or len(self.buffer) >= FLUSH_EVENTS or now - self.last_flush >= FLUSH_SECONDS):
-            self.log.append(self.buffer)
-            self.buffer = []
-            self.last_flush = now
+        self.batch.flush(force)
 
     def status(self) -> dict:
         s = self.summary
@@ -390,6 +381,7 @@ class Sweep:
         lock = BuildLock(self.lay, "verify", self.sweep_id).acquire()
         try:
             self.log = open_log(self.lay.events)
+            self.batch = EventBatch(self.log, self.sweep_id)
             try:
                 return self._run_locked(lock)
             finally:
