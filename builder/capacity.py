@@ -3,27 +3,34 @@
 from __future__ import annotations
 
 from .build import load_config
-from .events import open_log
+from .config import BuildConfig
+from .events import EventLog, open_log
 from .layout import BuildLayout
 from .progress import human_bytes, pct
 from .watermarks import SpaceMonitor
 
 
-def capacity_for(lay: BuildLayout, progress: dict | None = None) -> dict:
-    """Projection for the samples not yet done, from measured bytes/token when there are any."""
-    cfg = load_config(lay)
-    with open_log(lay.events, read_only=True, wait=5.0) as log:
-        meta = log.meta()
-        prog = progress or log.progress()
-        row = log.query("SELECT sum(nbytes), sum(num_tokens), "
-                        "sum(source_tokens) FILTER (WHERE state NOT IN ('written', 'verified')) FROM samples")[1][0]
+def project(log: EventLog, cfg: BuildConfig, mon: SpaceMonitor, meta: dict | None = None) -> dict:
+    """Projected size of the samples not yet done (measured bytes/token once samples are written, else the
+    uncompressed estimate), against the room below the high watermark."""
+    meta = meta if meta is not None else log.meta()
+    cap = cfg.max_tokens
+    row = log.query(
+        "SELECT sum(nbytes), sum(num_tokens), sum(CASE WHEN ? IS NULL THEN source_tokens "
+        "ELSE least(source_tokens, ?) END) FILTER (WHERE state NOT IN ('written', 'verified')) FROM samples",
+        [cap, cap])[1][0]
     measured = row[0] / row[1] if row[0] and row[1] else None
-    remaining = int(row[2] or 0)
-    if cfg.max_tokens:
-        remaining = min(remaining, int(prog.get("remaining", 0)) * cfg.max_tokens) if prog else remaining
-    mon = SpaceMonitor(lay, cfg)
-    p = mon.projection(remaining, meta, measured)
+    p = mon.projection(int(row[2] or 0), meta, measured)
     p["final_bytes"] = int((row[0] or 0) + p["projected_bytes"])
+    return p
+
+
+def capacity_for(lay: BuildLayout) -> dict:
+    """Projection and disk figures for a build no process owns."""
+    cfg = load_config(lay)
+    mon = SpaceMonitor(lay, cfg)
+    with open_log(lay.events, read_only=True, wait=5.0) as log:
+        p = project(log, cfg, mon)
     return {**p, **mon.snapshot(), "paused": False, "pause_reason": None}
 
 

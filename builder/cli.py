@@ -201,7 +201,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     lay = layout(args.build).require()
     st = status_snapshot(lay)
     if not st.get("running"):
-        st.update(capacity_for(lay, st))
+        st.update(capacity_for(lay))
     if st.get("failed"):
         _, rows = run_query(lay, "SELECT error, count(*) FROM samples WHERE state = 'failed' GROUP BY 1 ORDER BY 2 DESC")
         st["failed_by_reason"] = {r[0]: r[1] for r in rows}

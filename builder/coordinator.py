@@ -9,14 +9,17 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import queue
 import signal
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing import connection as mp_connection
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from .build import code_fingerprint, load_config
+from .capacity import project
 from .doctor import preflight_for_run, warning_lines
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
 from .events import Event, EventBatch, EventLog, detail, open_log
@@ -28,7 +31,7 @@ from .progress import ProgressBar
 from .server import QueryServer
 from .source import Sample, load_source
 from .watermarks import SpaceMonitor
-from .worker import Task, WorkerSettings, worker_main
+from .worker import Flags, Task, WorkerSettings, worker_main
 
 
 @dataclass
@@ -104,8 +107,8 @@ class Coordinator:
     def status(self) -> dict:
         prog = self.log.progress()
         return {"running": True, "run_id": self.run_id, "pid": os.getpid(), "workers": self.workers,
-                **prog, **self.space.snapshot(), "paused": self.paused_reason is not None,
-                "pause_reason": self.paused_reason}
+                **prog, **project(self.log, self.cfg, self.space, self.meta), **self.space.snapshot(),
+                "paused": self.paused_reason is not None, "pause_reason": self.paused_reason}
 
     # -- the run ----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> RunReport:
@@ -123,7 +126,7 @@ class Coordinator:
             lock.release()
 
     def _run_locked(self, lock: BuildLock, resume: bool, samples: list[Sample]) -> RunReport:
-        meta = self.log.meta()
+        meta = self.meta = self.log.meta()
         added = check_source(self.log, samples)
         plan = make_plan(self.log, samples, self.cfg.max_attempts, self.opts.limit)
         report = RunReport(self.run_id, plan)
@@ -179,11 +182,10 @@ class Coordinator:
 
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
         ctx = mp.get_context("spawn")
-        tasks, results = ctx.Queue(), ctx.Queue()
-        stop, gate = ctx.Event(), ctx.Event()
-        gate.set()
+        flags = Flags(ctx)
         threads = max(1, (os.cpu_count() or 1) // self.workers)
-        procs = []
+        procs: dict[int, mp.process.BaseProcess] = {}
+        conns: dict[int, Connection] = {}
         for w in range(self.workers):
             settings = WorkerSettings(
                 build_root=str(self.lay.root), data_root=str(self.lay.data), run_id=self.run_id, worker=w,
@@ -191,87 +193,93 @@ class Coordinator:
                 device=self.opts.device or self.cfg.device, codec=self.cfg.codec, chunk_tokens=self.cfg.chunk_tokens,
                 max_tokens=self.cfg.max_tokens, threads=threads, verify_after_write=self.cfg.verify_after_write,
                 flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free, coordinator_pid=os.getpid())
-            p = ctx.Process(target=worker_main, args=(settings, tasks, results, stop, gate), daemon=True,
-                            name=f"hsbuild-worker-{w}")
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=worker_main, args=(settings, theirs, flags), daemon=True, name=f"hsbuild-worker-{w}")
             p.start()
-            procs.append(p)
-        pending = deque(s.sample_id for s in plan.todo)
-        attempts = dict(plan.attempts)
-        inflight: set[str] = set()  # dispatched, not yet reported back
-        current: dict[int, str] = {}  # worker -> sample it is on
-        alive = set(range(self.workers))
-        ready: set[int] = set()
+            theirs.close()  # so a dead worker's pipe reads as EOF here
+            procs[w], conns[w] = p, mine
+        st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
+                       assigned={w: [] for w in procs}, alive=set(procs))
         bar = ProgressBar(len(plan.todo), enabled=self.opts.progress)
-        max_outstanding = self.workers + 1
-        sentinels_sent = False
         gpus = GpuSampler(interval=5.0) if getattr(self, "gpu_build", False) else None
+        abort_deadline: float | None = None
         try:
-            while alive:
+            while st.alive:
                 stopping = bool(self.stop_requested or self.aborted)
-                if stopping:
-                    stop.set()
+                flags.stop = stopping
                 pause = self.space.poll()
                 if pause != self.paused_reason:
-                    self._set_paused(pause, gate, report)
+                    self._set_paused(pause, flags, report)
                 if not stopping and self.paused_reason is None:
-                    while pending and len(inflight) < max_outstanding:
-                        pause = self.space.poll(force=True)  # fresh figures before every dispatch
-                        if pause is not None:
-                            self._set_paused(pause, gate, report)
-                            break
-                        sid = pending.popleft()
-                        s = by_id[sid]
-                        tasks.put(Task(sid, attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids, s.loss_mask))
-                        inflight.add(sid)
-                if not sentinels_sent and (stopping or (not pending and not inflight)):
-                    for _ in alive:
-                        tasks.put(None)
-                    sentinels_sent = True
-                try:
-                    msg = results.get(timeout=0.1)
-                except queue.Empty:
-                    msg = None
-                if msg is not None:
-                    self._handle(msg, by_id, attempts, pending, inflight, current, alive, ready, meta, bar, report)
-                for w, p in enumerate(procs):
-                    if w in alive and not p.is_alive() and p.exitcode is not None:
-                        self._worker_died(w, p.exitcode, current, inflight, pending, attempts, alive, report)
+                    self._dispatch(st, conns, by_id, flags, report)
+                for w in sorted(st.alive - st.told_to_stop):  # a sentinel once a worker has nothing more to do
+                    if stopping or (not st.pending and not st.assigned[w]):
+                        _send(conns[w], None)
+                        st.told_to_stop.add(w)
+                for c in mp_connection.wait([conns[w] for w in st.alive], timeout=0.1):
+                    w = next(k for k, v in conns.items() if v is c)
+                    try:
+                        msg = c.recv()
+                    except (EOFError, OSError):
+                        procs[w].join(timeout=5)
+                        self._worker_died(w, procs[w].exitcode, st, report)
+                        continue
+                    self._handle(msg, st, by_id, meta, bar, report)
+                for w, p in procs.items():
+                    if w in st.alive and not p.is_alive():
+                        self._worker_died(w, p.exitcode, st, report)
+                if self.aborted and abort_deadline is None:
+                    abort_deadline = time.monotonic() + 120
+                if abort_deadline is not None and time.monotonic() > abort_deadline:
+                    self.echo("workers did not stop within 120 s after the failure; killing them (still safe)")
+                    break
                 stats = gpus.poll() if gpus else None
                 if stats:
                     self.emit(Event("gpu_stats", detail=detail(devices=stats)))
                 self.flush()
                 bar.update(note=f"PAUSED: {self.paused_reason}" if self.paused_reason else "")
         finally:
-            stop.set()
-            gate.set()
+            flags.stop, flags.gate_open = True, True
             bar.close()
             self.flush(force=True)
-            for p in procs:
-                p.join(timeout=10)
+            for w, p in procs.items():
+                p.join(timeout=10 if w not in st.alive or not self.aborted else 0)
                 if p.is_alive():
                     p.kill()
-            tasks.close()
-            results.close()
+                conns[w].close()
 
-    def _set_paused(self, reason: str | None, gate, report: RunReport) -> None:
+    def _dispatch(self, st: _Dispatch, conns: dict, by_id: dict[str, Sample], flags: Flags, report: RunReport) -> None:
+        """Hand out samples: at most PER_WORKER to each ready worker (one in hand, one waiting)."""
+        for w in sorted(st.ready & st.alive - st.told_to_stop, key=lambda k: len(st.assigned[k])):
+            while st.pending and len(st.assigned[w]) < PER_WORKER:
+                pause = self.space.poll(force=True)  # fresh figures before every dispatch
+                if pause is not None:
+                    self._set_paused(pause, flags, report)
+                    return
+                sid = st.pending.popleft()
+                s = by_id[sid]
+                st.assigned[w].append(sid)
+                _send(conns[w], Task(sid, st.attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids, s.loss_mask))
+
+    def _set_paused(self, reason: str | None, flags: Flags, report: RunReport) -> None:
         figures = self.space.snapshot()
         if reason is not None:
-            gate.clear()
+            flags.gate_open = False
             report.pauses += 1
             self.emit(Event("paused", reason=reason, detail=detail(**figures)))
             self.echo(f"\nPAUSED ({reason}): {self.space.describe()}; resumes by itself below the low watermark")
         else:
-            gate.set()
+            flags.gate_open = True
             self.emit(Event("resumed", reason=self.paused_reason, detail=detail(**figures)))
             self.echo(f"\nresumed: {self.space.describe()}")
         self.paused_reason = reason
         self.flush(force=True)
 
-    def _handle(self, msg, by_id, attempts, pending, inflight, current, alive, ready, meta, bar, report) -> None:
+    def _handle(self, msg, st: _Dispatch, by_id, meta, bar, report) -> None:
         kind, wid = msg[0], msg[1]
         if kind == "ready":
             fp = msg[2]
-            ready.add(wid)
+            st.ready.add(wid)
             if meta.get("model_fingerprint") and fp != meta["model_fingerprint"]:
                 self.stop_requested = max(self.stop_requested, 1)
                 raise ModelError(
@@ -282,8 +290,8 @@ class Coordinator:
             raise ModelError(f"worker {wid} could not start: {msg[2]}")
         elif kind == "started":
             _, _, sid, attempt, fp, _t = msg
-            current[wid] = sid
-            attempts[sid] = attempt
+            st.current[wid] = sid
+            st.attempts[sid] = attempt
             self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
         elif kind == "written":
             _, _, sid, attempt, fp, loc, truncated, seconds, verified = msg
@@ -295,8 +303,7 @@ class Coordinator:
                 self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
                                 detail=detail(mode="after_write")))
-            inflight.discard(sid)
-            current.pop(wid, None)
+            st.done(wid, sid)
             report.written += 1
             self.space.account(loc.nbytes, loc.num_tokens)
             bar.update(1, loc.num_tokens, loc.nbytes)
@@ -304,28 +311,20 @@ class Coordinator:
             _, _, sid, attempt, fp, reason, message = msg
             self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason=reason,
                             detail=detail(message=message)))
-            inflight.discard(sid)
-            current.pop(wid, None)
+            st.done(wid, sid)
             report.failed += 1
             bar.update(1)
         elif kind == "nospace":
             _, _, sid, attempt, fp, message = msg
             self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason="no_space",
                             detail=detail(message=message)))
-            inflight.discard(sid)
-            current.pop(wid, None)
-            pending.appendleft(sid)  # retried once space returns
+            st.done(wid, sid, requeue=True)  # retried once space returns
             self.space.disk_full()
         elif kind == "deferred":
-            inflight.discard(msg[2])
-            current.pop(wid, None)
-            pending.appendleft(msg[2])
+            st.done(wid, msg[2], requeue=True)
             self.space.flood_block(msg[3])
         elif kind in ("skipped", "abandoned"):
-            inflight.discard(msg[2])
-            current.pop(wid, None)
-            if not self.stop_requested:
-                pending.appendleft(msg[2])
+            st.done(wid, msg[2], requeue=not self.stop_requested)
         elif kind == "sealed":
             info = msg[2]
             self.emit(Event("segment_sealed", worker=wid, segment=info["segment"], num_tokens=info["tokens"],
@@ -334,19 +333,54 @@ class Coordinator:
             self.emit(Event("segment_sealed", worker=wid, segment=msg[2], reason="seal_failed",
                             detail=detail(error=msg[3])))
         elif kind == "exit":
-            alive.discard(wid)
+            st.alive.discard(wid)
 
-    def _worker_died(self, w, code, current, inflight, pending, attempts, alive, report) -> None:
-        alive.discard(w)
-        sid = current.pop(w, None)
-        self.echo(f"\nworker {w} died (exit code {code})" + (f" while on sample {sid}" if sid else ""))
-        if sid is not None:
-            inflight.discard(sid)
-            self.emit(Event("failed", sample_id=sid, attempt=attempts.get(sid), worker=w, reason="worker_died",
-                            detail=detail(exitcode=code)))
-            report.failed += 1
+    def _worker_died(self, w: int, code: int | None, st: _Dispatch, report: RunReport) -> None:
+        """Its sample in hand failed (`worker_died`); samples only queued to it go back to pending; the run stops."""
+        st.alive.discard(w)
+        in_hand = st.current.pop(w, None)
+        self.echo(f"\nworker {w} died (exit code {code})" + (f" while on sample {in_hand}" if in_hand else ""))
+        for sid in st.assigned.pop(w, []):
+            if sid == in_hand:
+                self.emit(Event("failed", sample_id=sid, attempt=st.attempts.get(sid), worker=w,
+                                reason="worker_died", detail=detail(exitcode=code)))
+                report.failed += 1
+            else:
+                st.pending.appendleft(sid)
+        st.assigned[w] = []
         self.aborted = f"worker {w} died (exit code {code})"
         self.echo("stopping the run at a safe point; `hsbuild resume` continues")
+
+
+PER_WORKER = 2  # samples handed to a worker at once: one in hand, one waiting
+
+
+@dataclass
+class _Dispatch:
+    """Who has which sample. Exact per worker, so a dead worker's samples are never lost track of."""
+
+    pending: deque
+    attempts: dict[str, int]
+    assigned: dict[int, list[str]]  # handed to the worker, not yet reported back, in order
+    alive: set[int]
+    ready: set[int] = field(default_factory=set)
+    current: dict[int, str] = field(default_factory=dict)  # the sample a worker announced `started`
+    told_to_stop: set[int] = field(default_factory=set)
+
+    def done(self, w: int, sid: str, requeue: bool = False) -> None:
+        if sid in self.assigned.get(w, []):
+            self.assigned[w].remove(sid)
+        if self.current.get(w) == sid:
+            del self.current[w]
+        if requeue:
+            self.pending.appendleft(sid)
+
+
+def _send(conn: Connection, obj: object) -> None:
+    try:
+        conn.send(obj)
+    except (BrokenPipeError, OSError):
+        pass  # the worker is gone; the main loop notices and accounts for its samples
 
 
 def measured_bytes_per_token(log: EventLog) -> float | None:

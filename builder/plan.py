@@ -11,7 +11,7 @@ from .source import Sample
 # Failure reasons that say the stored bytes were damaged (verify); such samples are always re-extracted.
 DAMAGE_REASONS = {"checksum_mismatch", "missing_data", "unreadable"}
 # Failures of the environment, not of the sample; retried without counting against --max-attempts.
-TRANSIENT_REASONS = {"no_space", "worker_died"}
+TRANSIENT_REASONS = {"no_space"}
 
 
 @dataclass

@@ -51,6 +51,32 @@ class Task:
     loss_mask: object  # np.ndarray uint8
 
 
+class Flags:
+    """Run-wide flags shared with the workers, lock-free (a RawArray of bytes): a worker killed at any moment
+    cannot leave a lock held that would stall the others (multiprocessing's Queue and Event can)."""
+
+    def __init__(self, ctx):
+        self._a = ctx.RawArray("b", 2)
+        self._a[1] = 1
+
+    @property
+    def stop(self) -> bool:
+        return bool(self._a[0])
+
+    @stop.setter
+    def stop(self, v: bool) -> None:
+        self._a[0] = int(v)
+
+    @property
+    def gate_open(self) -> bool:
+        """Writes may start. Closed while writers are paused (disk watermarks)."""
+        return bool(self._a[1])
+
+    @gate_open.setter
+    def gate_open(self, v: bool) -> None:
+        self._a[1] = int(v)
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -59,7 +85,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def worker_main(settings: WorkerSettings, tasks, results, stop, gate) -> None:  # pragma: no cover - subprocess
+def worker_main(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma: no cover - subprocess
+    """Takes tasks from, and reports to, its own pipe to the coordinator (one per worker, so a worker killed
+    mid-message damages nothing but its own pipe)."""
+    try:
+        _worker_loop(settings, conn, flags)
+    except (EOFError, BrokenPipeError):  # the coordinator is gone
+        os._exit(1)
+
+
+def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma: no cover - subprocess
     _die_with_parent()
     if os.getppid() != settings.coordinator_pid:  # the coordinator died while this process was starting
         os._exit(1)
@@ -70,28 +105,28 @@ def worker_main(settings: WorkerSettings, tasks, results, stop, gate) -> None:  
         torch.set_num_threads(max(1, settings.threads))
         ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, settings.device)
     except Exception as e:  # noqa: BLE001
-        results.put(("fatal", wid, f"{type(e).__name__}: {e}"))
+        conn.send(("fatal", wid, f"{type(e).__name__}: {e}"))
         return
-    results.put(("ready", wid, ex.fingerprint, ex.metadata()))
+    conn.send(("ready", wid, ex.fingerprint, ex.metadata()))
     writer: SegmentWriter | None = None
     while True:
-        task: Task | None = tasks.get()
+        task: Task | None = conn.recv()
         if task is None:
             break
-        if stop.is_set():
-            results.put(("skipped", wid, task.sample_id))
+        if flags.stop:
+            conn.send(("skipped", wid, task.sample_id))
             continue
-        results.put(("started", wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
+        conn.send(("started", wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
         t0 = time.perf_counter()
         try:
             ids = ex.check(task.input_ids, settings.max_tokens)
             mask = task.loss_mask[: ids.shape[0]]
             aux, final = ex.extract(ids)
             # Pause point: the coordinator may hold the gate shut (disk watermarks). Never mid-write.
-            while not gate.is_set() and not stop.is_set():
+            while not flags.gate_open and not flags.stop:
                 time.sleep(0.05)
-            if not gate.is_set():
-                results.put(("abandoned", wid, task.sample_id))
+            if not flags.gate_open:
+                conn.send(("abandoned", wid, task.sample_id))
                 continue
             if writer is None:
                 writer = SegmentWriter(Path(settings.data_root), new_segment_name(settings.run_id, wid),
@@ -104,7 +139,7 @@ def worker_main(settings: WorkerSettings, tasks, results, stop, gate) -> None:  
             over_flood = settings.flood < 1.0 and (total - free + projected) / total >= settings.flood
             under_min_free = settings.min_free > 0 and free - projected < settings.min_free
             if over_flood or under_min_free:
-                results.put(("deferred", wid, task.sample_id, projected))  # would cross flood: not started
+                conn.send(("deferred", wid, task.sample_id, projected))  # would cross flood: not started
                 continue
             start = writer.cursor
             try:
@@ -112,7 +147,7 @@ def worker_main(settings: WorkerSettings, tasks, results, stop, gate) -> None:  
             except OSError as e:
                 writer.discard(start, int(ids.shape[0]))
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    results.put(("nospace", wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
+                    conn.send(("nospace", wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
                     continue
                 raise
             verified = False
@@ -122,20 +157,20 @@ def worker_main(settings: WorkerSettings, tasks, results, stop, gate) -> None:  
                 finding = check_location(Path(settings.data_root), loc.segment, loc.token_start, loc.num_tokens,
                                          loc.checksums, settings.chunk_tokens)
                 if finding is not None:
-                    results.put(("failed", wid, task.sample_id, task.attempt, task.fingerprint, finding[0],
+                    conn.send(("failed", wid, task.sample_id, task.attempt, task.fingerprint, finding[0],
                                  finding[1]))
                     continue
                 verified = True
-            results.put(("written", wid, task.sample_id, task.attempt, task.fingerprint, loc,
+            conn.send(("written", wid, task.sample_id, task.attempt, task.fingerprint, loc,
                          int(task.input_ids.shape[0]) - loc.num_tokens, time.perf_counter() - t0, verified))
         except SampleError as e:
-            results.put(("failed", wid, task.sample_id, task.attempt, task.fingerprint, e.reason, str(e)))
+            conn.send(("failed", wid, task.sample_id, task.attempt, task.fingerprint, e.reason, str(e)))
         except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
-            results.put(("failed", wid, task.sample_id, task.attempt, task.fingerprint, "error", tb))
+            conn.send(("failed", wid, task.sample_id, task.attempt, task.fingerprint, "error", tb))
     if writer is not None:
         try:
-            results.put(("sealed", wid, writer.seal()))
+            conn.send(("sealed", wid, writer.seal()))
         except OSError as e:
-            results.put(("seal_failed", wid, writer.name, str(e)))
-    results.put(("exit", wid))
+            conn.send(("seal_failed", wid, writer.name, str(e)))
+    conn.send(("exit", wid))

@@ -48,7 +48,7 @@ def test_live_status_and_sql_during_a_run(make_build, cli):
         cp = cli("status", build, "--json")
         live = json.loads(cp.stdout)
         assert cp.returncode == 0 and live["running"] is True and live["total"] == 600
-        assert {"paused", "pause_reason", "free_bytes", "usage"} <= set(live)
+        assert {"paused", "pause_reason", "free_bytes", "usage", "projected_bytes", "final_bytes", "fits"} <= set(live)
         cp = cli("sql", build, "SELECT state, count(*) AS n FROM samples GROUP BY state ORDER BY state", "--csv")
         assert cp.returncode == 0 and cp.stdout.startswith("state,n\n")
         cp = cli("sql", build, "UPDATE events SET kind = 'written'")

@@ -21,6 +21,7 @@ from conftest import random_rows, write_jsonl
 
 from builder.events import EventLog
 from builder.layout import layout
+from builder.query import status_snapshot
 from builder.verify import check_location
 
 MODEL = "builtin:hidden=256,layers=4,vocab=1024,heads=4,kv_heads=2,intermediate=256"
@@ -129,21 +130,22 @@ def test_pauses_at_high_and_resumes_when_the_volume_grows(tmp_path, tmpfs, cli):
 
 
 def test_volume_filled_from_outside_while_writing(tmp_path, tmpfs, cli):
-    build = make_big_build(tmp_path, tmpfs, cli, n=60)
+    build = make_big_build(tmp_path, tmpfs, cli, n=120)  # about 40 MB: fits the 64 MB volume on its own
     resize(tmpfs, "64m")
     # watermarks off (high=1.0, flood=1.0): only the real ENOSPC path can stop the writes
     p = start_run(build, "--high", "1.0", "--low", "0.9", "--flood", "1.0")
     filler = tmpfs / "filler.bin"
     try:
-        wait_for(lambda: live_status(cli, build).get("done", 0) >= 5, 120, "first writes", p)
-        with open(filler, "wb") as f:  # another process's data fills the volume, but for a sliver
-            try:
-                while True:
-                    f.write(b"\xff" * (64 << 10))
-                    f.flush()
-            except OSError:
-                pass
-            f.truncate(max(0, f.tell() - (64 << 10)))
+        wait_for(lambda: status_snapshot(layout(build)).get("done", 0) >= 3, 120, "first writes", p)
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # another process fills the volume, but for a sliver
+        try:
+            block = b"\xff" * (64 << 10)
+            while True:
+                os.write(fd, block)
+        except OSError:
+            pass
+        os.ftruncate(fd, max(0, os.lseek(fd, 0, os.SEEK_CUR) - (64 << 10)))
+        os.close(fd)
         st = wait_for(lambda: (s := live_status(cli, build)).get("paused") and s, 120, "the pause", p)
         assert st["pause_reason"] == "disk_full"
         time.sleep(1.0)
@@ -156,7 +158,7 @@ def test_volume_filled_from_outside_while_writing(tmp_path, tmpfs, cli):
         if p.poll() is None:
             p.kill()
     assert p.returncode == 0, err
-    assert assert_all_verify(build) == 60
+    assert assert_all_verify(build) == 120
     cp = cli("verify", build, "--no-progress")
     assert cp.returncode == 0, cp.stdout + cp.stderr
     with EventLog(layout(build).events, read_only=True) as log:
