@@ -15,14 +15,24 @@ def project(log: EventLog, cfg: BuildConfig, mon: SpaceMonitor, meta: dict | Non
     uncompressed estimate), against the room below the high watermark."""
     meta = meta if meta is not None else log.meta()
     cap = cfg.max_tokens
-    row = log.query(
-        "SELECT sum(nbytes), sum(num_tokens), sum(CASE WHEN ? IS NULL THEN source_tokens "
-        "ELSE least(source_tokens, ?) END) FILTER (WHERE state NOT IN ('written', 'verified')) FROM samples",
-        [cap, cap])[1][0]
-    measured = row[0] / row[1] if row[0] and row[1] else None
-    p = mon.projection(int(row[2] or 0), meta, measured)
-    p["final_bytes"] = int((row[0] or 0) + p["projected_bytes"])
+    done_bytes, done_tokens, remaining = log.query(
+        "SELECT sum(nbytes) FILTER (WHERE state IN ('written', 'verified')), "
+        "sum(num_tokens) FILTER (WHERE state IN ('written', 'verified')), "
+        "sum(CASE WHEN ? IS NULL THEN source_tokens ELSE least(source_tokens, ?) END) "
+        "FILTER (WHERE state NOT IN ('written', 'verified')) FROM samples", [cap, cap])[1][0]
+    p = mon.projection(int(remaining or 0), meta, _per_token(done_bytes, done_tokens))
+    p["final_bytes"] = int((done_bytes or 0) + p["projected_bytes"])
     return p
+
+
+def measured_bytes_per_token(log: EventLog) -> float | None:
+    """Compressed bytes per token of the live samples; None before the first write."""
+    row = log.query("SELECT sum(nbytes), sum(num_tokens) FROM samples WHERE state IN ('written', 'verified')")[1][0]
+    return _per_token(*row)
+
+
+def _per_token(nbytes: int | None, tokens: int | None) -> float | None:
+    return nbytes / tokens if nbytes and tokens else None
 
 
 def capacity_for(lay: BuildLayout) -> dict:

@@ -19,10 +19,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from .build import code_fingerprint, load_config
-from .capacity import project
+from .capacity import measured_bytes_per_token, project
 from .doctor import preflight_for_run, warning_lines
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
-from .events import Event, EventBatch, EventLog, detail, open_log
+from .events import Event, EventBatch, detail, open_log
 from .gpu import GpuSampler
 from .layout import layout
 from .lock import BuildLock
@@ -381,11 +381,6 @@ def _send(conn: Connection, obj: object) -> None:
         conn.send(obj)
     except (BrokenPipeError, OSError):
         pass  # the worker is gone; the main loop notices and accounts for its samples
-
-
-def measured_bytes_per_token(log: EventLog) -> float | None:
-    row = log.query("SELECT sum(nbytes), sum(num_tokens) FROM samples WHERE state IN ('written', 'verified')")[1][0]
-    return row[0] / row[1] if row[0] and row[1] else None
 
 
 def _tokenizer_for(cfg):

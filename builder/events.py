@@ -22,10 +22,6 @@ import pyarrow as pa
 from .errors import BuildLockedError, QueryError
 from .source import Sample
 
-SAMPLE_KINDS = ("started", "written", "verified", "failed")
-RUN_KINDS = ("run_started", "run_finished", "segment_sealed", "paused", "resumed", "verify_started",
-             "verify_finished", "doctor", "gpu_stats", "gc")
-
 
 def schema_dir() -> Path:
     """`schema/` beside the package in a checkout, or `builder/_schema` in an installed wheel."""

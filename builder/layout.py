@@ -38,9 +38,6 @@ class BuildLayout:
     def ballast(self) -> Path:
         return self.root / BALLAST_NAME
 
-    def segment(self, name: str) -> Path:
-        return self.data / name
-
     def exists(self) -> bool:
         return self.config.is_file() and self.events.is_file()
 

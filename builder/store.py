@@ -102,10 +102,6 @@ def init_data_group(data_root: Path, attrs: dict) -> None:
     fsync_path(data_root.parent)
 
 
-def read_data_attrs(data_root: Path) -> dict:
-    return dict(zarr.open_group(store=str(data_root), mode="r").attrs)
-
-
 def chunk_paths(seg_dir: Path, fld: str, token_start: int, num_tokens: int, chunk_tokens: int) -> list[Path]:
     """The chunk files holding tokens [token_start, token_start+num_tokens) of one field."""
     first = token_start // chunk_tokens
@@ -296,16 +292,7 @@ class SegmentReader:
         return out
 
 
-def segment_sealed(seg_dir: Path) -> bool:
-    return (seg_dir / SEAL_NAME).is_file()
-
-
 def list_segments(data_root: Path) -> list[str]:
     if not data_root.is_dir():
         return []
     return sorted(p.name for p in data_root.iterdir() if p.is_dir() and p.name.startswith("seg-"))
-
-
-def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
