@@ -12,8 +12,9 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .errors import UsageError
-from .fsutil import atomic_write_bytes
+from builder.errors import UsageError
+from builder.fsutil import atomic_write_bytes
+from builder.layout import BuildLayout
 
 
 @dataclass
@@ -115,3 +116,8 @@ def _toml_value(v: object) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def load_config(lay: BuildLayout) -> BuildConfig:
+    """The config of an existing build (raises BuildNotFoundError when `lay` is not a build)."""
+    return BuildConfig.from_toml(lay.require().config)

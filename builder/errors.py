@@ -62,6 +62,15 @@ class ModelError(UsageError):
     """The model spec or model directory is unusable."""
 
 
+class SampleError(HsbuildError, ValueError):
+    """A per-sample problem (bad tokens, non-finite states, ...): becomes a `failed` event with `reason`, and the
+    run goes on."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class WontFitError(HsbuildError, OSError):
     """The projected size of the build does not fit on its volume above the high watermark."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import BuildNotFoundError
+from builder.errors import BuildNotFoundError
 
 CONFIG_NAME = "hsbuild.toml"
 EVENTS_NAME = "events.duckdb"

@@ -1,73 +1,30 @@
-"""A one-line progress bar on stderr: samples/s, tokens/s, MB/s, ETA. Silent when stderr is not a terminal."""
+"""How the library reports progress: a callback object the caller passes in. The library never draws; the
+CLI renders it (builder/cli/progress.py)."""
 
 from __future__ import annotations
 
-import sys
-import time
-from typing import TextIO
+from typing import Protocol
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+class Progress(Protocol):
+    def start(self, total: int, label: str) -> None:
+        """A task of `total` items begins."""
 
-
-def pct(x: float) -> str:
-    """A fraction as a percentage, with a decimal only where one is needed (0.9 -> 90%, 0.998 -> 99.8%)."""
-    return f"{x:.0%}" if round(x * 100, 6).is_integer() else f"{x:.1%}"
-
-
-def human_seconds(s: float | None) -> str:
-    if s is None or s != s or s == float("inf"):
-        return "?"
-    s = int(s)
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
-
-
-class ProgressBar:
-    def __init__(self, total: int, label: str = "extract", stream: TextIO | None = None, enabled: bool | None = None):
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.total, self.label = total, label
-        self.t0 = time.monotonic()
-        self.last_draw = 0.0
-        self.done = self.tokens = self.nbytes = 0
-        self.note = ""
-        self.started = False
-
-    def update(self, done: int = 0, tokens: int = 0, nbytes: int = 0, note: str = "", force: bool = False) -> None:
-        if self.done == 0 and done and not self.started:  # rates count from the first result, not model loading
-            self.t0, self.started = time.monotonic(), True
-        self.done += done
-        self.tokens += tokens
-        self.nbytes += nbytes
-        self.note = note
-        now = time.monotonic()
-        if self.enabled and (force or now - self.last_draw > 0.2):
-            self.last_draw = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        el = max(now - self.t0, 1e-6)
-        rate = self.done / el
-        eta = (self.total - self.done) / rate if rate > 0 else None
-        width = 24
-        filled = int(width * self.done / self.total) if self.total else width
-        bar = "#" * filled + "-" * (width - filled)
-        line = (f"\r{self.label} [{bar}] {self.done}/{self.total} {rate:.1f} samples/s "
-                f"{self.tokens / el:,.0f} tok/s {self.nbytes / el / 1e6:.1f} MB/s ETA {human_seconds(eta)}")
-        if self.note:
-            line += f"  {self.note}"
-        self.stream.write(line[:200].ljust(120))
-        self.stream.flush()
+    def update(self, done: int = 0, tokens: int = 0, nbytes: int = 0, note: str = "") -> None:
+        """`done` more items finished (with their tokens and bytes); `note` is the current state, e.g. PAUSED."""
 
     def close(self) -> None:
-        if self.enabled:
-            self._draw(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
+        """The task ended."""
+
+
+class NoProgress:
+    """The default: report nothing."""
+
+    def start(self, total: int, label: str) -> None:
+        pass
+
+    def update(self, done: int = 0, tokens: int = 0, nbytes: int = 0, note: str = "") -> None:
+        pass
+
+    def close(self) -> None:
+        pass

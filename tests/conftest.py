@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.build import init_build
 from builder.config import Watermarks
+from builder.run.create import init_build
 
 # Builds in tests live on the machine's ordinary disk, whose fill level we do not control: unless a test is
 # about watermarks, give them watermarks near 100% so a fairly full CI disk does not pause or refuse them.

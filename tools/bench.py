@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from builder.events import Event, EventLog
+from builder.extract.model import suggest_chunk_tokens
 from builder.fsutil import dir_size, fsync_path
-from builder.model import suggest_chunk_tokens
-from builder.store import SegmentWriter, init_data_group
+from builder.log.events import Event, EventLog
+from builder.store.segment import SegmentWriter, init_data_group
 
 
 def synthetic(tokens: int, hidden: int, layers: int, seed: int) -> tuple:

@@ -26,11 +26,11 @@ from numcodecs import Blosc, Zstd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.config import BuildConfig, Watermarks  # noqa: E402
-from builder.events import Event, EventLog, detail  # noqa: E402
+from builder.extract.source import Sample, fingerprint  # noqa: E402
 from builder.layout import layout  # noqa: E402
-from builder.source import Sample, fingerprint  # noqa: E402
-from builder.store import FIELDS, SegmentWriter, chunk_paths, init_data_group, new_segment_name  # noqa: E402
-from builder.sweep import SweepOptions, run_sweep  # noqa: E402
+from builder.log.events import Event, EventLog, detail  # noqa: E402
+from builder.store.segment import FIELDS, SegmentWriter, chunk_paths, init_data_group, new_segment_name  # noqa: E402
+from builder.verify.sweep import SweepOptions, run_sweep  # noqa: E402
 
 MB = 1_000_000
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeat):  # interleaved, so drift in the machine's speed hits both sides alike
             plain_runs.append(plain_loop(root, args.codec))
             for jobs in jobs_list:
-                sweeps[jobs].append(run_sweep(root, SweepOptions(jobs=jobs, progress=False), echo=lambda m: None))
+                sweeps[jobs].append(run_sweep(root, SweepOptions(jobs=jobs), echo=lambda m: None))
         raw, secs, ok = max(plain_runs, key=lambda r: r[0] / r[1])
         plain = raw / secs / MB
         print(f"plain loop (read + numcodecs decode + crc32c, 1 thread): {plain:8.1f} MB/s"

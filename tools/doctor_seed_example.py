@@ -24,12 +24,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from fake_nvml import FakeNVML, seed_gpus, unit_cgroup  # noqa: E402
 
 from builder import doctor_checks, gpu  # noqa: E402
-from builder.build import init_build, load_config  # noqa: E402
-from builder.demo import write_demo_source  # noqa: E402
-from builder.doctor import preflight_for_run, render_lines, run_doctor  # noqa: E402
+from builder.config import load_config  # noqa: E402
+from builder.doctor.report import preflight_for_run, render_lines, run_doctor  # noqa: E402
 from builder.errors import PreflightError  # noqa: E402
-from builder.events import EventLog  # noqa: E402
+from builder.extract.demo import write_demo_source  # noqa: E402
 from builder.layout import layout  # noqa: E402
+from builder.log.events import EventLog  # noqa: E402
+from builder.run.create import init_build  # noqa: E402
 
 UNIT = "vllm-kimi-k25-int4.service"
 SERVE = ["serve", "/models/Kimi-K2.5-int4", "--tensor-parallel-size", "8", "--port", "8000"]

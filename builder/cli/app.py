@@ -1,0 +1,248 @@
+"""`hsbuild`: a thin command line over the library. Only this module prints errors and picks exit codes.
+
+Exit codes: 0 done; 1 finished but some samples failed (run) or damage found (verify); 2 usage error or bad
+input (nothing committed changed); 3 the build will not fit on its volume; 4 blocking preflight problem;
+130 interrupted (everything committed is safe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from builder import __version__
+from builder.cli import doctor as cli_doctor
+from builder.cli import verify as cli_verify
+from builder.cli.args import fmt_of as _fmt
+from builder.cli.args import int_list as _int_list
+from builder.cli.args import out_flags as _out_flags
+from builder.cli.args import size as _size
+from builder.cli.output import print_json, print_rows
+from builder.cli.progress import progress_for
+from builder.errors import EXIT_INTERRUPTED, EXIT_OK, HsbuildError
+from builder.humanize import human_bytes, human_seconds, pct
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, help="extraction worker processes (default: config, 1)")
+    p.add_argument("--limit", type=int, help="process at most N samples in this run")
+    p.add_argument("--max-attempts", type=int, help="failed samples are retried until this many attempts (3)")
+    p.add_argument("--device", help="auto, cpu or cuda[:N] (default: config, auto)")
+    p.add_argument("--verify-after-write", action="store_true", default=None,
+                   help="read each sample back right after writing and record `verified`")
+    p.add_argument("--allow-overcommit", action="store_true",
+                   help="start even if the projected size does not fit below the high watermark (writers pause)")
+    p.add_argument("--force", action="store_true", help="start despite blocking preflight problems")
+    p.add_argument("--low", type=float, help="resume writing below this usage fraction (0.85)")
+    p.add_argument("--high", type=float, help="pause writers at this usage fraction (0.90)")
+    p.add_argument("--flood", type=float, help="never start a write that would cross this usage fraction (0.95)")
+    p.add_argument("--min-free", type=_size, help="pause when free space drops below this, e.g. 50G")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    out = _out_flags()
+    ap = argparse.ArgumentParser(
+        prog="hsbuild", description="Crash-safe, storage-aware hidden-state dataset builder",
+        epilog="exit codes: 0 done; 1 some samples failed (run) / damage found (verify); 2 usage error or bad input "
+               "(nothing changed); 3 will not fit below the high watermark; 4 blocking preflight problem; "
+               "130 interrupted (safe; `hsbuild resume` continues)")
+    ap.add_argument("--version", action="version", version=f"hsbuild {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("init", help="create a build directory")
+    p.add_argument("build")
+    p.add_argument("--source", required=True, help="JSONL or Parquet file, one sample a row")
+    p.add_argument("--model", default="builtin", help="builtin[:hidden=256,layers=8,vocab=1024] or a HF model dir")
+    p.add_argument("--aux-layers", type=_int_list, help="hidden_states indices to keep (default: 2, L//2, L-3)")
+    p.add_argument("--max-tokens", type=int, help="truncate longer samples to N tokens")
+    p.add_argument("--max-attempts", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--codec", default="zstd:1", help="zstd:LEVEL (default zstd:1), blosc-lz4:L, blosc-zstd:L, none")
+    p.add_argument("--chunk-tokens", type=int, help="chunk length along the token axis (default: measured)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--staging", help="a staging directory to watch as well (e.g. /dev/shm)")
+    p.add_argument("--low", type=float, default=0.85)
+    p.add_argument("--high", type=float, default=0.90)
+    p.add_argument("--flood", type=float, default=0.95)
+    p.add_argument("--min-free", type=_size, default=0)
+    p.add_argument("--force", action="store_true", help="replace an existing build (deletes its data)")
+    p.add_argument("--allow-overcommit", action="store_true", help="do not warn that the build will not fit")
+
+    for name, helptext in (("run", "extract samples (continues where the log says it stopped)"),
+                           ("resume", "replay the log, report what it found, then continue")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("build")
+        _add_run_flags(p)
+
+    p = sub.add_parser("status", help="progress, failures, disk; works during a run", parents=[out])
+    p.add_argument("build")
+
+    p = sub.add_parser("sql", help="read-only SQL over the event log and views (samples, progress, runs)",
+                       parents=[out])
+    p.add_argument("build")
+    p.add_argument("query")
+
+    p = sub.add_parser("demo", help="init + run on the built-in model and sample set, then print status")
+    p.add_argument("build", nargs="?", default="hsbuild-demo")
+    p.add_argument("--samples", type=int, default=300)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--no-progress", action="store_true")
+
+    cli_verify.add_commands(sub, out)
+    cli_doctor.add_commands(sub, out)
+    return ap
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------------------
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from builder.config import Watermarks  # noqa: PLC0415
+    from builder.run.create import init_build  # noqa: PLC0415
+    from builder.space.capacity import describe_capacity  # noqa: PLC0415
+
+    lay = init_build(args.build, args.source, model=args.model, aux_layers=args.aux_layers, max_tokens=args.max_tokens,
+                     force=args.force, codec=args.codec, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
+                     max_attempts=args.max_attempts, device=args.device, staging=args.staging,
+                     watermarks=Watermarks(args.low, args.high, args.flood, args.min_free))
+    print(f"created build {lay.root}")
+    for line in describe_capacity(lay):
+        print(line)
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
+    from builder.run.coordinator import RunOptions, run_build  # noqa: PLC0415
+
+    opts = RunOptions(workers=args.workers, limit=args.limit, max_attempts=args.max_attempts, device=args.device,
+                      verify_after_write=args.verify_after_write, allow_overcommit=args.allow_overcommit,
+                      force=args.force, progress=progress_for(args), low=args.low, high=args.high,
+                      flood=args.flood, min_free=args.min_free)
+    report = run_build(args.build, opts, resume=resume, echo=lambda m: print(m, file=sys.stderr))
+    print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}"
+          + (f", paused {report.pauses}x" if report.pauses else ""))
+    if report.failed_in_build:
+        print(f"{report.failed_in_build} sample(s) in the build are failed; see them with: "
+              f"hsbuild sql {args.build} \"SELECT sample_id, error, error_detail FROM samples WHERE state='failed'\"")
+    if report.outcome == "interrupted":
+        print(f"interrupted at a safe point; continue with: hsbuild resume {args.build}")
+    if report.outcome == "worker_died":
+        print(f"{'; '.join(report.messages)}: stopped at a safe point; continue with: hsbuild resume {args.build}")
+    return report.exit_code
+
+
+def status_lines(st: dict) -> list[str]:
+    lines = []
+    if st.get("running") and st.get("purpose") == "verify" and isinstance(st.get("sweep"), dict):
+        sw = st["sweep"]
+        lines.append(f"running: verify sweep {str(st.get('run_id', ''))[:8]} (pid {st.get('pid')}): "
+                     f"{sw.get('checked')} of {sw.get('selected')} checked")
+    elif st.get("running"):
+        lines.append(f"running: run {str(st.get('run_id', ''))[:8]} (pid {st.get('pid')}, {st.get('workers')} worker(s))")
+    else:
+        lines.append("idle: no run is going")
+    lines.append(f"samples: {st['total']} total | {st['done']} done ({st['written']} written, {st['verified']} "
+                 f"verified) | {st['failed']} failed | {st['started']} in flight/interrupted | {st['pending']} pending")
+    lines.append(f"tokens:  {st['tokens_done']:,} of {st['tokens_total']:,} | data {human_bytes(st['bytes_done'])}")
+    if st.get("failed_by_reason"):
+        reasons = ", ".join(f"{k} {v}" for k, v in st["failed_by_reason"].items())
+        lines.append(f"failed:  {reasons} (details: SELECT sample_id, error, error_detail FROM samples "
+                     "WHERE state = 'failed')")
+    rate = st.get("recent_samples_per_s")
+    if st.get("running") and rate:
+        lines.append(f"rate:    {rate:.2f} samples/s | ETA {human_seconds(st.get('eta_seconds'))}")
+    if "usage" in st:
+        disk = f"disk:    {st['usage']:.1%} used, {human_bytes(st['free_bytes'])} free"
+        if st.get("paused"):
+            disk += f" | PAUSED ({st.get('pause_reason')}): resumes below {pct(st.get('low', 0.85))}"
+        lines.append(disk)
+    if "projected_bytes" in st:
+        fit = "fits" if st.get("fits") else "DOES NOT FIT"
+        lines.append(f"plan:    {human_bytes(st['projected_bytes'])} more projected ({st.get('basis')}); {fit} below "
+                     f"the high watermark")
+    return lines
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from builder.layout import layout  # noqa: PLC0415
+    from builder.log.query import run_query, status_snapshot  # noqa: PLC0415
+    from builder.space.capacity import capacity_for  # noqa: PLC0415
+
+    lay = layout(args.build).require()
+    st = status_snapshot(lay)
+    if not st.get("running"):
+        st.update(capacity_for(lay))
+    if st.get("failed"):
+        _, rows = run_query(lay, "SELECT error, count(*) FROM samples WHERE state = 'failed' GROUP BY 1 ORDER BY 2 DESC")
+        st["failed_by_reason"] = {r[0]: r[1] for r in rows}
+    fmt = _fmt(args)
+    if fmt == "json":
+        print_json(st)
+    elif fmt == "csv":
+        keys = sorted(st)
+        print_rows(keys, [[st[k] for k in keys]], "csv")
+    else:
+        print("\n".join(status_lines(st)))
+    return EXIT_OK
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from builder.layout import layout  # noqa: PLC0415
+    from builder.log.query import run_query  # noqa: PLC0415
+
+    cols, rows = run_query(layout(args.build).require(), args.query)
+    print_rows(cols, rows, _fmt(args))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from builder.extract.demo import write_demo_source  # noqa: PLC0415
+    from builder.layout import layout  # noqa: PLC0415
+    from builder.log.query import status_snapshot  # noqa: PLC0415
+    from builder.run.coordinator import RunOptions, run_build  # noqa: PLC0415
+    from builder.run.create import init_build  # noqa: PLC0415
+
+    lay = layout(args.build)
+    if lay.exists():
+        print(f"continuing the demo build in {lay.root}")
+    else:
+        src = write_demo_source(lay.root / "demo-source.jsonl", n=args.samples)
+        init_build(lay.root, src, model="builtin", force=True)
+        print(f"created demo build {lay.root} ({args.samples} samples, built-in model)")
+    report = run_build(lay.root, RunOptions(workers=args.workers, progress=progress_for(args)),
+                       echo=lambda m: print(m, file=sys.stderr))
+    print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}")
+    print("\n".join(status_lines(status_snapshot(lay))))
+    print(f"next: hsbuild sql {args.build} \"SELECT state, count(*) FROM samples GROUP BY state\"")
+    return report.exit_code
+
+
+COMMANDS = {"init": cmd_init, "run": cmd_run, "resume": lambda a: cmd_run(a, resume=True), "status": cmd_status,
+            "sql": cmd_sql, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = {**COMMANDS, **cli_verify.COMMANDS, **cli_doctor.COMMANDS}[args.cmd]
+    try:
+        return handler(args)
+    except HsbuildError as e:
+        print(f"hsbuild {args.cmd}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,34 @@
+"""Argument types and the output flags every command shares (`--json`, `--csv`, else a table)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def fmt_of(args: argparse.Namespace) -> str:
+    return "json" if getattr(args, "json", False) else "csv" if getattr(args, "csv", False) else "table"
+
+
+def out_flags() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json", action="store_true", help="machine-readable JSON")
+    g.add_argument("--csv", action="store_true", help="CSV")
+    return p
+
+
+def int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{s}': give comma-separated integers, e.g. 2,16,29") from None
+
+
+def size(s: str) -> int:
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = s.strip().lower().rstrip("ib").rstrip("b") if s.strip().lower() not in ("0",) else "0"
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        return int(float(num) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{s}': give a size like 500M or 2G") from None

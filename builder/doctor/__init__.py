@@ -1,0 +1,1 @@
+"""Preflight checks: GPUs (and who squats on them), storage, build state, environment."""

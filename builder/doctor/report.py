@@ -1,0 +1,312 @@
+"""`hsbuild doctor` and the preflight of `run`/`resume`: typed findings, recorded as a `doctor` event.
+
+The library never prints: `run_doctor` and `preflight_for_run` return a `DoctorReport` (a list of `Check`s,
+each ok/warn/fail with a fix), `render_lines` turns one into text for people, and `preflight_for_run` raises
+`PreflightError` on blocking ('fail') problems unless forced. The report goes into the event log as
+`Event('doctor', reason=<worst status>, detail=<the report as JSON>)` so SQL can show it later.
+
+Standalone doctor works whether or not a run is going: while a live process holds the build lock it never
+opens the DuckDB file (the owner holds it) and asks the owner over its socket (`query.run_query`); otherwise
+it takes the lock for the moment it reads the build state and records its event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from builder.config import BuildConfig, load_config
+from builder.doctor import checks as dc
+from builder.doctor.checks import FAIL, OK, WARN, Check, Context, plural
+from builder.errors import BuildLockedError, HsbuildError, PreflightError
+from builder.layout import BuildLayout
+from builder.log.events import Event, EventLog, open_log
+from builder.log.lock import BuildLock, LockState, inspect_lock
+from builder.log.query import jsonable, run_query
+
+__all__ = ["Check", "DoctorReport", "run_doctor", "preflight_for_run", "render_lines", "OK", "WARN", "FAIL"]
+
+_RANK = {OK: 0, WARN: 1, FAIL: 2}
+
+
+@dataclass
+class DoctorReport:
+    build: str
+    context: str  # 'doctor' (standalone) or 'run' (preflight)
+    device: str
+    checks: list[Check] = field(default_factory=list)
+    created_at: float = field(default_factory=time.time)
+    forced: bool = False
+    recorded: bool = False  # a `doctor` event holds this report
+    run_id: str | None = None
+
+    @property
+    def status(self) -> str:
+        return max((c.status for c in self.checks), key=_RANK.__getitem__, default=OK)
+
+    @property
+    def problems(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    @property
+    def warnings(self) -> list[Check]:
+        return [c for c in self.checks if c.status == WARN]
+
+    @property
+    def gpu_build(self) -> bool:
+        g = self.get("gpu")
+        return bool(g and g.data.get("gpu_build"))
+
+    def get(self, name: str) -> Check | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+    def as_dict(self) -> dict:
+        return {"build": self.build, "context": self.context, "device": self.device,
+                "mode": "gpu" if self.gpu_build else "cpu", "status": self.status, "forced": self.forced,
+                "created_at": self.created_at, "run_id": self.run_id, "recorded": self.recorded,
+                "problems": len(self.problems), "warnings": len(self.warnings),
+                "checks": [c.as_dict() for c in self.checks]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running the checks
+# ---------------------------------------------------------------------------------------------------
+
+
+def _guard(name: str, fn: Callable[[], Check | list[Check] | None]) -> list[Check]:
+    """A check that crashes is a finding (WARN), never the end of doctor."""
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001
+        return [Check(name, WARN, f"check could not run ({type(e).__name__}: {e})",
+                      "report this to the hsbuild maintainers with the message")]
+    if out is None:
+        return []
+    return out if isinstance(out, list) else [out]
+
+
+def _system_checks(ctx: Context, probe: bool) -> list[Check]:
+    """Checks that do not read the event log: environment, GPUs, filesystem."""
+    checks = _guard("env.torch", lambda: dc.check_torch(ctx))
+    checks += _guard("env.model", lambda: dc.check_model(ctx))
+    checks += _guard("env.source", lambda: dc.check_source(ctx))
+    checks += _guard("gpu", lambda: dc.check_gpus(ctx))
+    checks += _guard("storage.filesystem", lambda: dc.check_filesystem(ctx))
+    checks += _guard("storage.staging", lambda: dc.check_staging(ctx))
+    if probe:
+        checks += _guard("storage.probe", lambda: dc.check_probe(ctx))
+    _guard("build.fingerprint", lambda: dc.prepare_model_fingerprint(ctx) and None)
+    return checks
+
+
+def _state_checks(ctx: Context, lock_state: LockState | None, previous_owner: dict | None) -> list[Check]:
+    """Checks of the build state (through ctx.query) and of the lock."""
+    checks = _guard("build.lock", lambda: dc.check_lock(ctx, lock_state, previous_owner))
+    checks += _guard("storage.space", lambda: dc.check_space(ctx))
+    if ctx.query is None:
+        return checks + [Check("build.state", WARN, f"the event log could not be read: {ctx.query_error}",
+                               "try again; if it persists, see `hsbuild status`")]
+    checks += _guard("build.interrupted", lambda: dc.check_interrupted(ctx))
+    checks += _guard("build.failed", lambda: dc.check_failed(ctx))
+    checks += _guard("build.fingerprint", lambda: dc.check_fingerprints(ctx))
+    return checks
+
+
+_ORDER = ("env.", "gpu", "storage.", "build.")
+
+
+def _ordered(checks: list[Check]) -> list[Check]:
+    def key(c: Check) -> int:
+        return next((i for i, p in enumerate(_ORDER) if c.name.startswith(p)), len(_ORDER))
+
+    return sorted(checks, key=key)  # stable: keeps each group's own order
+
+
+def _event(report: DoctorReport) -> Event:
+    return Event("doctor", run_id=report.run_id, reason=report.status,
+                 detail=json.dumps(jsonable(report.as_dict()), sort_keys=True, default=str))
+
+
+@contextlib.contextmanager
+def _build_reader(lay: BuildLayout, record: bool) -> Iterator[tuple[str, EventLog | None, LockState]]:
+    """('live', None, state) while a run owns the build; ('locked', log, state) with doctor holding the lock
+    (record=True); ('read_only', log, state) otherwise."""
+    state = inspect_lock(lay)
+    if not state.held and record:
+        try:
+            lock = BuildLock(lay, "doctor").acquire()
+        except BuildLockedError:
+            lock = None  # a run started just now: ask it
+        except OSError:
+            lock = None  # cannot write here (someone else's build, read-only mount): read only
+        if lock is not None:
+            try:
+                log = open_log(lay.events, wait=10.0)
+                try:
+                    yield "locked", log, state
+                finally:
+                    log.close()
+            finally:
+                lock.release(keep_previous=True)
+            return
+        state = inspect_lock(lay)
+    if state.held:
+        yield "live", None, state
+        return
+    log = open_log(lay.events, read_only=True, wait=5.0)
+    try:
+        yield "read_only", log, state
+    finally:
+        log.close()
+
+
+def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = True, probe: bool = True,
+               gpu_mem_threshold: int = dc.GPU_MEM_THRESHOLD,
+               cgroup_reader: Callable[[int], str | None] | None = None) -> DoctorReport:
+    """Standalone doctor. Records a `doctor` event when no run is going (and `record`)."""
+    lay.require()
+    cfg = load_config(lay)
+    dev = device or cfg.device
+    report = DoctorReport(str(lay.root), "doctor", dev, run_id=uuid.uuid4().hex)
+    first = inspect_lock(lay)
+    own = {os.getpid()}
+    if first.held and first.info and first.info.get("pid"):
+        own.add(int(first.info["pid"]))
+    ctx = Context(lay, cfg, dev, own, for_run=False, gpu_mem_threshold=gpu_mem_threshold,
+                  cgroup_reader=cgroup_reader)
+    checks = _system_checks(ctx, probe)
+    with _build_reader(lay, record) as (how, log, state):
+        if how == "live":
+            ctx.live = True
+            if state.info and state.info.get("pid"):
+                ctx.own_pids.add(int(state.info["pid"]))
+            ctx.query = _live_query(lay)
+            try:
+                ctx.query("SELECT count(*) FROM meta")
+            except HsbuildError as e:  # the owner does not answer (still starting, or stuck): skip state checks
+                ctx.query, ctx.query_error = None, str(e)
+        else:
+            assert log is not None
+            ctx.query = log.query
+        # `state`: the lock as it was before doctor took it (doctor's own lock would hide a stale one)
+        checks += _state_checks(ctx, state, None)
+        report.checks = _ordered(checks)
+        if how == "locked" and log is not None:
+            report.recorded = True
+            log.append([_event(report)])
+    return report
+
+
+def _live_query(lay: BuildLayout) -> dc.Query:
+    def q(sql: str) -> tuple[list[str], list[list]]:
+        return run_query(lay, sql)
+
+    return q
+
+
+def preflight_for_run(lay: BuildLayout, cfg: BuildConfig, log: EventLog, force: bool, own_pids: set[int], *,
+                      device: str | None = None, run_id: str | None = None, previous_owner: dict | None = None,
+                      probe: bool = True, gpu_mem_threshold: int = dc.GPU_MEM_THRESHOLD,
+                      cgroup_reader: Callable[[int], str | None] | None = None) -> DoctorReport:
+    """The doctor checks at the start of `run`/`resume`, inside the run's lock, on its open writable log.
+
+    Records the report as a `doctor` event, then raises PreflightError (exit code 4) listing the blocking
+    problems and their fixes unless `force`. `device`: the device the run uses (its --device, else config);
+    `previous_owner`: `BuildLock.previous` (a dead owner the run took the lock over from).
+    """
+    dev = device or cfg.device
+    report = DoctorReport(str(lay.root), "run", dev, run_id=run_id)
+    ctx = Context(lay, cfg, dev, set(own_pids) | {os.getpid()}, for_run=True, query=log.query,
+                  gpu_mem_threshold=gpu_mem_threshold, cgroup_reader=cgroup_reader)
+    checks = _system_checks(ctx, probe) + _state_checks(ctx, None, previous_owner)
+    report.checks = _ordered(checks)
+    report.forced = bool(force and report.problems)
+    log.append([_event(report)])
+    report.recorded = True
+    if report.problems and not force:
+        err = PreflightError(preflight_message(report))
+        err.report = report  # type: ignore[attr-defined]
+        raise err
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------
+# Text for people
+# ---------------------------------------------------------------------------------------------------
+
+LABEL = {OK: "OK", WARN: "WARN", FAIL: "FAIL"}
+
+
+def render_lines(report: DoctorReport, only_problems: bool = False) -> list[str]:
+    """One line per check (OK / WARN / FAIL), the detail lines under it, and the fix; a fix already shown
+    is referred to instead of repeated."""
+    width = max((len(c.name) for c in report.checks), default=8)
+    mode = "GPU" if report.gpu_build else "CPU"
+    lines = [f"hsbuild doctor {report.build}: device {report.device} ({mode} build)"]
+    shown: dict[str, str] = {}
+    for c in report.checks:
+        if only_problems and c.status == OK:
+            continue
+        lines.append(f"{LABEL[c.status]:<4}  {c.name:<{width}}  {c.summary}")
+        pad = " " * (8 + width)
+        lines += [pad + d for d in c.details]
+        if c.fix and c.status != OK:
+            if c.fix in shown:
+                lines.append(f"{pad}fix: as for {shown[c.fix]}")
+            else:
+                shown[c.fix] = c.name
+                lines.append(f"{pad}fix: {c.fix}")
+    lines.append(tally(report))
+    return lines
+
+
+def _by_fix(checks: list[Check]) -> list[list[Check]]:
+    """Checks grouped by their fix (one cause seen on several devices is one problem), in report order."""
+    groups: dict[str, list[Check]] = {}
+    for c in checks:
+        groups.setdefault(c.fix or f"\0{c.name}", []).append(c)
+    return list(groups.values())
+
+
+def tally(report: DoctorReport) -> str:
+    fails, warns = report.problems, report.warnings
+    if fails:
+        n = len(_by_fix(fails))
+        also = f" ({len(fails)} checks FAIL)" if len(fails) != n else ""
+        return (f"{plural(n, 'blocking problem')}{also}, {plural(len(warns), 'warning')}: `hsbuild run` refuses "
+                "to start (--force overrides)")
+    if warns:
+        return f"no blocking problems, {plural(len(warns), 'warning')}"
+    return "all checks OK"
+
+
+def preflight_message(report: DoctorReport) -> str:
+    groups = _by_fix(report.problems)
+    lines = [f"{plural(len(groups), 'blocking preflight problem')} in {report.build}:"]
+    for g in groups:
+        lines.append(f"  {g[0].name}: {g[0].summary}")
+        if len(g) > 1:
+            lines.append(f"    (also {', '.join(c.name for c in g[1:])})")
+        if g[0].fix:
+            lines.append(f"    fix: {g[0].fix}")
+    lines.append(f"see `hsbuild doctor {report.build}`; pass --force to start anyway")
+    return "\n".join(lines)
+
+
+def warning_lines(report: DoctorReport) -> list[str]:
+    """What a run should echo when it starts despite findings (warnings, or problems overridden by --force)."""
+    out = []
+    for c in report.checks:
+        if c.status != OK:
+            forced = " (--force)" if c.status == FAIL else ""
+            out.append(f"preflight {LABEL[c.status]}{forced}: {c.name}: {c.summary}"
+                       + (f" [fix: {c.fix}]" if c.fix else ""))
+    return out
+
+
+__all__ += ["preflight_message", "warning_lines"]

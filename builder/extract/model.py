@@ -1,0 +1,343 @@
+"""Models and the hidden-state extractor.
+
+`--model builtin[:hidden=256,layers=8,vocab=1024,...]` builds a small Llama-architecture model with
+deterministic random weights locally (no download). Any other spec is a local Hugging Face model directory,
+loaded with `transformers` (the optional `hsbuild[hf]` extra).
+
+Hidden-state indices follow Hugging Face's `output_hidden_states` convention: index 0 is the embedding
+output, index k (1 <= k < L) the output of decoder layer k-1, and index L the output of the last layer after
+the final norm. EAGLE-3 (SpecForge) keeps the outputs of layers 1, L/2-1 and L-4, i.e. indices 2, L//2 and
+L-3, plus the final hidden state (index L).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from builder.errors import ModelError, SampleError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CONVENTION = "hf_hidden_states: 0=embeddings, k=output of layer k-1, L=final-norm output"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The built-in model: Llama architecture (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP).
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    hidden: int = 256
+    layers: int = 8
+    vocab: int = 1024
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    max_positions: int = 4096
+    seed: int = 0
+    nan_token: int = -1  # testing aid: this token's embedding is NaN, so its sample fails `nonfinite`
+
+    @classmethod
+    def parse(cls, spec: str) -> BuiltinSpec:
+        if spec == "builtin":
+            return cls()
+        if not spec.startswith("builtin:"):
+            raise ModelError(f"--model '{spec}': not a builtin spec")
+        kwargs: dict[str, int] = {}
+        names = {f for f in cls.__dataclass_fields__}
+        for part in filter(None, spec[len("builtin:") :].split(",")):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep or key not in names:
+                raise ModelError(
+                    f"--model '{spec}': bad key '{part}'; use builtin:key=value,... with keys {sorted(names)}"
+                )
+            try:
+                kwargs[key] = int(value)
+            except ValueError:
+                raise ModelError(f"--model '{spec}': '{key}' needs an integer, got '{value}'") from None
+        s = cls(**kwargs)
+        if s.hidden % s.heads or s.heads % s.kv_heads or (s.hidden // s.heads) % 2:
+            raise ModelError(
+                f"--model '{spec}': hidden must divide by heads, heads by kv_heads, and head size must be even"
+            )
+        if min(s.hidden, s.layers, s.vocab, s.heads, s.kv_heads, s.intermediate, s.max_positions) < 1:
+            raise ModelError(f"--model '{spec}': sizes must be positive")
+        return s
+
+    def canonical(self) -> str:
+        return "builtin:" + ",".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    def __init__(self, s: BuiltinSpec):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.hidden // s.heads
+        self.input_layernorm = RMSNorm(s.hidden)
+        self.q_proj = nn.Linear(s.hidden, s.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.heads * self.head_dim, s.hidden, bias=False)
+        self.post_attention_layernorm = RMSNorm(s.hidden)
+        self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(att.transpose(1, 2).reshape(b, n, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class BuiltinLlama(nn.Module):
+    def __init__(self, s: BuiltinSpec):
+        super().__init__()
+        self.spec = s
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(Block(s) for _ in range(s.layers))
+        self.norm = RMSNorm(s.hidden)
+        head_dim = s.hidden // s.heads
+        inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    @torch.no_grad()
+    def init_deterministic(self) -> None:
+        g = torch.Generator().manual_seed(self.spec.seed)
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            else:
+                std = 0.02 if "embed" not in name else 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        if 0 <= self.spec.nan_token < self.spec.vocab:
+            self.embed_tokens.weight[self.spec.nan_token] = float("nan")
+
+    def forward(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        n = input_ids.shape[1]
+        pos = torch.arange(n, dtype=torch.float32, device=input_ids.device)
+        freqs = torch.outer(pos, self.inv_freq.to(input_ids.device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.embed_tokens(input_ids)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        states = [x]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+            states.append(x)
+        states[-1] = self.norm(x)
+        return states
+
+
+def builtin_tokenizer(vocab: int):
+    """Byte-level tokenizer of the built-in model: BOS=1, then UTF-8 bytes shifted by 3."""
+
+    def tokenize(text: str) -> list[int]:
+        return [1] + [(b + 3) % vocab for b in text.encode("utf-8")]
+
+    return tokenize
+
+
+# ---------------------------------------------------------------------------------------------------
+# The extractor
+# ---------------------------------------------------------------------------------------------------
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """SpecForge's EAGLE-3 default as hidden_states indices: outputs of layers 1, L/2-1 and L-4."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelError(f"--device '{device}': not a torch device; use auto, cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"--device '{device}': CUDA is not available here; use --device cpu")
+    return dev
+
+
+class Extractor:
+    """Loads a model and extracts the EAGLE-3 auxiliary hidden states plus the final hidden state."""
+
+    def __init__(self, spec: str, aux_layers: list[int] | None = None, dtype: str = "bfloat16",
+                 device: str = "auto", load_weights: bool = True):
+        if dtype not in DTYPES:
+            raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPES)}")
+        self.spec, self.dtype_name, self.dtype = spec, dtype, DTYPES[dtype]
+        self.device = pick_device(device)
+        self.tokenizer = None
+        if spec == "builtin" or spec.startswith("builtin:"):
+            s = BuiltinSpec.parse(spec)
+            self.num_layers, self.hidden_size, self.vocab_size, self.max_positions = (
+                s.layers, s.hidden, s.vocab, s.max_positions)
+            model = BuiltinLlama(s)
+            model.init_deterministic()
+            self._model = model.to(self.dtype).to(self.device).eval()
+            self._hf = False
+            self.tokenizer = builtin_tokenizer(s.vocab)
+            self.fingerprint = self._weights_fingerprint(s.canonical())
+        else:
+            self._model = None
+            self._load_hf(spec, load_weights)
+        self.aux_layers = list(aux_layers) if aux_layers else default_aux_layers(self.num_layers)
+        for i in self.aux_layers:
+            if not 0 <= i <= self.num_layers:
+                raise ModelError(
+                    f"--aux-layers: index {i} is outside 0..{self.num_layers} (hidden_states indices of a "
+                    f"{self.num_layers}-layer model)"
+                )
+
+    # -- loading ------------------------------------------------------------------------------------
+    def _weights_fingerprint(self, prefix: str) -> str:
+        h = hashlib.blake2b(prefix.encode(), digest_size=8)
+        for name, t in self._model.state_dict().items():
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def _load_hf(self, spec: str, load_weights: bool) -> None:
+        """A local HF directory. Dimensions, tokenizer and fingerprint come from its files; the weights are
+        loaded only when extracting (never by `init` or `doctor`)."""
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"--model '{spec}': not 'builtin[:...]' and not a Hugging Face model directory (no config.json)"
+            )
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelError(f"--model '{spec}': config.json is unreadable ({e})") from e
+        text = cfg.get("text_config") or cfg  # multimodal checkpoints nest the language model's config
+        try:
+            self.num_layers = int(text["num_hidden_layers"])
+            self.hidden_size = int(text["hidden_size"])
+            self.vocab_size = int(text["vocab_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelError(f"--model '{spec}': config.json lacks {e} (num_hidden_layers, hidden_size, vocab_size)") from None
+        self.max_positions = int(text.get("max_position_embeddings") or 1 << 30)
+        self._hf = True
+        h = hashlib.blake2b(b"hf:", digest_size=8)
+        h.update((path / "config.json").read_bytes())
+        for f in sorted(path.iterdir()):
+            if f.suffix in {".safetensors", ".bin", ".json"}:
+                h.update(f"{f.name}:{f.stat().st_size}".encode())
+        self.fingerprint = h.hexdigest()
+        try:
+            import transformers  # noqa: PLC0415
+        except ImportError:
+            raise ModelError(f"--model '{spec}': Hugging Face models need `pip install hsbuild[hf]`") from None
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(str(path))
+            self.tokenizer = lambda text: tok(text)["input_ids"]
+        except Exception:  # noqa: BLE001 - a model without a tokenizer can still take input_ids
+            self.tokenizer = None
+        if not load_weights:
+            return
+        try:
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
+            except TypeError:  # transformers < 4.56 knows only torch_dtype
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=self.dtype)
+        except Exception as e:  # noqa: BLE001 - report any loader failure as a model error
+            raise ModelError(f"--model '{spec}': cannot load ({type(e).__name__}: {e})") from e
+        self._model = model.to(self.device).eval()
+
+    # -- extraction -----------------------------------------------------------------------------------
+    def metadata(self) -> dict:
+        return {
+            "model": self.spec,
+            "model_fingerprint": self.fingerprint,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "aux_layers": self.aux_layers,
+            "final_layer": self.num_layers,
+            "convention": CONVENTION,
+            "dtype": self.dtype_name,
+        }
+
+    def check(self, input_ids: np.ndarray, max_tokens: int | None) -> np.ndarray:
+        """Validate one sample's tokens; returns them, truncated to max_tokens. Raises SampleError."""
+        n = int(input_ids.shape[0])
+        if n == 0:
+            raise SampleError("empty_sample", "the sample has no tokens")
+        if max_tokens is not None and n > max_tokens:
+            input_ids = input_ids[:max_tokens]
+        elif n > self.max_positions:
+            raise SampleError(
+                "too_long", f"{n} tokens exceed the model's {self.max_positions} positions; set --max-tokens"
+            )
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise SampleError("token_out_of_range", f"token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}")
+        return input_ids
+
+    @torch.inference_mode()
+    def extract(self, input_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward pass; returns (aux [n, len(aux)*H], final [n, H]) on the CPU in the model dtype."""
+        if self._model is None:
+            raise ModelError(f"{self.spec}: opened for metadata only (load_weights=False)")
+        ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).unsqueeze(0).to(self.device)
+        if self._hf:
+            states = self._model(input_ids=ids, output_hidden_states=True).hidden_states
+        else:
+            states = self._model(ids)
+        aux = torch.cat([states[i][0] for i in self.aux_layers], dim=-1)
+        final = states[self.num_layers][0]
+        for name, t in (("aux_hidden_state", aux), ("hidden_state", final)):
+            if not torch.isfinite(t).all():
+                bad = int((~torch.isfinite(t)).any(dim=-1).nonzero()[0, 0])
+                raise SampleError("nonfinite", f"{name} holds NaN/Inf (first at token {bad})")
+        return aux.to("cpu"), final.to("cpu")
+
+
+def bytes_per_token(hidden_size: int, n_aux: int, dtype: str = "bfloat16") -> int:
+    """Uncompressed bytes a token costs in the build (states + input_ids int32 + loss_mask uint8)."""
+    width = DTYPES[dtype].itemsize if hasattr(DTYPES[dtype], "itemsize") else 2
+    return (n_aux + 1) * hidden_size * width + 4 + 1
+
+
+def suggest_chunk_tokens(hidden_size: int, n_aux: int, median_tokens: int, target_bytes: int = 8 << 20) -> int:
+    """Chunk length along the token axis: aux chunks near `target_bytes`, not longer than a typical sample."""
+    per_token = n_aux * hidden_size * 2
+    limit = max(16, min(4096, target_bytes // max(per_token, 1), max(median_tokens, 16)))
+    return 1 << int(math.floor(math.log2(limit)))

@@ -1,0 +1,230 @@
+"""Reading the sample source: JSONL or Parquet through DuckDB, one sample a row.
+
+A row has `input_ids` (list of ints) with optional `loss_mask` (same length) and optional `id`, or `text`,
+tokenized with the model's tokenizer. A sample's identity is its id (default: the row number) plus a
+fingerprint of its tokens.
+
+DuckDB reads the bulk; when DuckDB rejects the file or types a column wrongly, a line-by-line Python scan
+finds the exact line and field for the error message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from builder.errors import SourceError
+
+JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
+PARQUET_SUFFIXES = {".parquet", ".pq"}
+
+Tokenizer = Callable[[str], list[int]]
+
+
+@dataclass
+class Sample:
+    sample_id: str
+    row: int
+    input_ids: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # uint8 [n]
+    fingerprint: str
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes())
+    h.update(b"|")
+    h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def load_source(path: str | Path, tokenizer: Tokenizer | None = None) -> list[Sample]:
+    """Load and validate every sample of a source file. Raises SourceError naming file, line and field."""
+    path = Path(path)
+    if not path.exists():
+        raise SourceError(path, "file not found; pass an existing .jsonl or .parquet file with --source")
+    if path.is_dir():
+        raise SourceError(path, "is a directory; pass a .jsonl or .parquet file with --source")
+    suffix = path.suffix.lower()
+    if suffix in JSON_SUFFIXES:
+        kind = "json"
+    elif suffix in PARQUET_SUFFIXES:
+        kind = "parquet"
+    else:
+        raise SourceError(path, f"unknown source type '{suffix}'; use a .jsonl or .parquet file")
+    table, types = _read_with_duckdb(path, kind)
+    if types.get("id") == "JSON":  # ids of mixed types (strings and numbers): DuckDB hands back JSON text
+        ids = [None if v is None else json.loads(v) for v in table.column("id").to_pylist()]
+        table = table.set_column(table.column_names.index("id"), "id", pa.array([None if v is None else str(v)
+                                                                                  for v in ids]))
+    return _samples_from_table(path, kind, table, tokenizer)
+
+
+def _read_with_duckdb(path: Path, kind: str) -> tuple[pa.Table, dict[str, str]]:
+    con = duckdb.connect()
+    try:
+        if kind == "json":
+            if path.stat().st_size == 0:
+                raise SourceError(path, "file is empty; it needs one JSON object a line")
+            rel = con.sql(
+                "SELECT * FROM read_json($p, format='newline_delimited', records=true, sample_size=-1,"
+                " maximum_object_size=1073741824)",
+                params={"p": str(path)},
+            )
+        else:
+            rel = con.sql("SELECT * FROM read_parquet($p)", params={"p": str(path)})
+        fetch = getattr(rel, "to_arrow_table", None) or rel.arrow  # duckdb 2.x / 1.x
+        return fetch(), {c: str(t) for c, t in zip(rel.columns, rel.types, strict=True)}
+    except SourceError:
+        raise
+    except duckdb.Error as e:
+        if kind == "json":
+            _scan_json_lines(path)  # raises a precise SourceError if it finds the bad line
+        raise SourceError(path, f"cannot be read: {str(e).splitlines()[0]}") from e
+    finally:
+        con.close()
+
+
+def _iter_json_lines(path: Path) -> Iterator[tuple[int, object]]:
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SourceError(path, f"malformed JSON ({e.msg} at column {e.colno})", line=lineno) from None
+
+
+def _scan_json_lines(path: Path) -> None:
+    """Find the first bad line of a JSONL file and raise SourceError for it."""
+    try:
+        for lineno, obj in _iter_json_lines(path):
+            _check_record(path, lineno, obj)
+    except UnicodeDecodeError as e:
+        raise SourceError(path, f"not UTF-8 text ({e.reason})") from None
+
+
+def _check_record(path: Path, line: int, obj: object) -> None:
+    if not isinstance(obj, dict):
+        raise SourceError(path, f"expected a JSON object, got {type(obj).__name__}", line=line)
+    if "input_ids" in obj:
+        ids = obj["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise SourceError(path, "must be a list of integers", line=line, field="input_ids")
+        mask = obj.get("loss_mask")
+        if mask is not None:
+            if not isinstance(mask, list) or not all(isinstance(x, int | bool) for x in mask):
+                raise SourceError(path, "must be a list of 0/1 integers", line=line, field="loss_mask")
+            if len(mask) != len(ids):
+                raise SourceError(
+                    path, f"has {len(mask)} entries but input_ids has {len(ids)}", line=line, field="loss_mask"
+                )
+    elif "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise SourceError(path, "must be a string", line=line, field="text")
+    else:
+        raise SourceError(path, "missing; each row needs 'input_ids' (list of ints) or 'text'", line=line,
+                          field="input_ids")
+    if "id" in obj and not isinstance(obj["id"], str | int):
+        raise SourceError(path, "must be a string or an integer", line=line, field="id")
+
+
+def _row_label(kind: str, row: int, lines: list[int] | None) -> int:
+    if kind == "json" and lines is not None:
+        return lines[row]
+    return row + 1
+
+
+def _json_line_numbers(path: Path) -> list[int]:
+    out = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                out.append(lineno)
+    return out
+
+
+def _samples_from_table(path: Path, kind: str, table: pa.Table, tokenizer: Tokenizer | None) -> list[Sample]:
+    names = set(table.column_names)
+    lines = _json_line_numbers(path) if kind == "json" else None
+    where = "line" if kind == "json" else "row"
+
+    def fail(row: int, field: str, msg: str) -> SourceError:
+        if kind == "json":
+            return SourceError(path, msg, line=_row_label(kind, row, lines), field=field)
+        return SourceError(path, f"{msg} (row {row + 1})", field=field)
+
+    if table.num_rows == 0:
+        raise SourceError(path, "has no rows")
+    if "input_ids" not in names and "text" not in names:
+        raise SourceError(path, f"has neither 'input_ids' nor 'text' (columns: {sorted(names)})", field="input_ids")
+
+    n = table.num_rows
+
+    def list_column(name: str, ok_value, what: str) -> list[np.ndarray | None]:
+        """A list column as per-row numpy views (None for a missing value); a wrong type names the line."""
+        if name not in names:
+            return [None] * n
+        col = table.column(name).combine_chunks()
+        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) or not ok_value(col.type.value_type):
+            if kind == "json":
+                _scan_json_lines(path)
+            raise SourceError(path, f"must be a list of {what} (column type is {col.type})", field=name)
+        offsets = col.offsets.to_numpy()
+        values = col.values.to_numpy(zero_copy_only=False)
+        nulls = col.is_null().to_numpy(zero_copy_only=False)
+        return [None if nulls[i] else values[offsets[i] : offsets[i + 1]] for i in range(n)]
+
+    ids_list = list_column("input_ids", pa.types.is_integer, "integers")
+    masks = list_column("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t), "0/1 integers")
+    texts = table.column("text").to_pylist() if "text" in names else [None] * n
+    raw_ids = table.column("id").to_pylist() if "id" in names else None
+
+    samples: list[Sample] = []
+    seen: dict[str, int] = {}
+    for i in range(n):
+        ids = ids_list[i]
+        if ids is None:
+            text = texts[i]
+            if text is None:
+                raise fail(i, "input_ids", "missing; each row needs 'input_ids' (list of ints) or 'text'")
+            if not isinstance(text, str):
+                raise fail(i, "text", "must be a string")
+            if tokenizer is None:
+                raise fail(i, "text", "needs a tokenizer, but the model has none")
+            ids = np.asarray(tokenizer(text), dtype=np.int64)
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
+            raise fail(i, "input_ids", "holds a value outside the 32-bit integer range")
+        ids32 = ids.astype(np.int32)
+        mask = masks[i]
+        if mask is None:
+            mask8 = np.ones(ids32.shape[0], dtype=np.uint8)
+        else:
+            mask = np.asarray(mask)
+            if mask.shape[0] != ids32.shape[0]:
+                raise fail(i, "loss_mask", f"has {mask.shape[0]} entries but input_ids has {ids32.shape[0]}")
+            if mask.size and (mask.min() < 0 or mask.max() > 1):
+                raise fail(i, "loss_mask", "must hold only 0 and 1")
+            mask8 = mask.astype(np.uint8)
+        if raw_ids is not None and raw_ids[i] is not None:
+            sid = str(raw_ids[i])
+        else:
+            sid = str(i)
+        if sid in seen:
+            raise fail(i, "id", f"duplicate id '{sid}' (first seen at {where} {_row_label(kind, seen[sid], lines)})")
+        seen[sid] = i
+        samples.append(Sample(sid, i, ids32, mask8, fingerprint(ids32, mask8)))
+    return samples

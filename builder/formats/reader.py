@@ -1,0 +1,52 @@
+"""A torch reader for training: the live samples of a build, in source order.
+
+The index is a snapshot of the `samples` view (taken from the live owner during a run, or from the file), so
+only samples whose `written` event committed are ever returned, whatever else sits on disk.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from builder.layout import layout
+from builder.log.query import run_query
+from builder.store.reader import SegmentReader
+
+
+class HiddenStateDataset(Dataset):
+    """Items are dicts: sample_id, input_ids (int64 [n]), loss_mask (int64 [n]), hidden_state [n, H] and
+    aux_hidden_state [n, n_aux*H] in the build's logical dtype (bfloat16 restored bit-exact)."""
+
+    def __init__(self, build: str | Path, include_unverified: bool = True):
+        self.lay = layout(build).require()
+        states = "('written', 'verified')" if include_unverified else "('verified')"
+        cols, rows = run_query(self.lay, "SELECT sample_id, segment, token_start, num_tokens FROM samples "
+                                         f"WHERE state IN {states} ORDER BY row_idx")
+        self.index = [dict(zip(cols, r, strict=True)) for r in rows]
+        self._reader: SegmentReader | None = None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict:
+        if self._reader is None:  # opened lazily: one per DataLoader worker process
+            self._reader = SegmentReader(self.lay.data)
+        e = self.index[i]
+        t = self._reader.read(e["segment"], e["token_start"], e["num_tokens"])
+        return {"sample_id": e["sample_id"], "input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
+                "hidden_state": t["hidden_state"], "aux_hidden_state": t["aux_hidden_state"]}
+
+    def by_id(self) -> dict[str, int]:
+        return {e["sample_id"]: i for i, e in enumerate(self.index)}
+
+
+def collate_concat(items: list[dict]) -> dict:
+    """Pack a batch along the token axis (no padding), with cu_seqlens for varlen attention."""
+    lens = torch.tensor([len(it["input_ids"]) for it in items])
+    out = {k: torch.cat([it[k] for it in items]) for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")}
+    out["cu_seqlens"] = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+    out["sample_id"] = [it["sample_id"] for it in items]
+    return out

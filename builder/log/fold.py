@@ -1,0 +1,48 @@
+"""The fold, in Python: the reference the `samples` view (schema/views.sql) must agree with (tested with
+Hypothesis)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+from builder.log.events import Event
+
+
+@dataclass
+class SampleState:
+    state: str = "pending"
+    attempts: int = 0
+    segment: str | None = None
+    token_start: int | None = None
+    num_tokens: int | None = None
+    error: str | None = None
+    verified_seq: int | None = None
+
+    def as_tuple(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "verified_seq")
+
+
+def fold(events: Iterable[Event]) -> SampleState:
+    """State of one sample from its events (in log order)."""
+    s = SampleState()
+    main: Event | None = None
+    last_verified: int | None = None
+    for ev in events:
+        if ev.kind == "started":
+            s.attempts += 1
+        if ev.kind == "verified":
+            last_verified = ev.seq
+        elif ev.kind in ("started", "written", "failed"):
+            main = ev
+    if main is None:
+        return s
+    s.state = main.kind
+    if main.kind == "written":
+        s.segment, s.token_start, s.num_tokens = main.segment, main.token_start, main.num_tokens
+        if last_verified is not None and main.seq is not None and last_verified > main.seq:
+            s.state = "verified"
+            s.verified_seq = last_verified
+    elif main.kind == "failed":
+        s.error = main.reason
+    return s

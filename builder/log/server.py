@@ -1,0 +1,86 @@
+"""The owner's query server: answers `hsbuild status` / `hsbuild sql` from other shells during a run.
+
+A daemon thread accepts connections on a Unix socket (mode 0600). Each request is one JSON line; each reply
+one JSON line. Queries run on their own DuckDB cursor of the owner's connection, so they see every committed
+event (the owner commits at least once a second) and never block the writer for long.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from builder.errors import HsbuildError
+from builder.log.events import EventLog
+from builder.log.query import check_read_only, jsonable, recv_line
+
+
+class QueryServer:
+    def __init__(self, sock_path: Path, log: EventLog, status_fn: Callable[[], dict]):
+        self.sock_path, self.log, self.status_fn = Path(sock_path), log, status_fn
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+
+    def start(self) -> QueryServer:
+        self.sock_path.unlink(missing_ok=True)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            s.bind(str(self.sock_path))
+        finally:
+            os.umask(old)
+        os.chmod(self.sock_path, 0o600)
+        s.listen(16)
+        s.settimeout(0.2)
+        self._sock = s
+        self._thread = threading.Thread(target=self._serve, name="hsbuild-query", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=2)
+        if self._sock:
+            self._sock.close()
+        self.sock_path.unlink(missing_ok=True)
+
+    def _serve(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        try:
+            reply = self.answer(json.loads(recv_line(conn)))
+        except Exception as e:  # noqa: BLE001 - a bad request must not kill the server
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        try:
+            conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def answer(self, req: dict) -> dict:
+        op = req.get("op")
+        try:
+            if op == "sql":
+                check_read_only(req.get("sql", ""))
+                cols, rows = self.log.query(req["sql"])
+                return {"ok": True, "columns": cols, "rows": [[jsonable(v) for v in r] for r in rows]}
+            if op == "status":
+                return {"ok": True, "status": jsonable(self.status_fn())}
+            return {"ok": False, "error": f"unknown op {op!r}"}
+        except HsbuildError as e:
+            return {"ok": False, "error": str(e)}

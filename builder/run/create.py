@@ -1,0 +1,101 @@
+"""Creating a build (`hsbuild init`) and opening one."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from builder import __version__
+from builder.config import BuildConfig, Watermarks
+from builder.errors import BuildExistsError, UsageError
+from builder.extract.model import Extractor, suggest_chunk_tokens
+from builder.extract.source import load_source
+from builder.layout import BuildLayout, layout
+from builder.log.events import Event, EventLog, detail
+from builder.log.lock import BuildLock
+from builder.store.codec import STORAGE_DTYPES, parse_codec
+from builder.store.segment import init_data_group
+
+
+def code_fingerprint() -> str:
+    h = hashlib.blake2b(digest_size=8)
+    pkg = Path(__file__).resolve().parent.parent
+    for p in sorted(pkg.rglob("*.py")):
+        h.update(str(p.relative_to(pkg)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def init_build(
+    path: str | Path,
+    source: str | Path,
+    model: str = "builtin",
+    aux_layers: list[int] | None = None,
+    max_tokens: int | None = None,
+    force: bool = False,
+    codec: str = "zstd:1",
+    dtype: str = "bfloat16",
+    chunk_tokens: int | None = None,
+    max_attempts: int = 3,
+    watermarks: Watermarks | None = None,
+    device: str = "auto",
+    staging: str | None = None,
+) -> BuildLayout:
+    """Create a build. Validates everything first: on any error nothing on disk changes."""
+    lay = layout(path)
+    if lay.exists() and not force:
+        raise BuildExistsError(f"{lay.root}: already holds a build; pass --force to replace it (its data is deleted)")
+    if lay.root.exists() and not lay.exists() and any(lay.root.iterdir()) and not force:
+        raise BuildExistsError(f"{lay.root}: directory is not empty; choose a new directory or pass --force")
+    if max_tokens is not None and max_tokens < 1:
+        raise UsageError(f"--max-tokens {max_tokens}: must be a positive number of tokens")
+    if max_attempts < 1:
+        raise UsageError(f"--max-attempts {max_attempts}: must be at least 1")
+    if dtype not in STORAGE_DTYPES:
+        raise UsageError(f"--dtype {dtype}: use one of {sorted(STORAGE_DTYPES)}")
+    parse_codec(codec)
+    wm = (watermarks or Watermarks()).validate()
+    ex = Extractor(model, aux_layers, dtype, device="cpu", load_weights=False)  # metadata; no HF weights
+    source = Path(source).absolute()
+    samples = load_source(source, ex.tokenizer)
+    median = int(statistics.median(s.num_tokens for s in samples)) if samples else 128
+    if chunk_tokens is None:
+        chunk_tokens = suggest_chunk_tokens(ex.hidden_size, len(ex.aux_layers), median)
+    elif chunk_tokens < 1:
+        raise UsageError(f"--chunk-tokens {chunk_tokens}: must be positive")
+    cfg = BuildConfig(source=str(source), model=model, aux_layers=ex.aux_layers, max_tokens=max_tokens,
+                      max_attempts=max_attempts, dtype=dtype, codec=codec, chunk_tokens=chunk_tokens, device=device,
+                      staging=staging, watermarks=wm)
+
+    lay.root.mkdir(parents=True, exist_ok=True)
+    if lay.exists():  # --force: take the lock so a live run is never pulled out from under itself
+        with BuildLock(lay, "init --force"):
+            for p in (lay.events, lay.events.with_suffix(".duckdb.wal"), lay.config):
+                p.unlink(missing_ok=True)
+            shutil.rmtree(lay.data, ignore_errors=True)
+    elif force and lay.data.exists():
+        shutil.rmtree(lay.data, ignore_errors=True)
+    meta = {
+        "layout_version": 1,
+        "hsbuild_version": __version__,
+        "created_at": time.time(),
+        "source": str(source),
+        "config_fingerprint": cfg.fingerprint(),
+        "chunk_tokens": chunk_tokens,
+        "codec": codec,
+        "storage_dtype": STORAGE_DTYPES[dtype],
+        **ex.metadata(),
+    }
+    init_data_group(lay.data, {k: meta[k] for k in ("model", "aux_layers", "convention", "dtype", "storage_dtype",
+                                                    "hidden_size", "num_layers", "chunk_tokens")})
+    with EventLog(lay.events) as log:
+        log.set_meta(meta)
+        log.register_samples(samples)
+        log.append([Event("init", detail=detail(samples=len(samples), tokens=sum(s.num_tokens for s in samples),
+                                                 **{k: meta[k] for k in ("model", "model_fingerprint", "aux_layers",
+                                                                          "config_fingerprint")}))])
+    cfg.save(lay.config)  # last: a build "exists" once its config is there
+    return lay

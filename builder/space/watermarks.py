@@ -1,0 +1,195 @@
+"""Storage awareness: disk-usage watermarks with hysteresis, a ballast file for the event log, capacity planning.
+
+- `high` (default 0.90): writers pause once usage reaches it; they resume only below `low` (0.85).
+- `flood` (0.95): a write whose projected size would cross it is not started.
+- `min_free`: absolute free bytes that must remain (a pause like `high`).
+- A real ENOSPC anyway (another process filled the volume, or the filesystem lied): the write is abandoned and
+  retried later, writers pause, and the ballast file next to the log is released so the log can still commit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from builder.config import BuildConfig
+from builder.errors import WontFitError
+from builder.humanize import human_bytes, pct
+from builder.layout import BuildLayout
+
+POLL_SECONDS = 0.25
+BALLAST_MIN, BALLAST_MAX = 1 << 20, 64 << 20
+
+
+@dataclass
+class Usage:
+    path: str
+    total: int
+    free: int
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free
+
+    @property
+    def usage(self) -> float:
+        return self.used / self.total if self.total else 1.0
+
+
+def disk_usage(path: Path) -> Usage:
+    st = os.statvfs(path)
+    return Usage(str(path), st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
+
+
+def estimate_bytes_per_token(meta: dict) -> float:
+    """Uncompressed bytes a token needs (an upper bound before the first write)."""
+    h = int(meta.get("hidden_size", 0))
+    n_aux = len(meta.get("aux_layers", []))
+    width = 4 if meta.get("dtype") == "float32" else 2
+    return (n_aux + 1) * h * width + 5
+
+
+class SpaceMonitor:
+    def __init__(self, lay: BuildLayout, cfg: BuildConfig):
+        self.lay, self.wm = lay, cfg.watermarks
+        self.paths = [lay.root]
+        if cfg.staging:
+            self.paths.append(Path(cfg.staging))
+        self._paused: str | None = None
+        self._last_poll = 0.0
+        self._usage: list[Usage] = [disk_usage(p) for p in self.paths]
+        self._full_at: float | None = None
+        self._free_at_full = 0
+        self._flood_need = 0
+        self.bytes_written = 0
+        self.tokens_written = 0
+        self.bytes_per_token: float | None = None
+        total = self._usage[0].total
+        self.ballast_size = max(BALLAST_MIN, min(BALLAST_MAX, total // 100))
+
+    # -- figures ----------------------------------------------------------------------------------------
+    def refresh(self) -> list[Usage]:
+        self._usage = [disk_usage(p) for p in self.paths]
+        return self._usage
+
+    def snapshot(self) -> dict:
+        u = self._usage[0]
+        out = {"free_bytes": u.free, "total_bytes": u.total, "usage": round(u.usage, 4), "low": self.wm.low,
+               "high": self.wm.high, "flood": self.wm.flood, "min_free": self.wm.min_free}
+        if len(self._usage) > 1:
+            s = self._usage[1]
+            out.update(staging_free_bytes=s.free, staging_usage=round(s.usage, 4))
+        return out
+
+    def describe(self) -> str:
+        u = self._usage[0]
+        return (f"{u.path} {u.usage:.1%} used, {human_bytes(u.free)} free "
+                f"(low {pct(self.wm.low)}, high {pct(self.wm.high)}, flood {pct(self.wm.flood)})")
+
+    def account(self, nbytes: int, tokens: int) -> None:
+        self.bytes_written += nbytes
+        self.tokens_written += tokens
+        if self.tokens_written:
+            self.bytes_per_token = self.bytes_written / self.tokens_written
+
+    # -- pausing ----------------------------------------------------------------------------------------
+    def _over(self, u: Usage, frac: float) -> bool:
+        return u.usage >= frac or (self.wm.min_free and u.free < self.wm.min_free)
+
+    def poll(self, force: bool = False) -> str | None:
+        """Pause reason, or None to write. Hysteresis: pause at `high`, resume below `low`."""
+        now = time.monotonic()
+        if not force and now - self._last_poll < POLL_SECONDS:
+            return self._paused
+        self._last_poll = now
+        usages = self.refresh()
+        if self._paused is None:
+            for u in usages:
+                if self.wm.min_free and u.free < self.wm.min_free:
+                    self._paused = "min_free"
+                elif u.usage >= self.wm.high:
+                    self._paused = "high_watermark"
+        else:
+            clear = all(u.usage < self.wm.low and not (self.wm.min_free and u.free < self.wm.min_free)
+                        for u in usages)
+            if self._paused == "flood" and clear:
+                u = usages[0]
+                clear = (u.used + self._flood_need) / u.total < self.wm.flood
+            if self._paused == "disk_full" and clear:
+                # the filesystem said "full" although figures looked fine: wait for visible new space
+                clear = now - (self._full_at or 0) > 2.0 and usages[0].free > self._free_at_full
+            if clear:
+                self._paused = None
+                self._full_at = None
+                self.ensure_ballast()
+        return self._paused
+
+    def disk_full(self) -> None:
+        self.refresh()
+        self._paused = "disk_full"
+        self._full_at = time.monotonic()
+        self._free_at_full = self._usage[0].free
+        self.release_ballast()
+
+    def flood_block(self, projected: int) -> None:
+        """A worker did not start a write that would have crossed `flood`: pause until it fits again."""
+        self.refresh()
+        self._paused = "flood"
+        self._flood_need = projected
+
+    # -- ballast ------------------------------------------------------------------------------------------
+    def ensure_ballast(self) -> None:
+        b = self.lay.ballast
+        try:
+            if b.exists() and b.stat().st_size >= self.ballast_size:
+                return
+            u = disk_usage(self.lay.root)
+            if u.free < 4 * self.ballast_size or u.usage >= self.wm.high:
+                return
+            with open(b, "wb") as f:
+                f.truncate(0)
+                os.posix_fallocate(f.fileno(), 0, self.ballast_size)
+                os.fsync(f.fileno())
+        except OSError:
+            b.unlink(missing_ok=True)
+
+    def release_ballast(self) -> None:
+        self.lay.ballast.unlink(missing_ok=True)
+
+    def before_commit(self) -> None:
+        """Make sure the event log can commit: release the ballast when space is nearly gone."""
+        u = disk_usage(self.lay.root)
+        if u.free < 2 * self.ballast_size:
+            self.release_ballast()
+
+    # -- capacity planning ------------------------------------------------------------------------------------
+    def projection(self, remaining_tokens: int, meta: dict, measured_bpt: float | None) -> dict:
+        bpt = measured_bpt or estimate_bytes_per_token(meta)
+        need = int(remaining_tokens * bpt)
+        u = self.refresh()[0]
+        ballast_now = self.lay.ballast.stat().st_size if self.lay.ballast.exists() else 0
+        limit = int(u.total * self.wm.high) - (u.used - ballast_now) - self.ballast_size
+        return {"remaining_tokens": remaining_tokens, "bytes_per_token": round(bpt, 1),
+                "basis": "measured" if measured_bpt else "estimate (uncompressed)", "projected_bytes": need,
+                "free_bytes": u.free, "total_bytes": u.total, "room_below_high": limit, "fits": need <= limit}
+
+    def preflight(self, remaining_tokens: int, meta: dict, measured_bpt: float | None, allow_overcommit: bool,
+                  echo) -> dict:
+        """Refuse (WontFitError) a run whose projected size does not fit below `high`, unless overcommitting."""
+        p = self.projection(remaining_tokens, meta, measured_bpt)
+        if not p["fits"]:
+            msg = (f"projected {human_bytes(p['projected_bytes'])} more ({p['basis']}: {p['bytes_per_token']} B/token) "
+                   f"but only {human_bytes(max(p['room_below_high'], 0))} fit below the high watermark "
+                   f"({pct(self.wm.high)}) on {self.lay.root}")
+            if not allow_overcommit:
+                raise WontFitError(msg + "; free space, move the build, or pass --allow-overcommit to pause at "
+                                         "the watermark instead")
+            echo(f"warning: {msg}; continuing (--allow-overcommit): writers will pause at the watermark")
+        else:
+            echo(f"capacity: {human_bytes(p['projected_bytes'])} more projected ({p['basis']}, "
+                 f"{p['bytes_per_token']} B/token); {human_bytes(p['free_bytes'])} free; fits below the high "
+                 f"watermark ({pct(self.wm.high)})")
+        self.ensure_ballast()
+        return p

@@ -1,0 +1,1 @@
+"""The data: Zarr v3 segments written once, ragged along the token axis; codecs, checksums, reading back."""

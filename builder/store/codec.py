@@ -1,0 +1,47 @@
+"""How arrays are encoded in a segment: codecs (zarr's, backed by numcodecs), storage dtypes, checksums."""
+
+from __future__ import annotations
+
+import crc32c
+import numpy as np
+import torch
+import zarr.codecs as zc
+
+from builder.errors import UsageError
+
+STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
+
+
+def parse_codec(spec: str) -> list:
+    """`zstd:LEVEL`, `blosc-lz4:LEVEL`, `blosc-zstd:LEVEL` or `none` (zarr's codecs, backed by numcodecs)."""
+    name, _, level_s = spec.partition(":")
+    try:
+        level = int(level_s) if level_s else None
+    except ValueError:
+        raise UsageError(f"codec '{spec}': level must be an integer") from None
+    if name == "none":
+        return []
+    if name == "zstd":
+        return [zc.ZstdCodec(level=1 if level is None else level)]
+    if name in ("blosc-lz4", "blosc-zstd"):
+        return [zc.BloscCodec(cname=name.split("-")[1], clevel=5 if level is None else level, shuffle="shuffle",
+                              typesize=2)]
+    raise UsageError(f"codec '{spec}': use zstd:LEVEL, blosc-lz4:LEVEL, blosc-zstd:LEVEL or none")
+
+
+def to_storage(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the numpy array stored in Zarr (bfloat16 as its raw uint16 bit patterns)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def from_storage(a: np.ndarray, logical_dtype: str) -> torch.Tensor:
+    if logical_dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def checksum(a: np.ndarray) -> str:
+    return f"crc32c:{crc32c.crc32c(np.ascontiguousarray(a).data):08x}"

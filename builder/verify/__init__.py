@@ -1,0 +1,1 @@
+"""Checking what is stored against the log's checksums (sweeps), and removing orphaned bytes (gc)."""

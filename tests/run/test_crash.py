@@ -1,0 +1,93 @@
+"""kill -9 at random moments: a run SIGKILLed again and again, resumed each time, ends with every sample
+written exactly once, every checksum matching, no overlapping locations, and the states bit-exact."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_run import assert_bit_exact
+
+from builder.layout import layout
+from builder.log.events import EventLog
+from builder.verify.checks import check_location
+
+KILLS = 12
+N = 1500
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+def _written_count(build: Path) -> int:
+    from builder.log.query import run_query
+
+    try:
+        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+    except Exception:  # noqa: BLE001 - the run may be starting or gone
+        return -1
+
+
+def test_sigkill_at_random_moments_then_resume(make_build):
+    build = make_build(N, seed=7)
+    rng = random.Random(1234)
+    kills = mid_run_kills = 0
+    for _ in range(KILLS * 2):
+        if kills >= KILLS:
+            break
+        before = _written_count(build)
+        p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if kills % 3 == 0:  # a third of the kills at any moment, startup included
+            time.sleep(rng.uniform(0.2, 4.0))
+        else:  # the rest once this run is writing, a random moment later
+            deadline = time.monotonic() + 60
+            while p.poll() is None and time.monotonic() < deadline and _written_count(build) <= max(before, 0):
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 0.5))
+        if p.poll() is not None:  # finished (or failed) before the kill
+            assert p.returncode == 0, p.stderr.read()
+            break
+        during = _written_count(build)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        p.stderr.close()
+        kills += 1
+        if during > max(before, 0):
+            mid_run_kills += 1
+        # no writer outlives its coordinator: nothing on disk changes after the kill
+        time.sleep(0.3)
+        snap = _files(layout(build).data)
+        time.sleep(0.7)
+        assert _files(layout(build).data) == snap
+    print(f"\n{kills} SIGKILLs, {mid_run_kills} of them while samples were being written")
+    assert kills >= 10, f"only {kills} kills landed; the workload is too small for this machine"
+    assert mid_run_kills >= 5, f"only {mid_run_kills} kills landed while samples were being written"
+
+    final = subprocess.run([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress"],
+                           capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stderr
+
+    with EventLog(layout(build).events, read_only=True) as log:
+        meta = log.meta()
+        rows = log.samples()
+        per_sample = dict(log.query("SELECT sample_id, count(*) FROM events WHERE kind='written' GROUP BY 1")[1])
+        runs = log.count("run_started")
+    assert runs >= mid_run_kills + 1
+    assert len(rows) == N and {r["state"] for r in rows} == {"written"}
+    assert set(per_sample.values()) == {1}, "a sample was committed twice"
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for r in rows:
+        assert check_location(layout(build).data, r["segment"], r["token_start"], r["num_tokens"], r["checksums"],
+                              meta["chunk_tokens"]) is None
+        ranges.setdefault(r["segment"], []).append((r["token_start"], r["token_start"] + r["num_tokens"]))
+    for spans in ranges.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), "overlapping sample locations"
+    assert assert_bit_exact(build) == N

@@ -1,0 +1,188 @@
+"""End-to-end runs on real builds: bit-exact states, per-sample failures, exit codes, Ctrl-C, init rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from conftest import random_rows
+from torch.utils.data import DataLoader
+
+from builder.extract.model import Extractor
+from builder.extract.source import load_source
+from builder.formats.reader import HiddenStateDataset, collate_concat
+from builder.layout import layout
+from builder.log.events import EventLog
+from builder.run.coordinator import RunOptions, run_build
+from builder.verify.checks import check_location
+
+MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy()
+
+
+def assert_bit_exact(build, model=MODEL, max_tokens=None) -> int:
+    """Every live sample equals a fresh reference forward pass of the same model, bit for bit."""
+    lay = layout(build)
+    with EventLog(lay.events, read_only=True) as log:
+        cfg_source = log.meta()["source"]
+    ex = Extractor(model, device="cpu")
+    src = {s.sample_id: s for s in load_source(cfg_source, ex.tokenizer)}
+    ds = HiddenStateDataset(build)
+    for item in ds:
+        s = src[item["sample_id"]]
+        ids = s.input_ids[:max_tokens] if max_tokens else s.input_ids
+        aux, final = ex.extract(ids)
+        assert item["input_ids"].tolist() == ids.tolist()
+        assert item["loss_mask"].tolist() == s.loss_mask[: len(ids)].tolist()
+        assert item["hidden_state"].dtype == torch.bfloat16
+        assert np.array_equal(bits(item["hidden_state"]), bits(final))
+        assert np.array_equal(bits(item["aux_hidden_state"]), bits(aux))
+    return len(ds)
+
+
+def test_run_stores_bit_exact_states_and_metadata(make_build):
+    build = make_build(12)
+    report = run_build(build, RunOptions())
+    assert (report.outcome, report.exit_code, report.written) == ("completed", 0, 12)
+    assert assert_bit_exact(build) == 12
+    with EventLog(layout(build).events, read_only=True) as log:
+        meta = log.meta()
+        rows = log.samples()
+        assert {r["state"] for r in rows} == {"written"}
+        for r in rows:  # every written sample's bytes match its recorded checksums
+            assert check_location(layout(build).data, r["segment"], r["token_start"], r["num_tokens"],
+                                  r["checksums"], meta["chunk_tokens"]) is None
+    # SpecForge's default aux layers for L=4: hidden_states indices 2, L//2, L-3
+    assert meta["aux_layers"] == [2, 2, 1] and meta["dtype"] == "bfloat16" and meta["storage_dtype"] == "uint16"
+    assert meta["model_fingerprint"] and meta["convention"].startswith("hf_hidden_states")
+    batch = next(iter(DataLoader(HiddenStateDataset(build), batch_size=3, collate_fn=collate_concat)))
+    assert batch["cu_seqlens"][-1] == batch["input_ids"].shape[0] == batch["hidden_state"].shape[0]
+
+
+def test_per_sample_failures_are_events_and_the_run_goes_on(tmp_path, make_build, cli):
+    rows = random_rows(6)
+    rows[1]["input_ids"] = []  # empty
+    rows[1]["loss_mask"] = []
+    rows[2]["input_ids"][3] = 5000  # outside the vocabulary
+    rows[3]["input_ids"][0] = 7  # the model's poisoned token: NaN states
+    rows[4]["input_ids"] = rows[4]["input_ids"] * 40  # longer than max_positions=256
+    rows[4]["loss_mask"] = rows[4]["loss_mask"] * 40
+    build = make_build(rows=rows, model=MODEL + ",nan_token=7,max_positions=256")
+    cp = cli("run", build, "--no-progress", "--max-attempts", "2")
+    assert cp.returncode == 1, cp.stderr  # finished, but some samples failed
+    with EventLog(layout(build).events, read_only=True) as log:
+        got = {r["sample_id"]: (r["state"], r["error"]) for r in log.samples()}
+    assert got == {"s0000": ("written", None), "s0001": ("failed", "empty_sample"),
+                   "s0002": ("failed", "token_out_of_range"), "s0003": ("failed", "nonfinite"),
+                   "s0004": ("failed", "too_long"), "s0005": ("written", None)}
+    st = json.loads(cli("status", build, "--json").stdout)
+    assert st["failed"] == 4 and st["failed_by_reason"] == {"empty_sample": 1, "token_out_of_range": 1,
+                                                            "nonfinite": 1, "too_long": 1}
+    # resume retries failed samples until --max-attempts, then stops retrying them
+    cp = cli("resume", build, "--no-progress", "--max-attempts", "2")
+    assert cp.returncode == 1 and "4 failed (4 to retry)" in cp.stderr
+    cp = cli("resume", build, "--no-progress", "--max-attempts", "2")
+    assert "4 failed (0 to retry)" in cp.stderr and "0 to do now" in cp.stderr
+    cp = cli("sql", build, "SELECT sample_id, attempts FROM samples WHERE state = 'failed' ORDER BY 1", "--json")
+    assert [r["attempts"] for r in json.loads(cp.stdout)] == [2, 2, 2, 2]
+
+
+def test_max_tokens_truncates_over_long_samples(make_build):
+    rows = random_rows(4, lo=40, hi=80)
+    build = make_build(rows=rows, max_tokens=30)
+    assert run_build(build, RunOptions()).exit_code == 0
+    assert assert_bit_exact(build, max_tokens=30) == 4
+    with EventLog(layout(build).events, read_only=True) as log:
+        assert {r["num_tokens"] for r in log.samples()} == {30}
+
+
+def test_two_workers_each_own_a_segment(make_build):
+    build = make_build(16)
+    run_build(build, RunOptions(workers=2))
+    with EventLog(layout(build).events, read_only=True) as log:
+        segs = log.query("SELECT worker, count(DISTINCT segment) FROM events WHERE kind='written' GROUP BY 1")[1]
+        owners = log.query("SELECT segment, count(DISTINCT worker) FROM events WHERE kind='written' GROUP BY 1")[1]
+        sealed = log.count("segment_sealed")
+    # each worker that wrote wrote into exactly one segment of its own (under load one worker may do it all)
+    assert set(w for w, _ in segs) <= {0, 1} and all(n == 1 for _, n in segs)
+    assert all(n == 1 for _, n in owners) and sealed == len(owners) == len(segs)
+    assert assert_bit_exact(build) == 16
+
+
+def test_init_refuses_existing_build_unless_force(make_build, cli, tmp_path):
+    build = make_build(3)
+    src = tmp_path / "build-source.jsonl"
+    cp = cli("init", build, "--source", src)
+    assert cp.returncode == 2 and "already holds a build" in cp.stderr
+    cp = cli("init", build, "--source", src, "--force", "--model", MODEL)
+    assert cp.returncode == 0, cp.stderr
+
+
+def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli):
+    build = make_build(150, seed=3)
+    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until samples are being written
+        cp = cli("sql", build, "SELECT count(*) AS n FROM events WHERE kind='written'", "--json")
+        if cp.returncode == 0 and json.loads(cp.stdout)[0]["n"] >= 5:
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "hsbuild resume" in out
+    with EventLog(layout(build).events, read_only=True) as log:
+        runs = log.query_dicts("SELECT outcome FROM runs")
+        states = {r["state"] for r in log.samples()}
+    assert runs[-1]["outcome"] == "interrupted"
+    assert "started" not in states  # stopped between samples: nothing left in flight
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    assert assert_bit_exact(build) == 150
+    assert os.path.exists(layout(build).lock)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_worker_killed_mid_run_stops_the_run_safely(make_build, cli):
+    build = make_build(400, seed=4)
+    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    workers: list[int] = []
+    while time.monotonic() < deadline and p.poll() is None:
+        cp = cli("sql", build, "SELECT count(*) AS n FROM events WHERE kind='written'", "--json")
+        workers = [c for c in _children(p.pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        if cp.returncode == 0 and json.loads(cp.stdout)[0]["n"] >= 5 and len(workers) == 2:
+            break
+        time.sleep(0.2)
+    os.kill(workers[0], signal.SIGKILL)  # e.g. the OOM killer
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1, err
+    assert "died" in err and "hsbuild resume" in out
+    with EventLog(layout(build).events, read_only=True) as log:
+        assert log.query_dicts("SELECT outcome FROM runs")[-1]["outcome"] == "worker_died"
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    assert assert_bit_exact(build) == 400

@@ -1,0 +1,183 @@
+"""Storage awareness on a real small filesystem: a tmpfs this test mounts (needs root; skipped otherwise).
+
+1. A build needing about twice the volume pauses at `high` without error, stays alive, reports the pause to
+   another process, and resumes by itself when the volume grows; every sample then verifies.
+2. Another process fills the volume while the run writes: the failing write is abandoned, nothing committed is
+   damaged, the event log stays readable, and the run resumes once space is freed.
+3. `run` refuses a build that cannot fit (exit 3) unless --allow-overcommit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import random_rows, write_jsonl
+
+from builder.layout import layout
+from builder.log.events import EventLog
+from builder.log.query import status_snapshot
+from builder.verify.checks import check_location
+
+MODEL = "builtin:hidden=256,layers=4,vocab=1024,heads=4,kv_heads=2,intermediate=256"
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; storage tests skipped")
+    mnt = tmp_path / "vol"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); storage tests skipped")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def resize(mnt: Path, size: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(mnt)], check=True)
+
+
+def usage(mnt: Path) -> float:
+    st = os.statvfs(mnt)
+    return 1 - st.f_bavail / st.f_blocks
+
+
+def start_run(build: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def live_status(cli, build: Path) -> dict:
+    cp = cli("status", build, "--json")
+    assert cp.returncode == 0, cp.stderr
+    return json.loads(cp.stdout)
+
+
+def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"run exited ({proc.returncode}) while waiting for {what}: {proc.stderr.read()}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def assert_all_verify(build: Path) -> int:
+    with EventLog(layout(build).events, read_only=True) as log:
+        meta, rows = log.meta(), log.samples()
+    for r in rows:
+        assert r["state"] in ("written", "verified"), r
+        assert check_location(layout(build).data, r["segment"], r["token_start"], r["num_tokens"], r["checksums"],
+                              meta["chunk_tokens"]) is None
+    return len(rows)
+
+
+def make_big_build(tmp_path: Path, mnt: Path, cli, n: int) -> Path:
+    src = write_jsonl(tmp_path / "src.jsonl", random_rows(n, seed=11, lo=150, hi=250))
+    build = mnt / "build"
+    cp = cli("init", build, "--source", src, "--model", MODEL)
+    assert cp.returncode == 0, cp.stderr
+    return build
+
+
+def test_pauses_at_high_and_resumes_when_the_volume_grows(tmp_path, tmpfs, cli):
+    build = make_big_build(tmp_path, tmpfs, cli, n=120)  # ~2 KB/token x 24k tokens: about twice 24 MB
+    refused = cli("run", build, "--no-progress")
+    assert refused.returncode == 3 and "--allow-overcommit" in refused.stderr  # it will not fit: says so
+    p = start_run(build, "--allow-overcommit")
+    peak = 0.0
+    try:
+        def paused():
+            nonlocal peak
+            peak = max(peak, usage(tmpfs))
+            st = live_status(cli, build)
+            return st if st.get("paused") else None
+
+        st = wait_for(paused, 180, "the pause", p)
+        assert st["running"] and st["pause_reason"] == "high_watermark" and st["usage"] >= 0.90
+        done_at_pause = st["done"]
+        assert 0 < done_at_pause < 120
+        time.sleep(2.0)  # stays paused, alive, and writes nothing more
+        peak = max(peak, usage(tmpfs))
+        st2 = live_status(cli, build)
+        assert p.poll() is None and st2["paused"] and st2["done"] == done_at_pause
+        assert peak < 0.95, f"usage reached {peak:.3f}, past the flood watermark"
+        print(f"\npeak usage while paused: {peak:.4f} (high 0.90, flood 0.95)")
+        resize(tmpfs, "96m")  # space returns: the run resumes by itself
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    assert "PAUSED (high_watermark)" in err and "resumed" in err
+    with EventLog(layout(build).events, read_only=True) as log:
+        ev = log.query_dicts("SELECT kind, reason, detail FROM events WHERE kind IN ('paused', 'resumed') ORDER BY seq")
+    assert [e["kind"] for e in ev][:2] == ["paused", "resumed"] and ev[0]["reason"] == "high_watermark"
+    assert json.loads(ev[0]["detail"])["usage"] >= 0.90 and json.loads(ev[1]["detail"])["usage"] < 0.85
+    assert assert_all_verify(build) == 120
+    cp = cli("verify", build, "--no-progress")
+    assert cp.returncode == 0 and "120 of 120" in cp.stdout, cp.stdout + cp.stderr
+
+
+def test_volume_filled_from_outside_while_writing(tmp_path, tmpfs, cli):
+    build = make_big_build(tmp_path, tmpfs, cli, n=120)  # about 40 MB: fits the 64 MB volume on its own
+    resize(tmpfs, "64m")
+    # watermarks off (high=1.0, flood=1.0): only the real ENOSPC path can stop the writes
+    p = start_run(build, "--high", "1.0", "--low", "0.9", "--flood", "1.0")
+    filler = tmpfs / "filler.bin"
+    try:
+        wait_for(lambda: status_snapshot(layout(build)).get("done", 0) >= 3, 120, "first writes", p)
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # another process fills the volume, but for a sliver
+        try:
+            block = b"\xff" * (64 << 10)
+            while True:
+                os.write(fd, block)
+        except OSError:
+            pass
+        os.ftruncate(fd, max(0, os.lseek(fd, 0, os.SEEK_CUR) - (64 << 10)))
+        os.close(fd)
+        st = wait_for(lambda: (s := live_status(cli, build)).get("paused") and s, 120, "the pause", p)
+        assert st["pause_reason"] == "disk_full"
+        time.sleep(1.0)
+        assert p.poll() is None  # no crash
+        cp = cli("sql", build, "SELECT count(*) AS n FROM events WHERE reason = 'no_space'", "--json")
+        assert cp.returncode == 0 and json.loads(cp.stdout)[0]["n"] >= 1  # the event log still commits
+        filler.unlink()  # space returns
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    assert assert_all_verify(build) == 120
+    cp = cli("verify", build, "--no-progress")
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    with EventLog(layout(build).events, read_only=True) as log:
+        per = log.query("SELECT count(*) FROM events WHERE kind = 'written' GROUP BY sample_id HAVING count(*) > 1")[1]
+    assert per == []
+
+
+def test_run_refuses_a_build_that_cannot_fit(tmp_path, tmpfs, cli):
+    build = make_big_build(tmp_path, tmpfs, cli, n=120)
+    cp = cli("status", build)
+    assert "DOES NOT FIT" in cp.stdout
+    def state():
+        with EventLog(layout(build).events, read_only=True) as log:
+            kinds = log.query("SELECT kind, count(*) FROM events WHERE kind <> 'doctor' GROUP BY 1 ORDER BY 1")[1]
+        return kinds, sorted(p.name for p in layout(build).data.iterdir())
+
+    before = state()
+    cp = cli("run", build, "--no-progress")
+    assert cp.returncode == 3
+    err = [line for line in cp.stderr.strip().splitlines() if line.startswith("hsbuild run: error:")]
+    assert len(err) == 1 and "fit below the high watermark" in err[0] and "--allow-overcommit" in err[0]
+    assert state() == before  # no run started, no sample touched (only the preflight's doctor event is new)
