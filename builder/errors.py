@@ -71,6 +71,41 @@ class SampleError(HsbuildError, ValueError):
         self.reason = reason
 
 
+class DamagedSampleError(HsbuildError, IOError):
+    """A committed sample's stored bytes are not what its `written` event recorded: a chunk file is missing, does
+    not decode, or decodes to bytes whose CRC-32C differs. Names the sample, segment, field and the repair.
+
+    `reason` is the verify reason: `missing_data`, `unreadable` or `checksum_mismatch`."""
+
+    exit_code = EXIT_SAMPLES_FAILED
+
+    def __init__(self, reason: str, problem: str, *, segment: str, field: str | None = None,
+                 sample_id: str | None = None, build: str | None = None):
+        self.reason, self.problem, self.segment, self.field = reason, problem, segment, field
+        self.sample_id, self.build = sample_id, build
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        who = f"sample {self.sample_id}" if self.sample_id is not None else "sample"
+        where = f"segment {self.segment}" + (f", field {self.field}" if self.field else "")
+        b = self.build or "BUILD"
+        return (f"{who} is damaged ({where}): {self.problem} [{self.reason}]; "
+                f"repair: hsbuild verify {b}, then hsbuild resume {b}")
+
+    def with_context(self, sample_id: str | None = None, build: str | None = None) -> DamagedSampleError:
+        """The same error naming the sample and build (the store layer knows neither)."""
+        return DamagedSampleError(self.reason, self.problem, segment=self.segment, field=self.field,
+                                  sample_id=sample_id if sample_id is not None else self.sample_id,
+                                  build=build if build is not None else self.build)
+
+    def __reduce__(self):  # picklable with its fields (DataLoader workers, multiprocessing)
+        return (_rebuild_damaged, (self.reason, self.problem, self.segment, self.field, self.sample_id, self.build))
+
+
+def _rebuild_damaged(reason, problem, segment, field, sample_id, build) -> DamagedSampleError:
+    return DamagedSampleError(reason, problem, segment=segment, field=field, sample_id=sample_id, build=build)
+
+
 class WontFitError(HsbuildError, OSError):
     """The projected size of the build does not fit on its volume above the high watermark."""
 

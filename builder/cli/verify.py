@@ -1,7 +1,8 @@
 """`hsbuild verify` and `hsbuild gc`: render the sweep's and gc's typed findings, name the repair command.
 
-Exit codes: 0 every checked sample is good (orphans alone are not damage); 1 damage found; 2 usage error;
-130 interrupted (continue with `hsbuild verify BUILD --continue`).
+Exit codes: 0 every selected sample was checked and is good (orphans alone are not damage); 1 damage found, or
+some samples could not be checked (EMFILE, EIO, ...: nothing was condemned, retry); 2 usage error; 130
+interrupted (continue with `hsbuild verify BUILD --continue`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def repair_lines(build: str, summary) -> list[str]:
     for o in summary.overlaps:
         lines.append(f"overlap: read segment {o.segment} back to see which sample owns the bytes: "
                      f"hsbuild verify {b} --segment {o.segment}, then hsbuild resume {b}")
+    if summary.not_checked:
+        again = (f"hsbuild verify {b} --quick" if summary.mode == "quick" else
+                 f"hsbuild verify {b} --not-verified-since {summary.started_at.isoformat()}Z")
+        lines.append(f"retry:  {again}   (could not check {len(summary.not_checked)} sample(s); they are not "
+                     "marked failed: free descriptors/memory or fix the I/O error, or lower --jobs)")
     return lines
 
 
@@ -76,8 +82,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return s.exit_code
     if fmt == "csv":
         print_rows(["sample_id", "reason", "message", "segment", "token_start", "num_tokens"],
-                   [[d.sample_id, d.reason, d.message, d.segment, d.token_start, d.num_tokens] for d in s.damaged],
-                   "csv")
+                   [[d.sample_id, d.reason, d.message, d.segment, d.token_start, d.num_tokens]
+                    for d in [*s.damaged, *s.not_checked]], "csv")
         return s.exit_code
     print("\n".join(summary_lines(args.build, s)))
     return s.exit_code
@@ -90,13 +96,16 @@ def summary_lines(build: str, s) -> list[str]:
         head += f", continuing {s.continues[:8]}: {s.skipped} already checked"
     lines = [head + f": {s.checked} of {s.selected - s.skipped} sample(s) checked"]
     lines.append(f"  ok {s.ok} | mismatched {s.mismatched} | missing {s.missing} | unreadable {s.unreadable}"
-                 + (f" | overlapping {len(s.overlaps)}" if s.overlaps else ""))
+                 + (f" | overlapping {len(s.overlaps)}" if s.overlaps else "")
+                 + (f" | not checked {s.check_errors}" if s.check_errors else ""))
     if s.mode == "full":
         lines.append(f"  read {human_bytes(s.bytes_read)} ({human_bytes(s.raw_bytes)} uncompressed) in "
                      f"{s.seconds:.1f}s: {s.mb_per_s:.1f} MB/s")
     for d in s.damaged:
         lines.append(f"DAMAGED {d.sample_id}: {d.reason}: {d.message} "
                      f"[{d.segment} tokens {d.token_start}+{d.num_tokens}]")
+    for n in s.not_checked:
+        lines.append(f"NOT CHECKED {n.sample_id}: {n.message} [{n.segment} tokens {n.token_start}+{n.num_tokens}]")
     for o in s.overlaps:
         lines.append(f"OVERLAP {o.first} and {o.second} share chunks in {o.segment} "
                      f"({o.first_chunks[0]}-{o.first_chunks[1]} / {o.second_chunks[0]}-{o.second_chunks[1]})")
@@ -107,6 +116,9 @@ def summary_lines(build: str, s) -> list[str]:
                      f"not damage. Remove with: hsbuild gc {b}")
     if s.outcome == "interrupted":
         lines.append(f"interrupted: what was checked is recorded; continue with: hsbuild verify {b} --continue")
+    elif s.not_checked:
+        lines.append(f"could not check {len(s.not_checked)} sample(s) (I/O or resource errors, not their data): "
+                     "nothing was marked failed; retry with the command below")
     elif not s.damage_found:
         lines.append("all checked samples are good" if s.checked else "nothing to check")
     lines.extend(repair_lines(build, s))

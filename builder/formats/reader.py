@@ -2,6 +2,11 @@
 
 The index is a snapshot of the `samples` view (taken from the live owner during a run, or from the file), so
 only samples whose `written` event committed are ever returned, whatever else sits on disk.
+
+Every item is read checked: each chunk file the sample needs must be present (Zarr would return zeros for a
+missing one) and, unless `verify_checksums=False`, each field's CRC-32C must match the sample's `written`
+event. A damaged sample raises `DamagedSampleError` naming the sample, segment, field and the repair
+(`hsbuild verify BUILD`, then `hsbuild resume BUILD`); it is never returned as zeros.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from builder.errors import DamagedSampleError
 from builder.layout import layout
 from builder.log.query import run_query
 from builder.store.reader import SegmentReader
@@ -18,12 +24,16 @@ from builder.store.reader import SegmentReader
 
 class HiddenStateDataset(Dataset):
     """Items are dicts: sample_id, input_ids (int64 [n]), loss_mask (int64 [n]), hidden_state [n, H] and
-    aux_hidden_state [n, n_aux*H] in the build's logical dtype (bfloat16 restored bit-exact)."""
+    aux_hidden_state [n, n_aux*H] in the build's logical dtype (bfloat16 restored bit-exact).
 
-    def __init__(self, build: str | Path, include_unverified: bool = True):
+    A damaged sample raises `DamagedSampleError` (an OSError); `verify_checksums=False` skips the CRC-32C
+    comparison (presence is always checked). Other OSErrors (EMFILE, EIO) propagate unchanged."""
+
+    def __init__(self, build: str | Path, include_unverified: bool = True, verify_checksums: bool = True):
         self.lay = layout(build).require()
+        self.verify_checksums = verify_checksums
         states = "('written', 'verified')" if include_unverified else "('verified')"
-        cols, rows = run_query(self.lay, "SELECT sample_id, segment, token_start, num_tokens FROM samples "
+        cols, rows = run_query(self.lay, "SELECT sample_id, segment, token_start, num_tokens, checksums FROM samples "
                                          f"WHERE state IN {states} ORDER BY row_idx")
         self.index = [dict(zip(cols, r, strict=True)) for r in rows]
         self._reader: SegmentReader | None = None
@@ -33,9 +43,12 @@ class HiddenStateDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         if self._reader is None:  # opened lazily: one per DataLoader worker process
-            self._reader = SegmentReader(self.lay.data)
+            self._reader = SegmentReader(self.lay.data, verify_checksums=self.verify_checksums)
         e = self.index[i]
-        t = self._reader.read(e["segment"], e["token_start"], e["num_tokens"])
+        try:
+            t = self._reader.read(e["segment"], e["token_start"], e["num_tokens"], e["checksums"])
+        except DamagedSampleError as err:
+            raise err.with_context(sample_id=e["sample_id"], build=str(self.lay.root)) from err.__cause__
         return {"sample_id": e["sample_id"], "input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
                 "hidden_state": t["hidden_state"], "aux_hidden_state": t["aux_hidden_state"]}
 

@@ -1,36 +1,145 @@
-"""Reading samples back from segments, by location."""
+"""Reading samples back from segments, by location, checked.
+
+Zarr silently returns the fill value (zeros) for a chunk file that is missing, so a reader MUST NOT infer
+presence from the values. `SegmentReader.read` therefore always opens every metadata and chunk file the sample
+needs before Zarr reads it, and (unless `verify_checksums=False`) compares each field's CRC-32C with the
+checksums of the sample's `written` event. Damage raises `DamagedSampleError` (reason `missing_data`,
+`unreadable` or `checksum_mismatch`); an OSError that does not say the bytes are bad (EMFILE, EIO, EACCES, ...)
+and MemoryError propagate unchanged: the read could not run, the data is not known to be damaged.
+"""
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 import zarr
 
-from builder.store.codec import from_storage
-from builder.store.segment import FIELDS
+from builder.errors import DamagedSampleError
+from builder.store.codec import checksum, from_storage
+from builder.store.segment import FIELDS, chunk_paths
+
+MISSING, UNREADABLE, MISMATCH = "missing_data", "unreadable", "checksum_mismatch"
+GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})  # the file (or a directory above it) is not there
+
+
+def probe_file(path: Path) -> int:
+    """Open a file for reading, as Zarr's read will, and return its size. The one place readers and checks touch
+    a data file before Zarr does, so a missing file raises FileNotFoundError here (Zarr would fill zeros) and a
+    descriptor table that is full raises EMFILE here, with the real errno."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def metadata_paths(seg_dir: Path) -> list[Path]:
+    return [seg_dir / "zarr.json"] + [seg_dir / f / "zarr.json" for f in FIELDS]
+
+
+def _probe(seg_dir: Path, path: Path, segment: str, field: str | None, what: str) -> int:
+    """Size of one file the sample needs (probe_file); DamagedSampleError when it is gone or empty."""
+    rel = path.relative_to(seg_dir)
+    try:
+        size = probe_file(path)
+    except OSError as e:
+        if e.errno not in GONE_ERRNOS:
+            raise  # not a statement about the data: the caller decides (retry, report, propagate)
+        problem = "the segment directory is gone" if not seg_dir.is_dir() else f"{what} {rel} is missing"
+        raise DamagedSampleError(MISSING, problem, segment=segment, field=field) from e
+    if size == 0:
+        raise DamagedSampleError(UNREADABLE, f"{what} {rel} is empty", segment=segment, field=field)
+    return size
+
+
+def probe_metadata(data_root: Path, segment: str) -> None:
+    """The segment's and each field's zarr.json exist and are non-empty."""
+    seg = Path(data_root) / segment
+    for p in metadata_paths(seg):
+        _probe(seg, p, segment, p.parent.name if p.parent != seg else None, "metadata file")
+
+
+def probe_chunks(data_root: Path, segment: str, token_start: int, num_tokens: int,
+                 chunk_tokens: int) -> dict[str, list[tuple[Path, int]]]:
+    """Every chunk file of the sample's token range, per field, with its size. Raises DamagedSampleError for a
+    missing or empty one."""
+    seg = Path(data_root) / segment
+    return {f: [(p, _probe(seg, p, segment, f, "chunk file"))
+                for p in chunk_paths(seg, f, token_start, num_tokens, chunk_tokens)] for f in FIELDS}
+
+
+def parse_checksums(checksums: dict | str | None) -> dict[str, str]:
+    if checksums is None or checksums == "":
+        return {}
+    return json.loads(checksums) if isinstance(checksums, str) else dict(checksums)
 
 
 class SegmentReader:
-    """Reads samples back by location. Keeps opened arrays per segment."""
+    """Reads samples back by location. Keeps opened arrays per segment.
 
-    def __init__(self, data_root: Path):
+    `read` / `read_raw` always check that every file the sample needs is present; given the `written` event's
+    checksums they also compare each field's CRC-32C (crc32c runs at tens of GB/s: a small cost next to
+    decompression), unless the reader was made with `verify_checksums=False`."""
+
+    def __init__(self, data_root: Path, verify_checksums: bool = True):
         self.data_root = Path(data_root)
+        self.verify_checksums = verify_checksums
         self._cache: dict[str, dict] = {}
 
     def arrays(self, segment: str) -> dict:
         if segment not in self._cache:
-            group = zarr.open_group(store=str(self.data_root / segment), mode="r")
-            self._cache[segment] = {f: group[f] for f in FIELDS}
+            probe_metadata(self.data_root, segment)
+            try:
+                group = zarr.open_group(store=str(self.data_root / segment), mode="r")
+                arrays = {f: group[f] for f in FIELDS}
+            except (OSError, MemoryError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the metadata files are present but do not parse
+                raise DamagedSampleError(UNREADABLE, f"array metadata does not parse: {type(e).__name__}: "
+                                                     f"{str(e)[:200]}", segment=segment) from e
+            self._cache[segment] = arrays
         return self._cache[segment]
 
-    def read_raw(self, segment: str, token_start: int, num_tokens: int) -> dict[str, np.ndarray]:
-        arrs = self.arrays(segment)
-        return {f: arrs[f][token_start : token_start + num_tokens] for f in FIELDS}
+    def chunk_tokens(self, segment: str) -> int:
+        return int(self.arrays(segment)["input_ids"].chunks[0])
 
-    def read(self, segment: str, token_start: int, num_tokens: int) -> dict[str, torch.Tensor]:
-        raw = self.read_raw(segment, token_start, num_tokens)
+    def probe(self, segment: str, token_start: int, num_tokens: int) -> dict[str, list[tuple[Path, int]]]:
+        """The sample's chunk files and their sizes; DamagedSampleError if one is missing or empty."""
+        return probe_chunks(self.data_root, segment, token_start, num_tokens, self.chunk_tokens(segment))
+
+    def read_raw(self, segment: str, token_start: int, num_tokens: int,
+                 checksums: dict | str | None = None) -> dict[str, np.ndarray]:
+        """The sample's stored arrays (bf16 as uint16). Presence is always checked; `checksums` (the `written`
+        event's, as JSON or a dict) are compared when given and this reader verifies checksums."""
+        arrs = self.arrays(segment)
+        self.probe(segment, token_start, num_tokens)
+        out = {}
+        for f in FIELDS:
+            try:
+                out[f] = arrs[f][token_start : token_start + num_tokens]
+            except (OSError, MemoryError):
+                raise
+            except Exception as e:  # noqa: BLE001 - bytes that are present but do not decode (or decode short)
+                raise DamagedSampleError(UNREADABLE, f"chunk files do not decode: {type(e).__name__}: "
+                                                     f"{str(e)[:200]}", segment=segment, field=f) from e
+        want = parse_checksums(checksums) if self.verify_checksums else {}
+        if want:
+            for f in FIELDS:
+                got = checksum(out[f])
+                if got != want.get(f):
+                    raise DamagedSampleError(MISMATCH, f"checksum mismatch: the bytes read give {got}, the written "
+                                                       f"event recorded {want.get(f)}", segment=segment, field=f)
+        return out
+
+    def read(self, segment: str, token_start: int, num_tokens: int,
+             checksums: dict | str | None = None) -> dict[str, torch.Tensor]:
+        """`read_raw` as tensors in the logical dtype (bfloat16 restored bit-exact)."""
+        raw = self.read_raw(segment, token_start, num_tokens, checksums)
         out = {}
         for f, a in raw.items():
             logical = self.arrays(segment)[f].attrs.get("logical_dtype")

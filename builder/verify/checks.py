@@ -8,24 +8,52 @@ Two levels, like restic's `check` and `check --read-data`:
 - full (`check_sample`): the above, then a read back through Zarr and a crc32c of each field's uncompressed
   bytes, compared with the `written` event's checksums.
 
-Each returns a `Finding` (reason, message) or None; reasons are those `plan.DAMAGE_REASONS` re-extracts.
+Each returns a `SampleCheck`: a `Finding` (reason, message) when the data is bad, reasons being those
+`plan.DAMAGE_REASONS` re-extracts. Two kinds of trouble are kept apart (docs/verify.md):
+
+- **the data is bad**: a missing or empty file, bytes that are present but do not decode or decode to the wrong
+  size, a checksum mismatch. These are findings; a sweep records them as `failed`.
+- **the check could not run**: any other OSError (EMFILE/ENFILE, ENOMEM, EINTR, EAGAIN, EIO, EACCES, ...) and
+  MemoryError. `check_files` and `check_sample` let these propagate; `check_with_retries` retries the transient
+  ones with backoff and then returns them as `SampleCheck.error`, which condemns nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
 import numpy as np
 
-from builder.store.reader import SegmentReader
-from builder.store.segment import FIELDS, chunk_paths
+from builder.errors import DamagedSampleError
+from builder.store.reader import (
+    MISMATCH,
+    MISSING,
+    UNREADABLE,
+    SegmentReader,
+    metadata_paths,
+    parse_checksums,
+    probe_chunks,
+    probe_metadata,
+)
+from builder.store.segment import FIELDS
 
 Finding = tuple[str, str]  # (reason, message)
 
-MISSING, UNREADABLE, MISMATCH = "missing_data", "unreadable", "checksum_mismatch"
+__all__ = ["MISMATCH", "MISSING", "UNREADABLE", "Finding", "SampleCheck", "check_files", "check_sample",
+           "check_with_retries", "check_location", "metadata_paths"]
+
+# The check could not run, and trying again may work: a full descriptor table, memory pressure, an interrupted
+# or would-block call, an I/O error a flaky device or network filesystem may not repeat.
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN, errno.EIO,
+                              errno.EBUSY, errno.ETIMEDOUT})
+RETRIES = 3  # extra tries of a check that hit a transient error ...
+BACKOFF_S = 0.1  # ... after 0.1 s, 0.2 s, 0.4 s
 WINDOW_BYTES = 16 << 20  # uncompressed bytes per Zarr read while checksumming
 ITEMSIZES = {"int32": 4, "uint8": 1, "uint16": 2, "float16": 2, "float32": 4}
 
@@ -47,10 +75,6 @@ class FieldSpec:
         """A generous bound on one compressed chunk file (zstd/blosc worst case is raw + a small fraction)."""
         raw = self.raw_chunk_bytes
         return raw + raw // 16 + 4096
-
-
-def metadata_paths(seg_dir: Path) -> list[Path]:
-    return [seg_dir / "zarr.json"] + [seg_dir / f / "zarr.json" for f in FIELDS]
 
 
 def field_specs(seg_dir: Path) -> dict[str, FieldSpec] | None:
@@ -79,10 +103,11 @@ class SampleCheck:
     finding: Finding | None
     file_bytes: int = 0  # compressed bytes of its chunk files (read in a full check)
     raw_bytes: int = 0  # uncompressed bytes checksummed
+    error: str | None = None  # the check could not run (see check_with_retries); nothing is known of the data
 
     @property
     def ok(self) -> bool:
-        return self.finding is None
+        return self.finding is None and self.error is None
 
 
 def field_checksum(arr, token_start: int, num_tokens: int, window_bytes: int = WINDOW_BYTES) -> tuple[str, int]:
@@ -102,32 +127,28 @@ def field_checksum(arr, token_start: int, num_tokens: int, window_bytes: int = W
 def check_files(data_root: Path, segment: str, token_start: int, num_tokens: int, chunk_tokens: int,
                 nbytes: int | None = None, quick: bool = False,
                 specs: dict[str, FieldSpec] | None = None) -> SampleCheck:
-    """Structural check of one sample, reading no data. `quick` adds the size plausibility checks (`specs`:
-    the segment's field geometry when the caller has it cached)."""
+    """Structural check of one sample, reading no data: every file it needs is there and non-empty (each is
+    opened, `store.reader.probe_file`). `quick` adds the size plausibility checks (`specs`: the segment's field
+    geometry when the caller has it cached). An OSError that is not "no such file" propagates."""
     seg = data_root / segment
-    if not seg.is_dir():
-        return SampleCheck((MISSING, f"segment {segment} is gone"))
-    for p in metadata_paths(seg):
-        if not p.is_file():
-            return SampleCheck((MISSING, f"metadata file {p.relative_to(data_root)} is gone"))
-    if quick and specs is None:
+    try:
+        probe_metadata(data_root, segment)
+        files = probe_chunks(data_root, segment, token_start, num_tokens, chunk_tokens)
+    except DamagedSampleError as e:
+        return SampleCheck((e.reason, e.problem))
+    total = sum(size for fld in FIELDS for _, size in files[fld])
+    if not quick:
+        return SampleCheck(None, total)
+    if specs is None:
         specs = field_specs(seg)
-    if quick and specs is None:
+    if specs is None:
         return SampleCheck((UNREADABLE, f"segment {segment}: array metadata (zarr.json) is malformed"))
-    total = 0
     for fld in FIELDS:
-        for p in chunk_paths(seg, fld, token_start, num_tokens, chunk_tokens):
-            try:
-                size = p.stat().st_size
-            except FileNotFoundError:
-                return SampleCheck((MISSING, f"chunk file {p.relative_to(data_root)} is gone"), total)
-            if size == 0:
-                return SampleCheck((UNREADABLE, f"chunk file {p.relative_to(data_root)} is empty"), total)
-            if specs is not None and size > specs[fld].max_chunk_bytes:
-                return SampleCheck((UNREADABLE, f"chunk file {p.relative_to(data_root)} holds {size} bytes, more "
-                                                f"than a chunk can ({specs[fld].max_chunk_bytes})"), total)
-            total += size
-    if quick and nbytes is not None and total != nbytes:
+        for p, size in files[fld]:
+            if size > specs[fld].max_chunk_bytes:
+                return SampleCheck((UNREADABLE, f"chunk file {p.relative_to(seg)} holds {size} bytes, more than a "
+                                                f"chunk can ({specs[fld].max_chunk_bytes})"), total)
+    if nbytes is not None and total != nbytes:
         return SampleCheck((UNREADABLE, f"chunk files hold {total} bytes, the written event recorded {nbytes} "
                                         "(truncated or rewritten)"), total)
     return SampleCheck(None, total)
@@ -135,26 +156,62 @@ def check_files(data_root: Path, segment: str, token_start: int, num_tokens: int
 
 def check_sample(data_root: Path, segment: str, token_start: int, num_tokens: int, checksums: dict | str,
                  chunk_tokens: int, reader: SegmentReader | None = None) -> SampleCheck:
-    """Full check of one sample: presence, decodability, checksums of each field's uncompressed bytes."""
-    if isinstance(checksums, str):
-        checksums = json.loads(checksums)
+    """Full check of one sample: presence, decodability, checksums of each field's uncompressed bytes.
+    An OSError that is not "no such file", and MemoryError, propagate: the check could not run."""
+    want = parse_checksums(checksums)
     res = check_files(data_root, segment, token_start, num_tokens, chunk_tokens)
     if not res.ok:
         return res
     reader = reader or SegmentReader(data_root)
     sums = {}
+    fld = FIELDS[0]
     try:
         arrays = reader.arrays(segment)
-        for f in FIELDS:
-            sums[f], nbytes = field_checksum(arrays[f], token_start, num_tokens)
+        for fld in FIELDS:
+            sums[fld], nbytes = field_checksum(arrays[fld], token_start, num_tokens)
             res.raw_bytes += nbytes
-    except Exception as e:  # noqa: BLE001 - any decode or I/O failure means the bytes are unreadable
-        return SampleCheck((UNREADABLE, f"cannot decode: {type(e).__name__}: {str(e)[:200]}"), res.file_bytes,
-                           res.raw_bytes)
-    bad = [f for f in FIELDS if sums[f] != checksums.get(f)]
+    except DamagedSampleError as e:
+        return SampleCheck((e.reason, e.problem), res.file_bytes, res.raw_bytes)
+    except (OSError, MemoryError):
+        raise  # the check could not run; says nothing about the bytes
+    except Exception as e:  # noqa: BLE001 - the files are present (checked above): their bytes do not decode
+        return SampleCheck((UNREADABLE, f"{fld} does not decode: {type(e).__name__}: {str(e)[:200]}"),
+                           res.file_bytes, res.raw_bytes)
+    bad = [f for f in FIELDS if sums[f] != want.get(f)]
     if bad:
         res.finding = (MISMATCH, f"checksum mismatch in {', '.join(bad)}")
     return res
+
+
+def is_transient(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS)
+
+
+def describe_error(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno is not None:
+        name = errno.errorcode.get(e.errno, str(e.errno))
+        where = f": {e.filename}" if e.filename else ""
+        return f"{name} ({e.strerror}){where}"
+    return f"{type(e).__name__}: {str(e)[:200]}" if str(e) else type(e).__name__
+
+
+def check_with_retries(check: Callable[[], SampleCheck], retries: int = RETRIES, backoff: float = BACKOFF_S,
+                       sleep: Callable[[float], object] = time.sleep) -> SampleCheck:
+    """Run a check; when it could not run (OSError other than "no such file", MemoryError), try again after
+    `backoff`, doubling, up to `retries` more times if the error may be transient. Still failing: a SampleCheck
+    with `error` set and no finding (the sample is not condemned). `sleep` returning true stops the retries
+    (pass `threading.Event.wait` to stop at once on Ctrl-C)."""
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return check()
+        except DamagedSampleError as e:
+            return SampleCheck((e.reason, e.problem))
+        except (OSError, MemoryError) as e:
+            if not is_transient(e) or tries > retries or sleep(backoff * 2 ** (tries - 1)):
+                return SampleCheck(None, error=f"could not check: {describe_error(e)} "
+                                               f"({tries} {'try' if tries == 1 else 'tries'})")
 
 
 def check_presence(data_root: Path, segment: str, token_start: int, num_tokens: int,
@@ -165,5 +222,6 @@ def check_presence(data_root: Path, segment: str, token_start: int, num_tokens: 
 
 def check_location(data_root: Path, segment: str, token_start: int, num_tokens: int, checksums: dict | str,
                    chunk_tokens: int, reader: SegmentReader | None = None) -> Finding | None:
-    """Full check of one sample (see `check_sample`); the finding only."""
+    """Full check of one sample (see `check_sample`); the finding only. When the check cannot run (EMFILE,
+    EIO, MemoryError, ...) the error propagates: a caller MUST NOT take that for a good sample."""
     return check_sample(data_root, segment, token_start, num_tokens, checksums, chunk_tokens, reader).finding

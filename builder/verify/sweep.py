@@ -8,7 +8,12 @@ batches, and answers `hsbuild status` / `hsbuild sql` over the lock's socket. It
                      max_rate, planned/skipped counts, and for a continuation `continues` + `chain`
     verified         one per sample whose bytes match its `written` checksums (full mode only)
     failed           one per damaged sample: reason checksum_mismatch | missing_data | unreadable
-    verify_finished  reason completed | damage_found (| continued, written by the sweep that continues it)
+    verify_finished  reason completed | damage_found | check_errors (| continued, written by the sweep that
+                     continues it)
+
+A sample whose check could not run (EMFILE, ENOMEM, EIO, ... after retries with backoff; see
+`checks.check_with_retries`) gets no event at all: it keeps its state, is reported as `not_checked`, and a later
+sweep checks it again.
 
 An interrupted sweep (Ctrl-C, SIGKILL, an error) has no `verify_finished`; `--continue` takes the newest such
 sweep, reuses its selection, and skips every sample a sweep of its chain already recorded.
@@ -45,6 +50,7 @@ from builder.verify.checks import (
     SampleCheck,
     check_files,
     check_sample,
+    check_with_retries,
     field_specs,
 )
 from builder.verify.gc import OrphanReport, scan_orphans
@@ -224,6 +230,18 @@ class Damage:
 
 
 @dataclass
+class NotChecked:
+    """A sample whose check could not run (resources or I/O, not its data): nothing was recorded for it."""
+
+    sample_id: str
+    message: str
+    segment: str
+    token_start: int
+    num_tokens: int
+    reason: str = "check_error"
+
+
+@dataclass
 class Overlap:
     """Two live samples whose chunk ranges in one segment overlap: at most one of them holds its own bytes."""
 
@@ -243,7 +261,8 @@ class SweepSummary:
     continues: str | None = None
     selected: int = 0  # samples the selection covers now
     skipped: int = 0  # already checked by the sweep being continued
-    checked: int = 0
+    checked: int = 0  # samples whose check ran (ok + damaged)
+    check_errors: int = 0  # samples whose check could not run (not_checked)
     ok: int = 0
     mismatched: int = 0
     missing: int = 0
@@ -251,8 +270,9 @@ class SweepSummary:
     bytes_read: int = 0  # compressed chunk-file bytes read (what --max-rate limits)
     raw_bytes: int = 0  # uncompressed bytes checksummed
     seconds: float = 0.0  # the reading phase
-    outcome: str = "completed"  # completed | damage_found | interrupted
+    outcome: str = "completed"  # completed | damage_found | check_errors | interrupted
     damaged: list[Damage] = field(default_factory=list)
+    not_checked: list[NotChecked] = field(default_factory=list)
     overlaps: list[Overlap] = field(default_factory=list)
     orphans: OrphanReport = field(default_factory=OrphanReport)
 
@@ -270,12 +290,15 @@ class SweepSummary:
 
     @property
     def exit_code(self) -> int:
+        """130 interrupted; 1 damage found, or some samples could not be checked (good is not established;
+        nothing was condemned: retry); 0 every selected sample was checked and is good."""
         if self.outcome == "interrupted":
             return EXIT_INTERRUPTED
-        return EXIT_SAMPLES_FAILED if self.damage_found else EXIT_OK
+        return EXIT_SAMPLES_FAILED if self.damage_found or self.not_checked else EXIT_OK
 
     def counts(self) -> dict:
-        return {"selected": self.selected, "skipped": self.skipped, "checked": self.checked, "ok": self.ok,
+        return {"selected": self.selected, "skipped": self.skipped, "checked": self.checked,
+                "check_errors": self.check_errors, "ok": self.ok,
                 "mismatched": self.mismatched, "missing": self.missing, "unreadable": self.unreadable,
                 "overlaps": len(self.overlaps), "bytes_read": self.bytes_read, "raw_bytes": self.raw_bytes,
                 "seconds": round(self.seconds, 3), "mb_per_s": round(self.mb_per_s, 3),
@@ -285,7 +308,8 @@ class SweepSummary:
         return {"sweep_id": self.sweep_id, "mode": self.mode, "outcome": self.outcome,
                 "started_at": self.started_at.isoformat() + "Z", "continues": self.continues,
                 "selection": asdict(self.selection), **self.counts(),
-                "damaged": [asdict(d) for d in self.damaged], "overlaps": [asdict(o) for o in self.overlaps],
+                "damaged": [asdict(d) for d in self.damaged], "not_checked": [asdict(n) for n in self.not_checked],
+                "overlaps": [asdict(o) for o in self.overlaps],
                 "reclaimable": self.orphans.as_dict()}
 
 
@@ -432,12 +456,14 @@ class Sweep:
             self.flush(force=True)  # whatever was checked stays recorded, even on an error
             server.stop()
         s.damaged.sort(key=lambda d: (d.segment, d.token_start, d.sample_id))
+        s.not_checked.sort(key=lambda n: (n.segment, n.token_start, n.sample_id))
         if self.stop.is_set():
             s.outcome = "interrupted"  # no verify_finished: --continue picks this sweep up
             return s
-        s.outcome = "damage_found" if s.damage_found else "completed"
+        s.outcome = "damage_found" if s.damage_found else "check_errors" if s.not_checked else "completed"
         self.emit(Event("verify_finished", reason=s.outcome, detail=detail(
-            **s.counts(), reclaimable=s.orphans.as_dict(), damaged=[d.sample_id for d in s.damaged][:1000])))
+            **s.counts(), reclaimable=s.orphans.as_dict(), damaged=[d.sample_id for d in s.damaged][:1000],
+            not_checked=[n.sample_id for n in s.not_checked][:1000])))
         self.flush(force=True)
         return s
 
@@ -488,11 +514,14 @@ class Sweep:
         return self._segment_geometry(segment)[0]
 
     def _check_one(self, t: Target, reader: SharedReader, limiter: RateLimiter | None) -> SampleCheck:
+        """Check one sample; an error that says nothing about its data (EMFILE, ENOMEM, EIO, ...) is retried with
+        backoff and, if it persists, comes back as `SampleCheck.error`, never as damage."""
         ct, specs = self._segment_geometry(t.segment)
         if self.selection.mode == "quick":
-            return check_files(self.lay.data, t.segment, t.token_start, t.num_tokens, ct, t.nbytes, quick=True,
-                               specs=specs)
-        res = check_sample(self.lay.data, t.segment, t.token_start, t.num_tokens, t.checksums, ct, reader)
+            return check_with_retries(lambda: check_files(self.lay.data, t.segment, t.token_start, t.num_tokens, ct,
+                                                          t.nbytes, quick=True, specs=specs), sleep=self.stop.wait)
+        res = check_with_retries(lambda: check_sample(self.lay.data, t.segment, t.token_start, t.num_tokens,
+                                                      t.checksums, ct, reader), sleep=self.stop.wait)
         if limiter is not None:
             limiter.charge(res.file_bytes)
         return res
@@ -535,6 +564,10 @@ class Sweep:
     def _record(self, t: Target, res: SampleCheck) -> None:
         s = self.summary
         assert s is not None
+        if res.error is not None:  # the check could not run: no event, the sample keeps its state
+            s.check_errors += 1
+            s.not_checked.append(NotChecked(t.sample_id, res.error, t.segment, t.token_start, t.num_tokens))
+            return
         s.checked += 1
         s.bytes_read += res.file_bytes if s.mode == "full" else 0
         s.raw_bytes += res.raw_bytes

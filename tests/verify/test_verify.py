@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import os
 import signal
@@ -35,7 +36,9 @@ from builder.log.events import Event, EventLog
 from builder.log.lock import BuildLock
 from builder.log.query import run_query, status_snapshot
 from builder.run.coordinator import RunOptions, run_build
+from builder.store import reader as store_reader
 from builder.store.reader import SegmentReader
+from builder.verify.checks import RETRIES
 from builder.verify.sweep import parse_time, stable_part
 
 ALL = {f"s{i:04d}" for i in range(N_SAMPLES)}
@@ -290,3 +293,61 @@ def test_verify_refuses_while_the_build_is_owned(build, cli):
             sweep(build)
         cp = cli("verify", build, "--quick")
         assert cp.returncode == 2 and "busy" in cp.stderr
+
+
+def test_a_check_that_cannot_run_condemns_nothing(build, monkeypatch, capsys):
+    """EMFILE (a full descriptor table) says nothing about the data: retried with backoff, then reported as not
+    checked, the sample stays `written`, no `failed` event, exit 1 with a retry line; a transient EIO that clears
+    on retry is just verified; a later sweep checks the sample and passes."""
+    rows = live(build)
+    emfile = {str(p) for p in sample_chunks(build, rows["s0005"], "hidden_state")}
+    flaky = {str(p) for p in sample_chunks(build, rows["s0006"], "input_ids")}
+    real_probe = store_reader.probe_file
+    calls = {"emfile": 0, "eio": 0}
+
+    def probe(path):  # the seam every data file is opened through before Zarr reads it
+        if str(path) in emfile:
+            calls["emfile"] += 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(path))
+        if str(path) in flaky and calls["eio"] < 2:
+            calls["eio"] += 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real_probe(path)
+
+    monkeypatch.setattr(store_reader, "probe_file", probe)
+    assert main(["verify", str(build), "--no-progress", "--jobs", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT CHECKED s0005: could not check: EMFILE" in out and "DAMAGED" not in out
+    assert f"retry:  hsbuild verify {build} --not-verified-since " in out and "repair:" not in out
+    assert calls["emfile"] == 1 + RETRIES and calls["eio"] == 2  # retried with backoff
+
+    after = live(build)
+    assert after["s0005"]["state"] == "written" and after["s0005"]["segment"] == rows["s0005"]["segment"]
+    assert after["s0006"]["state"] == "verified"  # the flaky read succeeded on a retry
+    assert all(r["state"] == "verified" for sid, r in after.items() if sid != "s0005")
+    assert not events(build, "WHERE kind = 'failed'")  # nothing condemned, nothing for resume to redo
+    fin = events(build, "WHERE kind = 'verify_finished'")[-1]
+    assert fin["reason"] == "check_errors" and json.loads(fin["detail"])["not_checked"] == ["s0005"]
+
+    monkeypatch.undo()
+    since = events(build, "WHERE kind = 'verify_started'")[-1]["ts"]
+    s = sweep(build, not_verified_since=since)  # the retry the CLI printed: only s0005 is due
+    assert (s.checked, s.ok, s.not_checked, s.damaged, s.exit_code) == (1, 1, [], [], 0)
+    assert live(build)["s0005"]["state"] == "verified"
+
+
+def test_quick_sweep_reports_check_errors_not_damage(build, monkeypatch):
+    victim = {str(p) for p in sample_chunks(build, live(build)["s0003"], "loss_mask")}
+    real_probe = store_reader.probe_file
+
+    def probe(path):
+        if str(path) in victim:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))  # not transient: no retry
+        return real_probe(path)
+
+    monkeypatch.setattr(store_reader, "probe_file", probe)
+    s = sweep(build, quick=True)
+    assert [(n.sample_id, n.reason) for n in s.not_checked] == [("s0003", "check_error")]
+    assert "EACCES" in s.not_checked[0].message and "(1 try)" in s.not_checked[0].message
+    assert s.damaged == [] and s.exit_code == 1 and s.outcome == "check_errors"
+    assert not events(build, "WHERE kind = 'failed'")
