@@ -1,20 +1,28 @@
 """A Hypothesis state machine over the real data + log layers (DuckDB file, Zarr segments on disk): writers
 write samples, batches commit, writers crash (losing what was not committed and abandoning their segment),
-samples are retried. Invariants after every step: each sample is live at most once, exactly the committed
-writes are live, and every live sample reads back its own bytes and checksums."""
+the log's owner crashes (a real process SIGKILLed before, during or after committing a batch; the log is then
+reopened from the file, DuckDB replaying its WAL), samples are retried. Invariants after every step: each
+sample is live at most once, exactly the committed writes are live (a batch commits whole or not at all, and a
+commit the owner saw return survives its death), and every live sample reads back its own bytes and
+checksums."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import os
 import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from owner_proc import own_and_commit
 
 from builder.extract.source import Sample
 from builder.log.events import Event, EventLog
@@ -24,6 +32,12 @@ from builder.verify.checks import check_location
 
 IDS = [f"s{i}" for i in range(6)]
 H, N_AUX, C = 8, 3, 4
+
+# Owner processes fork from a server that has already imported the event log (DuckDB, pyarrow), so a crash costs
+# a fraction of a second, not an interpreter start.
+OWNERS = mp.get_context("forkserver")
+OWNERS.set_forkserver_preload(["builder.log.events"])
+OWNER_CRASHES = 2  # per example: each costs a process and two opens of the log
 
 
 def payload(sid: str, attempt: int, n: int):
@@ -46,6 +60,7 @@ class BuildMachine(RuleBasedStateMachine):
         self.expected: dict[str, tuple] = {}  # sid -> payload of its committed, live write
         self.staged: dict[str, tuple] = {}
         self.attempt = 0
+        self.owner_crashes = 0
 
     def _new_writer(self) -> SegmentWriter:
         return SegmentWriter(self.dir / "data", new_segment_name("r" * 8, 0), H, N_AUX, C, "zstd:1").create()
@@ -69,6 +84,9 @@ class BuildMachine(RuleBasedStateMachine):
     @rule()
     def commit(self):
         self.log.append(self.pending)
+        self.commit_staged()
+
+    def commit_staged(self):
         self.pending = []
         for sid, data in self.staged.items():
             if data is None:
@@ -82,6 +100,47 @@ class BuildMachine(RuleBasedStateMachine):
         # kill -9: uncommitted events vanish; the writer's segment is abandoned mid-way, never reopened
         self.pending, self.staged = [], {}
         self.writer = self._new_writer()
+
+    def _event_count(self) -> int:
+        return self.log.con.execute("SELECT count(*) FROM events").fetchone()[0]
+
+    @precondition(lambda self: self.pending and self.owner_crashes < OWNER_CRASHES)
+    @rule(delay_ms=st.integers(0, 80))
+    def owner_crash(self, delay_ms):
+        """The coordinator (the log's owner, here a real process) is SIGKILLed `delay_ms` after it starts to
+        commit the pending batch: before, during or after the commit (one takes ~5-40 ms). Its workers die with
+        it."""
+        self.owner_crashes += 1
+        batch, before = self.pending, self._event_count()
+        self.log.close()
+        ours, theirs = OWNERS.Pipe()
+        owner = OWNERS.Process(target=own_and_commit, args=(str(self.dir / "events.duckdb"), batch, theirs),
+                               daemon=True)
+        owner.start()
+        theirs.close()
+        assert ours.poll(60) and ours.recv() == "open"
+        time.sleep(delay_ms / 1000)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join(60)
+        assert owner.exitcode == -signal.SIGKILL
+        said = []
+        while ours.poll(0):  # what the owner said before it died (then EOF)
+            try:
+                said.append(ours.recv())
+            except EOFError:
+                break
+        ours.close()
+        acked = "committed" in said
+        self.log = EventLog(self.dir / "events.duckdb")  # a new owner: DuckDB replays what was committed
+        after = self._event_count()
+        assert after in (before, before + len(batch)), "a batch committed in part"
+        committed = after == before + len(batch)
+        assert committed or not acked, "a commit the owner saw return was lost"
+        event(f"owner killed: batch {'committed' if committed else 'lost'}")
+        if committed:
+            self.commit_staged()
+        self.pending, self.staged = [], {}
+        self.writer = self._new_writer()  # workers die with their coordinator; segments are never reopened
 
     @invariant()
     def live_index_is_exactly_the_committed_writes(self):
