@@ -21,7 +21,8 @@ import crc32c
 import numpy as np
 
 from builder.store.reader import SegmentReader
-from builder.store.segment import FIELDS, chunk_paths
+from builder.store.segment import DIMS, FIELDS, chunk_paths_v1
+from builder.store.shard import EMPTY, ShardGeometry, ShardIndexError, read_index, shard_path
 
 Finding = tuple[str, str]  # (reason, message)
 
@@ -32,11 +33,12 @@ ITEMSIZES = {"int32": 4, "uint8": 1, "uint16": 2, "float16": 2, "float32": 4}
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """What a field's zarr.json says about its chunks."""
+    """What a field's zarr.json says about its chunks (inner chunks, for a sharded field)."""
 
     chunk_tokens: int
     width: int  # elements per token (1 for 1-D fields)
     itemsize: int
+    shard_chunks: int = 0  # inner chunks per shard file; 0: not sharded (layout 1, one file per chunk)
 
     @property
     def raw_chunk_bytes(self) -> int:
@@ -60,8 +62,14 @@ def field_specs(seg_dir: Path) -> dict[str, FieldSpec] | None:
         try:
             meta = json.loads((seg_dir / fld / "zarr.json").read_bytes())
             shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
+            codecs = meta.get("codecs") or []
+            shard_chunks = 0
+            if codecs and codecs[0].get("name") == "sharding_indexed":
+                inner = codecs[0]["configuration"]["chunk_shape"]
+                shard_chunks = int(shape[0]) // int(inner[0])
+                shape = inner
             specs[fld] = FieldSpec(int(shape[0]), int(shape[1]) if len(shape) > 1 else 1,
-                                   ITEMSIZES.get(str(meta["data_type"]), 8))
+                                   ITEMSIZES.get(str(meta["data_type"]), 8), shard_chunks)
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             return None
     return specs
@@ -110,27 +118,69 @@ def check_files(data_root: Path, segment: str, token_start: int, num_tokens: int
     for p in metadata_paths(seg):
         if not p.is_file():
             return SampleCheck((MISSING, f"metadata file {p.relative_to(data_root)} is gone"))
-    if quick and specs is None:
+    if specs is None:
         specs = field_specs(seg)
-    if quick and specs is None:
+    if specs is None:
         return SampleCheck((UNREADABLE, f"segment {segment}: array metadata (zarr.json) is malformed"))
     total = 0
     for fld in FIELDS:
-        for p in chunk_paths(seg, fld, token_start, num_tokens, chunk_tokens):
-            try:
-                size = p.stat().st_size
-            except FileNotFoundError:
-                return SampleCheck((MISSING, f"chunk file {p.relative_to(data_root)} is gone"), total)
-            if size == 0:
-                return SampleCheck((UNREADABLE, f"chunk file {p.relative_to(data_root)} is empty"), total)
-            if specs is not None and size > specs[fld].max_chunk_bytes:
-                return SampleCheck((UNREADABLE, f"chunk file {p.relative_to(data_root)} holds {size} bytes, more "
-                                                f"than a chunk can ({specs[fld].max_chunk_bytes})"), total)
-            total += size
+        spec = specs[fld]
+        if spec.shard_chunks:
+            found = _sharded_bytes(data_root, seg, fld, spec, token_start, num_tokens)
+        else:
+            found = _chunk_file_bytes(data_root, seg, fld, spec, token_start, num_tokens, chunk_tokens, quick)
+        if isinstance(found, tuple):
+            return SampleCheck(found, total)
+        total += found
     if quick and nbytes is not None and total != nbytes:
         return SampleCheck((UNREADABLE, f"chunk files hold {total} bytes, the written event recorded {nbytes} "
                                         "(truncated or rewritten)"), total)
     return SampleCheck(None, total)
+
+
+def _chunk_file_bytes(data_root: Path, seg: Path, fld: str, spec: FieldSpec, token_start: int, num_tokens: int,
+                      chunk_tokens: int, quick: bool) -> int | Finding:
+    """Layout 1: the sizes of the sample's own chunk files."""
+    total = 0
+    for p in chunk_paths_v1(seg, fld, token_start, num_tokens, chunk_tokens):
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            return (MISSING, f"chunk file {p.relative_to(data_root)} is gone")
+        if size == 0:
+            return (UNREADABLE, f"chunk file {p.relative_to(data_root)} is empty")
+        if quick and size > spec.max_chunk_bytes:
+            return (UNREADABLE, f"chunk file {p.relative_to(data_root)} holds {size} bytes, more than a chunk can "
+                                f"({spec.max_chunk_bytes})")
+        total += size
+    return total
+
+
+def _sharded_bytes(data_root: Path, seg: Path, fld: str, spec: FieldSpec, token_start: int,
+                   num_tokens: int) -> int | Finding:
+    """Layout 2: every shard file holding the sample exists, its index passes its crc32c, and lists each of
+    the sample's inner chunks; returns the bytes of those inner chunks."""
+    geo = ShardGeometry(spec.chunk_tokens, spec.shard_chunks)
+    first = token_start // spec.chunk_tokens
+    last = (token_start + max(num_tokens, 1) - 1) // spec.chunk_tokens
+    total = 0
+    for s in geo.shards(token_start, num_tokens):
+        p = shard_path(seg, fld, DIMS[fld], s)
+        try:
+            idx = read_index(p, spec.shard_chunks)
+        except FileNotFoundError:
+            return (MISSING, f"shard file {p.relative_to(data_root)} is gone")
+        except ShardIndexError as e:
+            return (UNREADABLE, f"shard file {p.relative_to(data_root)}: {e}")
+        lo, hi = max(first, s * spec.shard_chunks), min(last, (s + 1) * spec.shard_chunks - 1)
+        rows = idx[lo - s * spec.shard_chunks : hi - s * spec.shard_chunks + 1]
+        if (rows[:, 0] == EMPTY).any():
+            k = lo + int(np.argmax(rows[:, 0] == EMPTY))
+            return (MISSING, f"shard file {p.relative_to(data_root)} lacks chunk {k} of the sample")
+        if int(rows[:, 1].max()) > spec.max_chunk_bytes:
+            return (UNREADABLE, f"shard file {p.relative_to(data_root)} lists a chunk larger than a chunk can be")
+        total += int(rows[:, 1].sum())
+    return total
 
 
 def check_sample(data_root: Path, segment: str, token_start: int, num_tokens: int, checksums: dict | str,
