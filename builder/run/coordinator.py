@@ -148,7 +148,8 @@ class Coordinator:
             for line in warning_lines(doc):
                 self.echo(line)
         self.space.preflight(sum(s.num_tokens for s in plan.todo), meta, measured_bytes_per_token(self.log),
-                             allow_overcommit=self.opts.allow_overcommit, echo=self.echo)
+                             allow_overcommit=self.opts.allow_overcommit, echo=self.echo,
+                             remaining_samples=len(plan.todo))
         by_id = {s.sample_id: s for s in plan.todo}
         self.emit(Event("run_started", detail=detail(
             workers=self.workers, resume=resume, plan=plan.summary(), config=self.cfg.to_toml(),
@@ -317,7 +318,8 @@ class Coordinator:
             self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, segment=loc.segment,
                             token_start=loc.token_start, num_tokens=loc.num_tokens, nbytes=loc.nbytes,
                             checksums=json.dumps(loc.checksums, sort_keys=True),
-                            detail=detail(truncated=truncated, seconds=round(seconds, 4))))
+                            detail=detail(truncated=truncated, seconds=round(seconds, 4),
+                                          disk_bytes=loc.disk_bytes)))
             if verified:
                 self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,

@@ -14,6 +14,7 @@ from builder.config import BuildConfig, Watermarks
 from builder.errors import BuildExistsError, UsageError
 from builder.extract.model import Extractor, suggest_chunk_tokens
 from builder.extract.source import load_source
+from builder.fsutil import make_dirs_durable
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
@@ -71,7 +72,7 @@ def init_build(
                       max_attempts=max_attempts, dtype=dtype, codec=codec, chunk_tokens=chunk_tokens, device=device,
                       staging=staging, watermarks=wm)
 
-    lay.root.mkdir(parents=True, exist_ok=True)
+    make_dirs_durable(lay.root)
     if lay.exists():  # --force: take the lock so a live run is never pulled out from under itself
         with BuildLock(lay, "init --force"):
             for p in (lay.events, lay.events.with_suffix(".duckdb.wal"), lay.config):

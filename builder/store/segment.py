@@ -74,6 +74,7 @@ class Location:
     num_tokens: int
     nbytes: int
     checksums: dict[str, str]
+    disk_bytes: int = 0  # the sample's share of what its group occupies on disk (allocated blocks, manifest too)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class _Staged:
 def init_data_group(data_root: Path, attrs: dict) -> None:
     zarr.create_group(store=str(data_root), zarr_format=3, attributes={"hsbuild_layout": LAYOUT_VERSION, **attrs},
                       overwrite=False)
+    fsync_path(data_root / "zarr.json")
     fsync_path(data_root)
     fsync_path(data_root.parent)
 
@@ -271,6 +273,15 @@ class SegmentWriter:
                 if f.exception() is None or not isinstance(f.exception(), FileExistsError):
                     p.unlink(missing_ok=True)
             raise
+        allocated = 0
+        for path, _ in jobs:
+            try:
+                allocated += os.stat(path).st_blocks * 512
+            except OSError:
+                pass
+        data_bytes = sum(s.location.nbytes for s in staged) or 1
+        for s in staged:
+            s.location.disk_bytes = allocated * s.location.nbytes // data_bytes
         self.samples += len(staged)
         self.groups += 1
         return [s.location for s in staged]
