@@ -37,6 +37,21 @@ def fsync_paths(paths: Iterable[Path]) -> None:
         pass
 
 
+def make_dirs_durable(path: Path) -> None:
+    """mkdir -p, with each directory it creates made durable (its parent fsynced after the mkdir)."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    for d in reversed(missing):
+        fsync_path(d.parent)
+    if not missing:
+        fsync_path(path.parent)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` via a temp file in the same directory, fsync, rename, fsync the directory."""
     path = Path(path)

@@ -42,6 +42,11 @@ class BuildLayout:
         return self.config.is_file() and self.events.is_file()
 
     def require(self) -> BuildLayout:
+        if self.config.is_file() and self.data.is_dir() and not self.events.is_file():
+            raise BuildNotFoundError(
+                f"{self.events}: the event log is missing (deleted, or lost in a crash); rebuild it from the data "
+                f"with `hsbuild rebuild-log {self.root}`"
+            )
         if not self.exists():
             raise BuildNotFoundError(
                 f"{self.root}: not an hsbuild build (no {CONFIG_NAME} / {EVENTS_NAME}); "

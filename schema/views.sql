@@ -35,6 +35,8 @@ SELECT
     s.num_tokens AS source_tokens,
     CASE WHEN m.kind = 'written' THEN m.num_tokens END AS num_tokens,
     CASE WHEN m.kind = 'written' THEN m.nbytes END AS nbytes,
+    -- what the sample takes on disk: its share of its group's allocated blocks (shard files and manifest)
+    CASE WHEN m.kind = 'written' THEN TRY_CAST(json_extract(m.detail, '$.disk_bytes') AS BIGINT) END AS disk_bytes,
     CASE WHEN m.kind = 'written' THEN m.segment END AS segment,
     CASE WHEN m.kind = 'written' THEN m.token_start END AS token_start,
     CASE WHEN m.kind = 'written' THEN m.checksums END AS checksums,

@@ -8,6 +8,7 @@ input (nothing committed changed); 3 the build will not fit on its volume; 4 blo
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from builder import __version__
@@ -82,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                        parents=[out])
     p.add_argument("build")
     p.add_argument("query")
+
+    p = sub.add_parser("rebuild-log", help="rebuild a lost or damaged event log from the segments' manifests",
+                       description="Rebuilds events.duckdb from hsbuild.toml, the source and every segment's "
+                                   "manifests (the old log is kept, renamed). Then run `hsbuild verify BUILD`.")
+    p.add_argument("build")
 
     p = sub.add_parser("demo", help="init + run on the built-in model and sample set, then print status")
     p.add_argument("build", nargs="?", default="hsbuild-demo")
@@ -220,7 +226,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-COMMANDS = {"init": cmd_init, "run": cmd_run, "resume": lambda a: cmd_run(a, resume=True), "status": cmd_status,
+def cmd_rebuild_log(args: argparse.Namespace) -> int:
+    from builder.run.create import recorded_meta, source_samples  # noqa: PLC0415
+    from builder.run.rebuild import rebuild_log  # noqa: PLC0415
+
+    rep = rebuild_log(args.build, recorded_meta, source_samples)
+    b = shlex.quote(args.build)
+    if rep.kept_as:
+        print(f"kept the old log as {rep.kept_as}")
+    print(f"rebuilt the log from {rep.segments} segment(s): {rep.samples} of {rep.registered} sample(s) written"
+          + (f"; {rep.skipped} manifest entr(ies) not in the source skipped" if rep.skipped else "")
+          + (f"; {rep.layout1_segments} segment(s) predate manifests (their samples are extracted again)"
+             if rep.layout1_segments else ""))
+    print(f"next: hsbuild verify {b}   (reads every sample back against its checksums), then hsbuild resume {b}")
+    return EXIT_OK
+
+
+COMMANDS = {"init": cmd_init, "rebuild-log": cmd_rebuild_log, "run": cmd_run, "resume": lambda a: cmd_run(a, resume=True), "status": cmd_status,
             "sql": cmd_sql, "demo": cmd_demo}
 
 

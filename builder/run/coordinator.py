@@ -30,6 +30,7 @@ from builder.log.server import QueryServer
 from builder.progress import NoProgress, Progress
 from builder.run.create import code_fingerprint
 from builder.run.plan import Plan, check_source, make_plan
+from builder.run.rebuild import adopt, unlogged
 from builder.run.worker import Flags, Task, WorkerSettings, worker_main
 from builder.space.capacity import measured_bytes_per_token, project
 from builder.space.watermarks import SpaceMonitor
@@ -129,6 +130,7 @@ class Coordinator:
     def _run_locked(self, lock: BuildLock, resume: bool, samples: list[Sample]) -> RunReport:
         meta = self.meta = self.log.meta()
         added = check_source(self.log, samples)
+        self._adopt_unlogged()
         plan = make_plan(self.log, samples, self.cfg.max_attempts, self.opts.limit)
         report = RunReport(self.run_id, plan)
         if resume or plan.done or plan.interrupted or plan.failed_retry or plan.damaged:
@@ -146,7 +148,8 @@ class Coordinator:
             for line in warning_lines(doc):
                 self.echo(line)
         self.space.preflight(sum(s.num_tokens for s in plan.todo), meta, measured_bytes_per_token(self.log),
-                             allow_overcommit=self.opts.allow_overcommit, echo=self.echo)
+                             allow_overcommit=self.opts.allow_overcommit, echo=self.echo,
+                             remaining_samples=len(plan.todo))
         by_id = {s.sample_id: s for s in plan.todo}
         self.emit(Event("run_started", detail=detail(
             workers=self.workers, resume=resume, plan=plan.summary(), config=self.cfg.to_toml(),
@@ -180,6 +183,21 @@ class Coordinator:
             failed_in_build=report.failed_in_build)))
         self.flush(force=True)
         return report
+
+    def _adopt_unlogged(self) -> None:
+        """Samples durable in a segment (its manifest says so) whose `written` event the log lacks: a crash
+        between the data barrier and the log commit, or a log that lost commits. Adopt them once their bytes
+        check out, rather than extracting them again."""
+        missed = unlogged(self.log, self.lay.data)
+        if not missed:
+            return
+        rep = adopt(self.log, self.lay.data, self.emit, missed)
+        self.emit(Event("adopted", detail=detail(found=len(missed), adopted=len(rep.adopted), damaged=rep.damaged,
+                                                 stale=rep.stale)))
+        self.flush(force=True)
+        self.echo(f"the log was behind the data: {len(missed)} durable sample(s) had no `written` event (a crash "
+                  f"before the log's commit, or a lost log file); adopted {len(rep.adopted)} after reading them back"
+                  + (f"; {len(rep.damaged)} failed the check and are extracted again" if rep.damaged else ""))
 
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
         ctx = mp.get_context("spawn")
@@ -300,7 +318,8 @@ class Coordinator:
             self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, segment=loc.segment,
                             token_start=loc.token_start, num_tokens=loc.num_tokens, nbytes=loc.nbytes,
                             checksums=json.dumps(loc.checksums, sort_keys=True),
-                            detail=detail(truncated=truncated, seconds=round(seconds, 4))))
+                            detail=detail(truncated=truncated, seconds=round(seconds, 4),
+                                          disk_bytes=loc.disk_bytes)))
             if verified:
                 self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import statistics
 import time
@@ -13,11 +14,12 @@ from builder.config import BuildConfig, Watermarks
 from builder.errors import BuildExistsError, UsageError
 from builder.extract.model import Extractor, suggest_chunk_tokens
 from builder.extract.source import load_source
+from builder.fsutil import make_dirs_durable
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
 from builder.store.codec import STORAGE_DTYPES, parse_codec
-from builder.store.segment import init_data_group
+from builder.store.segment import LAYOUT_VERSION, init_data_group
 
 
 def code_fingerprint() -> str:
@@ -70,7 +72,7 @@ def init_build(
                       max_attempts=max_attempts, dtype=dtype, codec=codec, chunk_tokens=chunk_tokens, device=device,
                       staging=staging, watermarks=wm)
 
-    lay.root.mkdir(parents=True, exist_ok=True)
+    make_dirs_durable(lay.root)
     if lay.exists():  # --force: take the lock so a live run is never pulled out from under itself
         with BuildLock(lay, "init --force"):
             for p in (lay.events, lay.events.with_suffix(".duckdb.wal"), lay.config):
@@ -79,7 +81,7 @@ def init_build(
     elif force and lay.data.exists():
         shutil.rmtree(lay.data, ignore_errors=True)
     meta = {
-        "layout_version": 1,
+        "layout_version": LAYOUT_VERSION,
         "hsbuild_version": __version__,
         "created_at": time.time(),
         "source": str(source),
@@ -89,8 +91,10 @@ def init_build(
         "storage_dtype": STORAGE_DTYPES[dtype],
         **ex.metadata(),
     }
-    init_data_group(lay.data, {k: meta[k] for k in ("model", "aux_layers", "convention", "dtype", "storage_dtype",
-                                                    "hidden_size", "num_layers", "chunk_tokens")})
+    # the data describes itself: the build's metadata is in data/zarr.json too (a lost log is rebuilt from it)
+    init_data_group(lay.data, {**{k: meta[k] for k in ("model", "aux_layers", "convention", "dtype", "storage_dtype",
+                                                       "hidden_size", "num_layers", "chunk_tokens")},
+                               "hsbuild_meta": meta})
     with EventLog(lay.events) as log:
         log.set_meta(meta)
         log.register_samples(samples)
@@ -99,3 +103,28 @@ def init_build(
                                                                           "config_fingerprint")}))])
     cfg.save(lay.config)  # last: a build "exists" once its config is there
     return lay
+
+
+def recorded_meta(lay: BuildLayout) -> dict:
+    """The build's metadata as `init` recorded it in data/zarr.json (builds made before that: recomputed from
+    hsbuild.toml and the model's config, as `init` computed it)."""
+    try:
+        attrs = json.loads((lay.data / "zarr.json").read_bytes()).get("attributes", {})
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{lay.data / 'zarr.json'}: unreadable ({e}); the data group's metadata is needed to "
+                         "rebuild the log") from None
+    if isinstance(attrs.get("hsbuild_meta"), dict):
+        return attrs["hsbuild_meta"]
+    cfg = BuildConfig.from_toml(lay.config)
+    ex = Extractor(cfg.model, cfg.aux_layers, cfg.dtype, device="cpu", load_weights=False)
+    return {"layout_version": int(attrs.get("hsbuild_layout", 1)), "hsbuild_version": __version__,
+            "created_at": time.time(), "source": cfg.source, "config_fingerprint": cfg.fingerprint(),
+            "chunk_tokens": cfg.chunk_tokens, "codec": cfg.codec, "storage_dtype": STORAGE_DTYPES[cfg.dtype],
+            **ex.metadata()}
+
+
+def source_samples(lay: BuildLayout) -> list:
+    """The build's source samples, tokenized as `init` did."""
+    cfg = BuildConfig.from_toml(lay.config)
+    ex = Extractor(cfg.model, cfg.aux_layers, cfg.dtype, device="cpu", load_weights=False)
+    return load_source(cfg.source, ex.tokenizer)

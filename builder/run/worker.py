@@ -142,11 +142,10 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
             if over_flood or under_min_free:
                 conn.send(("deferred", wid, task.sample_id, projected))  # would cross flood: not started
                 continue
-            start = writer.cursor
-            try:
-                loc = writer.write(ids, mask, aux, final)
+            try:  # a failed write leaves nothing of the sample behind (SegmentWriter.flush)
+                loc = writer.write(ids, mask, aux, final, sample_id=task.sample_id, fingerprint=task.fingerprint,
+                                   attempt=task.attempt)
             except OSError as e:
-                writer.discard(start, int(ids.shape[0]))
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     conn.send(("nospace", wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
                     continue

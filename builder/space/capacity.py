@@ -14,19 +14,22 @@ def project(log: EventLog, cfg: BuildConfig, mon: SpaceMonitor, meta: dict | Non
     uncompressed estimate), against the room below the high watermark."""
     meta = meta if meta is not None else log.meta()
     cap = cfg.max_tokens
-    done_bytes, done_tokens, remaining = log.query(
-        "SELECT sum(nbytes) FILTER (WHERE state IN ('written', 'verified')), "
+    done_bytes, done_tokens, remaining, remaining_samples = log.query(
+        "SELECT sum(coalesce(disk_bytes, nbytes)) FILTER (WHERE state IN ('written', 'verified')), "
         "sum(num_tokens) FILTER (WHERE state IN ('written', 'verified')), "
         "sum(CASE WHEN ? IS NULL THEN source_tokens ELSE least(source_tokens, ?) END) "
-        "FILTER (WHERE state NOT IN ('written', 'verified')) FROM samples", [cap, cap])[1][0]
-    p = mon.projection(int(remaining or 0), meta, _per_token(done_bytes, done_tokens))
+        "FILTER (WHERE state NOT IN ('written', 'verified')), "
+        "count(*) FILTER (WHERE state NOT IN ('written', 'verified')) FROM samples", [cap, cap])[1][0]
+    p = mon.projection(int(remaining or 0), meta, _per_token(done_bytes, done_tokens), int(remaining_samples or 0))
     p["final_bytes"] = int((done_bytes or 0) + p["projected_bytes"])
     return p
 
 
 def measured_bytes_per_token(log: EventLog) -> float | None:
-    """Compressed bytes per token of the live samples; None before the first write."""
-    row = log.query("SELECT sum(nbytes), sum(num_tokens) FROM samples WHERE state IN ('written', 'verified')")[1][0]
+    """Bytes on disk per token of the live samples (allocated blocks of their shard files and manifests,
+    or their compressed bytes where a sample predates that record); None before the first write."""
+    row = log.query("SELECT sum(coalesce(disk_bytes, nbytes)), sum(num_tokens) FROM samples "
+                    "WHERE state IN ('written', 'verified')")[1][0]
     return _per_token(*row)
 
 

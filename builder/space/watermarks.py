@@ -51,6 +51,20 @@ def estimate_bytes_per_token(meta: dict) -> float:
     return (n_aux + 1) * h * width + 5
 
 
+GROUP_FILES = 5  # a group of samples is 4 shard files and a manifest
+SAMPLES_PER_GROUP = 8  # a conservative guess before the first write (small samples group far more)
+MANIFEST_BYTES_PER_SAMPLE = 400
+
+
+def estimate_bytes_per_sample(meta: dict, block: int) -> float:
+    """What a sample costs on disk beyond its tokens, before anything is measured: its last chunk padded to
+    full length (uncompressed bound), its manifest entry, and its share of its group's per-file block
+    rounding."""
+    chunk = int(meta.get("chunk_tokens", 1))
+    padding = (chunk - 1) / 2 * estimate_bytes_per_token(meta)
+    return padding + MANIFEST_BYTES_PER_SAMPLE + GROUP_FILES * block / SAMPLES_PER_GROUP
+
+
 class SpaceMonitor:
     def __init__(self, lay: BuildLayout, cfg: BuildConfig):
         self.lay, self.wm = lay, cfg.watermarks
@@ -165,9 +179,15 @@ class SpaceMonitor:
             self.release_ballast()
 
     # -- capacity planning ------------------------------------------------------------------------------------
-    def projection(self, remaining_tokens: int, meta: dict, measured_bpt: float | None) -> dict:
+    def projection(self, remaining_tokens: int, meta: dict, measured_bpt: float | None,
+                   remaining_samples: int = 0) -> dict:
+        """Bytes the rest of the build will take on disk. Measured: allocated bytes per token of what is written
+        (block rounding, shard indices and manifests included). Before that: the uncompressed bound plus each
+        sample's padding and per-file costs."""
         bpt = measured_bpt or estimate_bytes_per_token(meta)
         need = int(remaining_tokens * bpt)
+        if not measured_bpt:
+            need += int(remaining_samples * estimate_bytes_per_sample(meta, self.block_size))
         u = self.refresh()[0]
         ballast_now = self.lay.ballast.stat().st_size if self.lay.ballast.exists() else 0
         limit = int(u.total * self.wm.high) - (u.used - ballast_now) - self.ballast_size
@@ -175,10 +195,17 @@ class SpaceMonitor:
                 "basis": "measured" if measured_bpt else "estimate (uncompressed)", "projected_bytes": need,
                 "free_bytes": u.free, "total_bytes": u.total, "room_below_high": limit, "fits": need <= limit}
 
+    @property
+    def block_size(self) -> int:
+        try:
+            return os.statvfs(self.lay.root).f_bsize or 4096
+        except OSError:
+            return 4096
+
     def preflight(self, remaining_tokens: int, meta: dict, measured_bpt: float | None, allow_overcommit: bool,
-                  echo) -> dict:
+                  echo, remaining_samples: int = 0) -> dict:
         """Refuse (WontFitError) a run whose projected size does not fit below `high`, unless overcommitting."""
-        p = self.projection(remaining_tokens, meta, measured_bpt)
+        p = self.projection(remaining_tokens, meta, measured_bpt, remaining_samples)
         if not p["fits"]:
             msg = (f"projected {human_bytes(p['projected_bytes'])} more ({p['basis']}: {p['bytes_per_token']} B/token) "
                    f"but only {human_bytes(max(p['room_below_high'], 0))} fit below the high watermark "

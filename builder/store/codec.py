@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import crc32c
+import numcodecs
 import numpy as np
 import torch
 import zarr.codecs as zc
@@ -45,3 +48,19 @@ def from_storage(a: np.ndarray, logical_dtype: str) -> torch.Tensor:
 
 def checksum(a: np.ndarray) -> str:
     return f"crc32c:{crc32c.crc32c(np.ascontiguousarray(a).data):08x}"
+
+
+def chunk_encoder(spec: str) -> Callable[[np.ndarray], bytes]:
+    """Encode one chunk (a C-contiguous little-endian array) exactly as zarr's `[bytes, <codec>]` pipeline for
+    `spec` would, so zarr reads what hsbuild writes directly."""
+    (codec,) = parse_codec(spec) or [None]
+    if codec is None:
+        return lambda a: a.tobytes()
+    if isinstance(codec, zc.ZstdCodec):
+        z = numcodecs.Zstd(level=codec.level, checksum=codec.checksum)
+        return lambda a: bytes(z.encode(a))
+    cfg = codec.to_dict()["configuration"]
+    shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[str(cfg["shuffle"])]
+    b = numcodecs.Blosc(cname=str(cfg["cname"]), clevel=int(cfg["clevel"]), shuffle=shuffle,
+                        blocksize=int(cfg.get("blocksize", 0)), typesize=int(cfg["typesize"]))
+    return lambda a: bytes(b.encode(a))

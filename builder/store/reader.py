@@ -21,7 +21,8 @@ import zarr
 
 from builder.errors import DamagedSampleError
 from builder.store.codec import checksum, from_storage
-from builder.store.segment import FIELDS, chunk_paths
+from builder.store.segment import DIMS, FIELDS, chunk_paths_v1, field_geometry
+from builder.store.shard import EMPTY, ShardGeometry, ShardIndexError, read_index, shard_path
 
 MISSING, UNREADABLE, MISMATCH = "missing_data", "unreadable", "checksum_mismatch"
 GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})  # the file (or a directory above it) is not there
@@ -66,11 +67,49 @@ def probe_metadata(data_root: Path, segment: str) -> None:
 
 def probe_chunks(data_root: Path, segment: str, token_start: int, num_tokens: int,
                  chunk_tokens: int) -> dict[str, list[tuple[Path, int]]]:
-    """Every chunk file of the sample's token range, per field, with its size. Raises DamagedSampleError for a
-    missing or empty one."""
+    """Every file of the sample's token range, per field, with the sample's bytes in it: its shard files (layout
+    2: each shard's index must pass its CRC-32C and list every inner chunk of the sample; the size given is
+    the sample's inner chunks in that shard) or its own chunk files (layout 1: their sizes). Raises
+    DamagedSampleError for a missing, empty or inconsistent one."""
     seg = Path(data_root) / segment
-    return {f: [(p, _probe(seg, p, segment, f, "chunk file"))
-                for p in chunk_paths(seg, f, token_start, num_tokens, chunk_tokens)] for f in FIELDS}
+    out: dict[str, list[tuple[Path, int]]] = {}
+    for f in FIELDS:
+        try:
+            inner, shard_chunks = field_geometry(seg, f)
+        except OSError:
+            raise
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise DamagedSampleError(UNREADABLE, f"{f}/zarr.json does not parse ({e})", segment=segment,
+                                     field=f) from e
+        if not shard_chunks:
+            out[f] = [(p, _probe(seg, p, segment, f, "chunk file"))
+                      for p in chunk_paths_v1(seg, f, token_start, num_tokens, inner)]
+            continue
+        out[f] = [(p, _probe_shard(seg, p, segment, f, s, inner, shard_chunks, token_start, num_tokens))
+                  for s, p in ((s, shard_path(seg, f, DIMS[f], s))
+                               for s in ShardGeometry(inner, shard_chunks).shards(token_start, num_tokens))]
+    return out
+
+
+def _probe_shard(seg_dir: Path, path: Path, segment: str, field: str, shard: int, inner: int, shard_chunks: int,
+                 token_start: int, num_tokens: int) -> int:
+    """The bytes of the sample's inner chunks in one shard file; DamagedSampleError when the file is gone or
+    empty, its index fails its check, or a chunk of the sample is absent from it."""
+    _probe(seg_dir, path, segment, field, "shard file")
+    rel = path.relative_to(seg_dir)
+    try:
+        idx = read_index(path, shard_chunks)
+    except ShardIndexError as e:
+        raise DamagedSampleError(UNREADABLE, f"shard file {rel}: {e}", segment=segment, field=field) from e
+    first = max(token_start // inner, shard * shard_chunks)
+    last = min((token_start + max(num_tokens, 1) - 1) // inner, (shard + 1) * shard_chunks - 1)
+    rows = idx[first - shard * shard_chunks : last - shard * shard_chunks + 1]
+    absent = rows[:, 0] == EMPTY
+    if absent.any():
+        k = first + int(np.argmax(absent))
+        raise DamagedSampleError(MISSING, f"shard file {rel} lacks chunk {k} of the sample", segment=segment,
+                                 field=field)
+    return int(rows[:, 1].sum())
 
 
 def parse_checksums(checksums: dict | str | None) -> dict[str, str]:

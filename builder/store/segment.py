@@ -1,40 +1,52 @@
 """The data: a Zarr v3 group of write-once segments, ragged along the token axis.
 
-    data/                      Zarr v3 group (layout attributes)
-      seg-<run>-w<k>-<rand>/   one segment per writer start; only that writer ever writes into it
-        input_ids              int32   [T]
-        loss_mask              uint8   [T]
-        hidden_state           uint16  [T, H]        raw bfloat16 bit patterns (attribute logical_dtype)
-        aux_hidden_state       uint16  [T, n_aux*H]
-        seal.json              written (atomically) when the writer stops cleanly
+    data/                          Zarr v3 group (layout attributes)
+      seg-<run>-w<k>-<rand>/       one segment per writer start; only that writer ever writes into it
+        input_ids/c.<s>            int32   [T]            shard s: tokens [s*S, (s+1)*S)
+        loss_mask/c.<s>            uint8   [T]
+        hidden_state/c.<s>.0       uint16  [T, H]         raw bfloat16 bit patterns (attribute logical_dtype)
+        aux_hidden_state/c.<s>.0   uint16  [T, n_aux*H]
+        samples/<token>.json       the manifest of the group of samples whose shards start at <token>
+        seal.json                  written (atomically) when the writer stops cleanly
 
-Every sample starts on a chunk boundary, so each chunk file belongs to exactly one sample and is written once,
-whole, and never touched again. Arrays are created with a fixed, very large shape, so no metadata is rewritten
-while writing. See docs/design.md.
+Layout 2 (this writer). Samples are appended in groups. Each sample starts on a chunk boundary; a group's
+samples are encoded into memory, then the group is made durable with one barrier: every shard file it touches
+is written once (O_EXCL, zarr's sharding format, see shard.py) together with the group's manifest, all fsynced,
+then their directories. Only then are the samples reported written, and the next group starts on a fresh shard,
+so no file is ever written twice. The manifest names each sample (id, fingerprint, attempt, location,
+checksums): a segment describes itself, so a lost event log can be rebuilt from the data.
+
+Layout 1 segments (one file per chunk, `c/<i>` and `c/<i>/0`, no manifests) are still read and verified.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numcodecs
 import numpy as np
 import torch
 import zarr
 
 from builder.fsutil import atomic_write_bytes, fsync_path, fsync_paths
-from builder.store.codec import STORAGE_DTYPES, checksum, parse_codec, to_storage
+from builder.store.codec import STORAGE_DTYPES, checksum, chunk_encoder, parse_codec, to_storage
+from builder.store.shard import ShardGeometry, encode_shard, shard_path
 
 FIELDS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+DIMS = {"input_ids": 1, "loss_mask": 1, "hidden_state": 2, "aux_hidden_state": 2}
 SEGMENT_CAPACITY = 1 << 36  # tokens; arrays never resize
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 SEAL_NAME = "seal.json"
+MANIFEST_DIR = "samples"
+MANIFEST_FORMAT = 1
+SHARD_TARGET_BYTES = 64 << 20  # a shard file of aux states holds at most about this much raw data
+MAX_SHARD_CHUNKS = 256
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -44,8 +56,15 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=max(4, min(16, 2 * (os.cpu_count() or 1))),
-                                   thread_name_prefix="hsbuild-chunk")
+                                   thread_name_prefix="hsbuild-shard")
     return _POOL
+
+
+def shard_chunks_for(chunk_tokens: int, hidden_size: int, n_aux: int, itemsize: int = 2) -> int:
+    """Inner chunks per shard: aux shards near SHARD_TARGET_BYTES raw, a power of two, 1..MAX_SHARD_CHUNKS."""
+    per_chunk = max(1, chunk_tokens * n_aux * hidden_size * itemsize)
+    n = max(1, min(MAX_SHARD_CHUNKS, SHARD_TARGET_BYTES // per_chunk))
+    return 1 << (n.bit_length() - 1)
 
 
 @dataclass
@@ -55,17 +74,30 @@ class Location:
     num_tokens: int
     nbytes: int
     checksums: dict[str, str]
+    disk_bytes: int = 0  # the sample's share of what its group occupies on disk (allocated blocks, manifest too)
+
+
+@dataclass
+class _Staged:
+    """A sample encoded into memory, not yet durable."""
+
+    sample_id: str
+    fingerprint: str
+    attempt: int
+    location: Location
+    extra: dict
 
 
 def init_data_group(data_root: Path, attrs: dict) -> None:
     zarr.create_group(store=str(data_root), zarr_format=3, attributes={"hsbuild_layout": LAYOUT_VERSION, **attrs},
                       overwrite=False)
+    fsync_path(data_root / "zarr.json")
     fsync_path(data_root)
     fsync_path(data_root.parent)
 
 
-def chunk_paths(seg_dir: Path, fld: str, token_start: int, num_tokens: int, chunk_tokens: int) -> list[Path]:
-    """The chunk files holding tokens [token_start, token_start+num_tokens) of one field."""
+def chunk_paths_v1(seg_dir: Path, fld: str, token_start: int, num_tokens: int, chunk_tokens: int) -> list[Path]:
+    """Layout 1: the chunk files holding tokens [token_start, token_start+num_tokens) of one field."""
     first = token_start // chunk_tokens
     last = (token_start + max(num_tokens, 1) - 1) // chunk_tokens
     base = seg_dir / fld / "c"
@@ -78,9 +110,23 @@ def new_segment_name(run_id: str, worker: int) -> str:
     return f"seg-{run_id[:8]}-w{worker:02d}-{uuid.uuid4().hex[:6]}"
 
 
+def _write_once(path: Path, data: bytes) -> int:
+    """Create `path` (never an existing one), write `data` whole and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(data)
+
+
 @dataclass
 class SegmentWriter:
-    """The only writer of one segment. Appends samples at chunk-aligned offsets; each write is durable on return."""
+    """The only writer of one segment. `add` stages samples in memory; `flush` makes the staged group durable
+    with one barrier and returns their locations. `write` is `add` then `flush`."""
 
     data_root: Path
     name: str
@@ -89,41 +135,82 @@ class SegmentWriter:
     chunk_tokens: int
     codec: str = "zstd:1"
     dtype: str = "bfloat16"
-    cursor: int = 0
-    samples: int = 0
-    _arrays: dict = field(default_factory=dict)
-    _zstd: object = None
+    shard_chunks: int = 0  # 0: chosen from the chunk size (shard_chunks_for)
+    cursor: int = 0  # the next free token address
+    samples: int = 0  # samples made durable
+    groups: int = 0
+    _group_start: int = 0
+    _chunks: dict = field(default_factory=dict)  # field -> {global chunk index: encoded bytes}
+    _staged: list = field(default_factory=list)
+    _staged_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.shard_chunks:
+            self.shard_chunks = shard_chunks_for(self.chunk_tokens, self.hidden_size, self.n_aux)
+        self.geometry = ShardGeometry(self.chunk_tokens, self.shard_chunks)
+        self._encode = chunk_encoder(self.codec)
+        self._chunks = {f: {} for f in FIELDS}
 
     @property
     def path(self) -> Path:
         return self.data_root / self.name
 
+    @property
+    def staged(self) -> int:
+        return len(self._staged)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Encoded bytes waiting for the next flush."""
+        return self._staged_bytes
+
     def create(self) -> SegmentWriter:
-        self.path.mkdir()  # exclusive: a segment name is never reused
-        compressors = parse_codec(self.codec)
-        group = zarr.create_group(store=str(self.path), zarr_format=3,
-                                  attributes={"segment": self.name, "created_at": time.time()})
-        store_dtype = STORAGE_DTYPES[self.dtype]
-        specs = {
-            "input_ids": ((SEGMENT_CAPACITY,), (self.chunk_tokens,), "int32", {}),
-            "loss_mask": ((SEGMENT_CAPACITY,), (self.chunk_tokens,), "uint8", {}),
-            "hidden_state": ((SEGMENT_CAPACITY, self.hidden_size), (self.chunk_tokens, self.hidden_size), store_dtype,
-                             {"logical_dtype": self.dtype}),
-            "aux_hidden_state": ((SEGMENT_CAPACITY, self.n_aux * self.hidden_size),
-                                 (self.chunk_tokens, self.n_aux * self.hidden_size), store_dtype,
-                                 {"logical_dtype": self.dtype}),
-        }
-        for fld, (shape, chunks, dtype, attrs) in specs.items():
-            self._arrays[fld] = group.create_array(
-                name=fld, shape=shape, chunks=chunks, dtype=dtype, compressors=compressors, fill_value=0,
-                attributes=attrs, config={"write_empty_chunks": True},
-            )
-        fsync_paths([self.path / f / "zarr.json" for f in FIELDS] + [self.path / f for f in FIELDS]
-                    + [self.path / "zarr.json", self.path, self.data_root])
+        """Create the segment's directories and metadata, durable (the data directory's entry included).
+        On failure (a full disk) whatever was created is removed again and the error raised."""
+        try:
+            self.path.mkdir()  # exclusive: a segment name is never reused
+            self._create_metadata()
+        except BaseException:
+            self.remove()
+            raise
         return self
 
-    def write(self, input_ids: np.ndarray, loss_mask: np.ndarray, aux: torch.Tensor, final: torch.Tensor) -> Location:
-        """Write one sample whole and make it durable (chunk files and their directories fsynced)."""
+    def _create_metadata(self) -> None:
+        group = zarr.create_group(store=str(self.path), zarr_format=3,
+                                  attributes={"segment": self.name, "created_at": time.time(),
+                                              "hsbuild_layout": LAYOUT_VERSION, "shard_chunks": self.shard_chunks})
+        store_dtype = STORAGE_DTYPES[self.dtype]
+        width = {"input_ids": 1, "loss_mask": 1, "hidden_state": self.hidden_size,
+                 "aux_hidden_state": self.n_aux * self.hidden_size}
+        dtypes = {"input_ids": "int32", "loss_mask": "uint8", "hidden_state": store_dtype,
+                  "aux_hidden_state": store_dtype}
+        for fld in FIELDS:
+            two_d = DIMS[fld] == 2
+            shape = (SEGMENT_CAPACITY, width[fld]) if two_d else (SEGMENT_CAPACITY,)
+            chunks = (self.chunk_tokens, width[fld]) if two_d else (self.chunk_tokens,)
+            shards = (self.geometry.shard_tokens, width[fld]) if two_d else (self.geometry.shard_tokens,)
+            group.create_array(name=fld, shape=shape, chunks=chunks, shards=shards, dtype=dtypes[fld],
+                               compressors=parse_codec(self.codec), fill_value=0,
+                               chunk_key_encoding={"name": "default", "separator": "."},
+                               attributes={"logical_dtype": self.dtype} if two_d else {})
+        (self.path / MANIFEST_DIR).mkdir()
+        fsync_paths([self.path / f / "zarr.json" for f in FIELDS] + [self.path / f for f in FIELDS]
+                    + [self.path / "zarr.json", self.path / MANIFEST_DIR, self.path])
+        fsync_path(self.data_root)
+
+    def remove(self) -> None:
+        """Remove a segment that never held a committed sample (a failed create)."""
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            fsync_path(self.data_root)
+        except OSError:
+            pass
+
+    def add(self, input_ids: np.ndarray, loss_mask: np.ndarray, aux: torch.Tensor, final: torch.Tensor, *,
+            sample_id: str = "", fingerprint: str = "", attempt: int = 0, extra: dict | None = None) -> Location:
+        """Encode one sample into the staged group. Not durable until `flush` returns."""
         n = int(input_ids.shape[0])
         start = self.cursor
         arrays = {
@@ -132,103 +219,158 @@ class SegmentWriter:
             "hidden_state": to_storage(final),
             "aux_hidden_state": to_storage(aux),
         }
-        # The cursor moves past this range before writing: if the write fails (full disk), the range is
-        # abandoned, never reused.
-        self.cursor = -(-(start + n) // self.chunk_tokens) * self.chunk_tokens
-        if self._encoder is not None:
-            nbytes = self._write_direct(start, arrays)
-        else:
-            nbytes = self._write_zarr(start, arrays)
-        self.samples += 1
-        return Location(self.name, start, n, nbytes, {f: checksum(a) for f, a in arrays.items()})
-
-    @property
-    def _encoder(self):
-        """The chunk encoder for direct writes (zstd or no compression); None: write through zarr (blosc)."""
-        name, _, level = self.codec.partition(":")
-        if name == "none":
-            return lambda raw: raw
-        if name == "zstd":
-            if self._zstd is None:
-                self._zstd = numcodecs.Zstd(level=int(level) if level else 1, checksum=False)
-            return self._zstd.encode
-        return None
-
-    def _write_direct(self, start: int, arrays: dict[str, np.ndarray]) -> int:
-        """Encode each chunk exactly as zarr's codec pipeline does ([bytes(little), zstd]), and write it once
-        (O_EXCL: a chunk file is never overwritten), fsynced, in parallel threads (the codecs drop the GIL)."""
         c = self.chunk_tokens
-        encode = self._encoder
-        jobs: list[tuple[Path, np.ndarray]] = []
-        dirs: list[Path] = []
+        jobs = []
         for fld, a in arrays.items():
-            n = a.shape[0]
-            paths = chunk_paths(self.path, fld, start, n, c)
-            for k, p in enumerate(paths):
+            first = start // c
+            for k in range(-(-max(n, 1) // c)):
                 part = a[k * c : (k + 1) * c]
                 if part.shape[0] < c:  # the sample's last chunk: zero padding (the fill value) to full shape
                     full = np.zeros((c, *a.shape[1:]), dtype=a.dtype)
                     full[: part.shape[0]] = part
                     part = full
-                jobs.append((p, part))
-                if p.parent.name != "c":
-                    dirs.append(p.parent)
-                dirs.append(self.path / fld / "c")
-            dirs.append(self.path / fld)
-        for d in dict.fromkeys(reversed(dirs)):
-            d.mkdir(exist_ok=True)
-
-        def put(job: tuple[Path, np.ndarray]) -> int:
-            path, chunk = job
-            data = encode(np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<")))
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(data).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                path.unlink(missing_ok=True)
-                raise
-            os.close(fd)
-            return len(memoryview(data).cast("B"))
-
-        nbytes = sum(_pool().map(put, jobs))
-        fsync_paths(dirs)
-        return nbytes
-
-    def _write_zarr(self, start: int, arrays: dict[str, np.ndarray]) -> int:
-        n = next(iter(arrays.values())).shape[0]
+                jobs.append((fld, first + k, part))
+        encoded = list(_pool().map(
+            lambda j: self._encode(np.ascontiguousarray(j[2], dtype=j[2].dtype.newbyteorder("<"))), jobs))
         nbytes = 0
-        to_sync: list[Path] = []
-        for fld, a in arrays.items():
-            self._arrays[fld][start : start + n] = a
-            for p in chunk_paths(self.path, fld, start, n, self.chunk_tokens):
-                nbytes += p.stat().st_size
-                to_sync.append(p)
-                to_sync.append(p.parent)
-                if fld in ("hidden_state", "aux_hidden_state"):
-                    to_sync.append(p.parent.parent)
-        fsync_paths(to_sync)
-        return nbytes
+        for (fld, idx, _), data in zip(jobs, encoded, strict=True):
+            self._chunks[fld][idx] = data
+            nbytes += len(data)
+        self.cursor = -(-(start + n) // c) * c
+        loc = Location(self.name, start, n, nbytes, {f: checksum(a) for f, a in arrays.items()})
+        self._staged.append(_Staged(sample_id, fingerprint, attempt, loc, extra or {}))
+        self._staged_bytes += nbytes
+        return loc
 
-    def discard(self, token_start: int, num_tokens: int) -> None:
-        """Remove whatever a failed (never committed) write left of its own range."""
-        for fld in FIELDS:
-            for p in chunk_paths(self.path, fld, token_start, num_tokens, self.chunk_tokens):
-                p.unlink(missing_ok=True)
-                for stray in p.parent.glob(p.name + ".*.partial"):
-                    stray.unlink(missing_ok=True)
+    def flush(self) -> list[Location]:
+        """Make the staged group durable: its shard files and manifest written once and fsynced, then their
+        directories. Returns the group's locations. On failure nothing of the group remains on disk, the
+        group is dropped (its samples must be extracted again) and the error is raised; the token range is
+        abandoned, never reused."""
+        if not self._staged:
+            return []
+        staged, chunks = self._staged, self._chunks
+        group_start = self._group_start
+        self._staged, self._chunks, self._staged_bytes = [], {f: {} for f in FIELDS}, 0
+        self.cursor = self._group_start = self.geometry.next_shard_start(self.cursor)
+        jobs = self._shard_jobs(chunks)
+        manifest = {"format": MANIFEST_FORMAT, "segment": self.name, "written_at": time.time(),
+                    "group_start": group_start, "chunk_tokens": self.chunk_tokens,
+                    "samples": [{"sample_id": s.sample_id, "fingerprint": s.fingerprint, "attempt": s.attempt,
+                                 "token_start": s.location.token_start, "num_tokens": s.location.num_tokens,
+                                 "nbytes": s.location.nbytes, "checksums": s.location.checksums, **s.extra}
+                                for s in staged]}
+        jobs.append((self.path / MANIFEST_DIR / f"{group_start}.json", json.dumps(manifest).encode()))
+        futures = [_pool().submit(_write_once, p, d) for p, d in jobs]
+        wait(futures)  # every write has finished (or failed) before anything is judged or removed
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        try:
+            if errors:
+                raise errors[0]
+            fsync_paths({p.parent for p, _ in jobs})
+        except BaseException:
+            for (p, _), f in zip(jobs, futures, strict=True):
+                if f.exception() is None or not isinstance(f.exception(), FileExistsError):
+                    p.unlink(missing_ok=True)
+            raise
+        allocated = 0
+        for path, _ in jobs:
+            try:
+                allocated += os.stat(path).st_blocks * 512
+            except OSError:
+                pass
+        data_bytes = sum(s.location.nbytes for s in staged) or 1
+        for s in staged:
+            s.location.disk_bytes = allocated * s.location.nbytes // data_bytes
+        self.samples += len(staged)
+        self.groups += 1
+        return [s.location for s in staged]
+
+    def _shard_jobs(self, chunks: dict[str, dict[int, bytes]]) -> list[tuple[Path, bytes]]:
+        jobs = []
+        sc = self.shard_chunks
+        for fld, by_idx in chunks.items():
+            shards: dict[int, list] = {}
+            for idx, data in by_idx.items():
+                shards.setdefault(idx // sc, [None] * sc)[idx % sc] = data
+            for s, inner in sorted(shards.items()):
+                jobs.append((shard_path(self.path, fld, DIMS[fld], s), encode_shard(inner)))
+        return jobs
+
+    def drop_staged(self) -> list[str]:
+        """Forget the staged group without writing it (stop, pause); returns the sample ids dropped."""
+        ids = [s.sample_id for s in self._staged]
+        self._staged, self._chunks, self._staged_bytes = [], {f: {} for f in FIELDS}, 0
+        self.cursor = self._group_start = self.geometry.next_shard_start(self.cursor)
+        return ids
+
+    def write(self, input_ids: np.ndarray, loss_mask: np.ndarray, aux: torch.Tensor, final: torch.Tensor,
+              **kw: object) -> Location:
+        """Write one sample whole and make it durable (a group of one)."""
+        self.add(input_ids, loss_mask, aux, final, **kw)  # type: ignore[arg-type]
+        return self.flush()[0]
 
     def seal(self) -> dict:
         info = {"segment": self.name, "sealed_at": time.time(), "tokens": self.cursor, "samples": self.samples,
-                "chunk_tokens": self.chunk_tokens}
+                "groups": self.groups, "chunk_tokens": self.chunk_tokens, "shard_chunks": self.shard_chunks,
+                "layout": LAYOUT_VERSION}
         atomic_write_bytes(self.path / SEAL_NAME, json.dumps(info).encode())
         return info
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def segment_layout(seg_dir: Path) -> int:
+    """The layout version of a segment (1 when its group metadata predates layouts)."""
+    try:
+        attrs = json.loads((seg_dir / "zarr.json").read_bytes()).get("attributes", {})
+    except (OSError, ValueError):
+        return LAYOUT_VERSION
+    return int(attrs.get("hsbuild_layout", 1))
+
+
+def read_manifests(seg_dir: Path) -> list[dict]:
+    """Every readable group manifest of a segment, in token order (unreadable ones are skipped)."""
+    out = []
+    d = seg_dir / MANIFEST_DIR
+    if not d.is_dir():
+        return out
+    for p in d.iterdir():
+        if not p.name.endswith(".json") or p.name.startswith("."):
+            continue
+        try:
+            m = json.loads(p.read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT:
+            out.append(m)
+    return sorted(out, key=lambda m: m.get("group_start", 0))
 
 
 def list_segments(data_root: Path) -> list[str]:
     if not data_root.is_dir():
         return []
     return sorted(p.name for p in data_root.iterdir() if p.is_dir() and p.name.startswith("seg-"))
+
+
+def field_geometry(seg_dir: Path, fld: str) -> tuple[int, int]:
+    """(inner chunk tokens, inner chunks per shard file; 0 when the field is not sharded) from its zarr.json."""
+    meta = json.loads((seg_dir / fld / "zarr.json").read_bytes())
+    shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    codecs = meta.get("codecs") or []
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        inner = int(codecs[0]["configuration"]["chunk_shape"][0])
+        return inner, int(shape[0]) // inner
+    return int(shape[0]), 0
+
+
+def sample_files(seg_dir: Path, fld: str, token_start: int, num_tokens: int) -> list[Path]:
+    """The files holding a sample's tokens of one field: its shard files (layout 2; shared with the other
+    samples of its group) or its own chunk files (layout 1)."""
+    chunk_tokens, shard_chunks = field_geometry(seg_dir, fld)
+    if not shard_chunks:
+        return chunk_paths_v1(seg_dir, fld, token_start, num_tokens, chunk_tokens)
+    geo = ShardGeometry(chunk_tokens, shard_chunks)
+    return [shard_path(seg_dir, fld, DIMS[fld], s) for s in geo.shards(token_start, num_tokens)]

@@ -60,11 +60,12 @@ ITEMSIZES = {"int32": 4, "uint8": 1, "uint16": 2, "float16": 2, "float32": 4}
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """What a field's zarr.json says about its chunks."""
+    """What a field's zarr.json says about its chunks (inner chunks, for a sharded field)."""
 
     chunk_tokens: int
     width: int  # elements per token (1 for 1-D fields)
     itemsize: int
+    shard_chunks: int = 0  # inner chunks per shard file; 0: not sharded (layout 1, one file per chunk)
 
     @property
     def raw_chunk_bytes(self) -> int:
@@ -84,8 +85,14 @@ def field_specs(seg_dir: Path) -> dict[str, FieldSpec] | None:
         try:
             meta = json.loads((seg_dir / fld / "zarr.json").read_bytes())
             shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
+            codecs = meta.get("codecs") or []
+            shard_chunks = 0
+            if codecs and codecs[0].get("name") == "sharding_indexed":
+                inner = codecs[0]["configuration"]["chunk_shape"]
+                shard_chunks = int(shape[0]) // int(inner[0])
+                shape = inner
             specs[fld] = FieldSpec(int(shape[0]), int(shape[1]) if len(shape) > 1 else 1,
-                                   ITEMSIZES.get(str(meta["data_type"]), 8))
+                                   ITEMSIZES.get(str(meta["data_type"]), 8), shard_chunks)
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             return None
     return specs
@@ -144,6 +151,8 @@ def check_files(data_root: Path, segment: str, token_start: int, num_tokens: int
     if specs is None:
         return SampleCheck((UNREADABLE, f"segment {segment}: array metadata (zarr.json) is malformed"))
     for fld in FIELDS:
+        if specs[fld].shard_chunks:
+            continue  # a shard's index accounts for its bytes exactly (checked when it was probed)
         for p, size in files[fld]:
             if size > specs[fld].max_chunk_bytes:
                 return SampleCheck((UNREADABLE, f"chunk file {p.relative_to(seg)} holds {size} bytes, more than a "

@@ -1,7 +1,8 @@
 """Orphans: bytes in a build that no committed `written` event references, and `hsbuild gc`, which removes them.
 
-Crashed writers leave them: chunk files in ranges no `written` event covers (the write finished, its event was
-never committed), whole segments no `written` event references, Zarr's `*.<uuid>.partial` temp files and
+Crashed writers leave them: shard files (and chunk files, in layout 1 segments) in ranges no `written` event
+covers, with the manifests of those groups (the group was made durable, its events were never committed), whole
+segments no `written` event references, Zarr's `*.<uuid>.partial` temp files and
 hsbuild's `.*.<pid>.tmp` temp files. A segment's metadata (zarr.json, seal.json) belongs to it while any
 `written` event references the segment. Bytes that a superseded `written` still references (a sample verify
 found damaged and resume re-extracted elsewhere) are kept; they are not orphans.
@@ -12,6 +13,7 @@ orphaned. `scan_orphans` reports, `remove_orphans` deletes exactly what a scan r
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,8 +28,8 @@ from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail, open_log
 from builder.log.lock import BuildLock
 from builder.log.server import QueryServer
-from builder.store.segment import FIELDS, list_segments
-from builder.verify.checks import segment_chunk_tokens
+from builder.store.segment import FIELDS, MANIFEST_DIR, field_geometry, list_segments
+from builder.store.shard import ShardGeometry
 
 PARTIAL_RE = re.compile(r".+\.[0-9a-f]{32}\.partial$")  # zarr LocalStore: path.with_suffix(".<uuid4>.partial")
 TMP_RE = re.compile(r"^\..+\.\d+\.tmp$")  # fsutil.atomic_write_bytes: .<name>.<pid>.tmp
@@ -37,7 +39,7 @@ ONE_D = {"input_ids", "loss_mask"}
 @dataclass
 class Orphan:
     path: str  # relative to the build root
-    kind: str  # segment | chunk | partial | tmp
+    kind: str  # segment | shard | manifest | chunk (layout 1) | partial | tmp
     nbytes: int
     files: int = 1
 
@@ -109,14 +111,43 @@ def _chunk_orphan(parts: tuple[str, ...], indices: set[int]) -> bool:
     return len(parts) == 4 and (int(parts[2]) not in indices or parts[3] != "0")
 
 
-def _scan_segment(seg_dir: Path, indices: set[int] | None, root: Path) -> list[Orphan]:
+def _shard_orphan(parts: tuple[str, ...], shards: set[int]) -> bool:
+    """Layout 2: is this file a shard file outside every referenced range?"""
+    if len(parts) != 2 or parts[0] not in FIELDS:
+        return False
+    bits = parts[1].split(".")
+    if bits[0] != "c" or not all(b.isdigit() for b in bits[1:]):
+        return False
+    want = 2 if parts[0] in ONE_D else 3
+    return len(bits) != want or int(bits[1]) not in shards or (want == 3 and bits[2] != "0")
+
+
+def _manifest_orphan(parts: tuple[str, ...], seg_dir: Path, starts: set[int]) -> bool:
+    """Layout 2: a group manifest none of whose samples is referenced (a group that never committed)."""
+    if len(parts) != 2 or parts[0] != MANIFEST_DIR or not parts[1].endswith(".json"):
+        return False
+    try:
+        m = json.loads((seg_dir / parts[0] / parts[1]).read_bytes())
+        return not any(int(x["token_start"]) in starts for x in m["samples"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True  # unreadable: describes nothing that is committed
+
+
+def _scan_segment(seg_dir: Path, indices: set[int] | None, root: Path,
+                  sharded: tuple[set[int], set[int]] | None = None) -> list[Orphan]:
     found = []
     for dirpath, _dirs, files in os.walk(seg_dir):
         rel_dir = Path(dirpath).relative_to(seg_dir).parts
         for name in files:
             full = os.path.join(dirpath, name)
             kind = _is_temp(name)
-            if kind is None and indices is not None and _chunk_orphan((*rel_dir, name), indices):
+            rel = (*rel_dir, name)
+            if kind is None and sharded is not None:
+                if _shard_orphan(rel, sharded[0]):
+                    kind = "shard"
+                elif _manifest_orphan(rel, seg_dir, sharded[1]):
+                    kind = "manifest"
+            elif kind is None and indices is not None and _chunk_orphan(rel, indices):
                 kind = "chunk"
             if kind:
                 found.append(Orphan(str(Path(full).relative_to(root)), kind, _size(full)))
@@ -147,7 +178,15 @@ def scan_orphans(lay: BuildLayout, log: EventLog) -> OrphanReport:
             report.orphans.append(Orphan(str(seg_dir.relative_to(root)), "segment", sum(map(_size, files)),
                                          len(files)))
             continue
-        ct = segment_chunk_tokens(seg_dir) or default_ct
+        try:
+            ct, sc = field_geometry(seg_dir, "aux_hidden_state")
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            ct, sc = default_ct, 0
+        if sc:
+            geo = ShardGeometry(ct, sc)
+            shards = {i for start, n in refs[seg] for i in geo.shards(start, n)}
+            report.orphans.extend(_scan_segment(seg_dir, None, root, (shards, {start for start, _ in refs[seg]})))
+            continue
         indices = _chunk_indices(refs[seg], ct) if ct else None  # unknown geometry: remove temp files only
         report.orphans.extend(_scan_segment(seg_dir, indices, root))
     return report

@@ -16,7 +16,7 @@ from builder.config import load_config
 from builder.errors import BuildLockedError
 from builder.layout import layout
 from builder.log.lock import BuildLock
-from builder.store.segment import FIELDS, SegmentWriter, chunk_paths
+from builder.store.segment import FIELDS, MANIFEST_DIR, SegmentWriter, sample_files
 from builder.verify.gc import collect_garbage
 
 
@@ -50,22 +50,25 @@ def make_orphans(build: Path) -> dict[str, int]:
         orphans[str(p.relative_to(build))] = p.stat().st_size
 
     # zarr temp files (LocalStore writes NAME.<uuid>.partial, then renames), one of them empty
-    note(_write(seg_dir / "hidden_state" / "c" / "1" / f"0.{uuid.uuid4().hex}.partial", rng.bytes(3000)))
-    note(_write(seg_dir / "input_ids" / "c" / f"2.{uuid.uuid4().hex}.partial", b""))
+    note(_write(seg_dir / "hidden_state" / f"c.1.{uuid.uuid4().hex}.partial", rng.bytes(3000)))
+    note(_write(seg_dir / "input_ids" / f"c.{uuid.uuid4().hex}.partial", b""))
     note(_write(lay.data / f"zarr.{uuid.uuid4().hex}.partial", b"{}"))
     # hsbuild temp files (fsutil.atomic_write_bytes writes .NAME.<pid>.tmp)
     note(_write(seg_dir / ".seal.json.4242.tmp", b'{"segment": "x"}'))
     note(_write(build / ".hsbuild.toml.4242.tmp", b"source = 'x'\n"))
-    # a sample written through zarr into a live segment whose `written` event was never committed
+    # a group made durable in a live segment whose `written` events were never committed: its shards and manifest
     g = zarr.open_group(store=str(seg_dir), mode="r+")
-    start, n = cfg.chunk_tokens * 1000, cfg.chunk_tokens + 5
+    start, n = cfg.chunk_tokens * 100000, cfg.chunk_tokens + 5
     g["input_ids"][start : start + n] = rng.integers(3, 1000, n).astype(np.int32)
     g["loss_mask"][start : start + n] = np.ones(n, np.uint8)
     g["hidden_state"][start : start + n] = rng.integers(0, 1 << 16, (n, 64)).astype(np.uint16)
     g["aux_hidden_state"][start : start + n] = rng.integers(0, 1 << 16, (n, 192)).astype(np.uint16)
     for fld in FIELDS:
-        for p in chunk_paths(seg_dir, fld, start, n, cfg.chunk_tokens):
+        for p in sample_files(seg_dir, fld, start, n):
             note(p)
+    note(_write(seg_dir / MANIFEST_DIR / f"{start}.json", json.dumps(
+        {"format": 1, "segment": seg_dir.name, "group_start": start,
+         "samples": [{"sample_id": "never", "token_start": start, "num_tokens": n}]}).encode()))
     # a whole segment whose writer died before its first `written` was committed
     w = SegmentWriter(lay.data, f"seg-deadbeef-w07-{uuid.uuid4().hex[:6]}", 64, 3, cfg.chunk_tokens).create()
     w.write(np.arange(40, dtype=np.int32), np.ones(40, np.uint8), torch.ones(40, 192, dtype=torch.bfloat16),
@@ -83,7 +86,7 @@ def test_orphans_are_reclaimable_not_damage_and_gc_removes_only_them(build, cli)
     out = json.loads(cp.stdout)
     assert out["damaged"] == [] and out["ok"] == N_SAMPLES
     assert out["reclaimable"]["count"] == len(orphans) and out["reclaimable"]["bytes"] == sum(orphans.values())
-    assert out["reclaimable"]["by_kind"] == {"partial": 3, "tmp": 2, "chunk": 8, "segment": 1}
+    assert out["reclaimable"]["by_kind"] == {"partial": 3, "tmp": 2, "shard": 4, "manifest": 1, "segment": 1}
     cp = cli("verify", build, "--quick")
     assert cp.returncode == 0 and f"reclaimable: {len(orphans)} orphan(s)" in cp.stdout
     assert f"hsbuild gc {build}" in cp.stdout

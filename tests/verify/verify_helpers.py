@@ -17,7 +17,8 @@ from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
-from builder.store.segment import chunk_paths
+from builder.store.segment import field_geometry, sample_files
+from builder.store.shard import EMPTY, read_index
 from builder.verify.sweep import SweepOptions, SweepSummary, run_sweep
 
 TINY = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
@@ -64,8 +65,8 @@ def sweep(build: Path, **kw) -> SweepSummary:
 
 
 def sample_chunks(build: Path, row: dict, fld: str) -> list[Path]:
-    ct = load_config(layout(build)).chunk_tokens
-    return chunk_paths(layout(build).data / row["segment"], fld, row["token_start"], row["num_tokens"], ct)
+    """The files holding a sample's field (its shard files; each run sample is its own group here)."""
+    return sample_files(layout(build).data / row["segment"], fld, row["token_start"], row["num_tokens"])
 
 
 def file_set(build: Path) -> dict[str, str]:
@@ -85,9 +86,14 @@ def file_set(build: Path) -> dict[str, str]:
 
 
 def flip_bit(chunk: Path, valid_bytes: int) -> int:
-    """Flip one bit of a zstd chunk file so that it still decodes, to different bytes inside the sample's rows
-    (silent corruption: only the checksum can tell). Returns the byte offset flipped."""
-    data = chunk.read_bytes()
+    """Flip one bit of the first zstd inner chunk of a shard file so that it still decodes, to different bytes
+    inside the sample's rows (silent corruption: only the checksum can tell). The shard's index is untouched.
+    Returns the byte offset flipped."""
+    whole = chunk.read_bytes()
+    _, shard_chunks = field_geometry(chunk.parent.parent, chunk.parent.name)
+    idx = read_index(chunk, shard_chunks)
+    off, n = next((int(o), int(k)) for o, k in idx.tolist() if o != EMPTY)
+    data = whole[off : off + n]
     codec = Zstd()
     orig = np.frombuffer(codec.decode(data), dtype=np.uint8)[:valid_bytes]
     mid = len(data) // 2
@@ -99,14 +105,14 @@ def flip_bit(chunk: Path, valid_bytes: int) -> int:
         except Exception:  # noqa: BLE001 - this flip breaks the frame; look for one that does not
             continue
         if out.size >= valid_bytes and not np.array_equal(out[:valid_bytes], orig):
-            chunk.write_bytes(bytes(b))
-            return pos
+            chunk.write_bytes(whole[:off] + bytes(b) + whole[off + n :])
+            return off + pos
     raise AssertionError(f"no decodable bit flip found in {chunk}")
 
 
 def truncate(chunk: Path) -> None:
     size = chunk.stat().st_size
-    os.truncate(chunk, size // 2)
+    os.truncate(chunk, size // 2)  # a shard loses its index (at the end): unreadable
 
 
 def inject_faults(build: Path) -> dict[str, str]:

@@ -1,0 +1,105 @@
+"""Zarr v3 shards, written directly: many chunks of a group of samples in one write-once file.
+
+A segment's arrays use zarr's `sharding_indexed` codec along the token axis. A shard file holds `shard_chunks`
+inner chunks of `chunk_tokens` tokens each: the encoded inner chunks one after another, then the index
+(`shard_chunks` pairs of little-endian uint64 offset and length; an absent chunk is (2^64-1, 2^64-1)), then
+the crc32c of the index (little-endian uint32), exactly as zarr's `[bytes, crc32c]` index codecs write it, so
+zarr reads these files as its own. Chunk keys use the `.` separator (`c.7` and `c.7.0`): no directory per
+chunk row, every shard of a field lies in the field's own directory.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+import numpy as np
+
+EMPTY = (1 << 64) - 1
+INDEX_ENTRY = 16  # two uint64 per inner chunk
+CRC_BYTES = 4
+
+
+class ShardIndexError(ValueError):
+    """A shard file's index is truncated or fails its crc32c."""
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    chunk_tokens: int
+    shard_chunks: int
+
+    @property
+    def shard_tokens(self) -> int:
+        return self.chunk_tokens * self.shard_chunks
+
+    @property
+    def index_bytes(self) -> int:
+        return self.shard_chunks * INDEX_ENTRY + CRC_BYTES
+
+    def shards(self, token_start: int, num_tokens: int) -> range:
+        """Indices of the shards holding tokens [token_start, token_start + num_tokens)."""
+        first = token_start // self.shard_tokens
+        last = (token_start + max(num_tokens, 1) - 1) // self.shard_tokens
+        return range(first, last + 1)
+
+    def next_shard_start(self, token: int) -> int:
+        """The first token of the shard after the one holding `token - 1` (where a new group starts)."""
+        return -(-token // self.shard_tokens) * self.shard_tokens
+
+
+def shard_key(fld_dims: int, index: int) -> str:
+    return f"c.{index}" if fld_dims == 1 else f"c.{index}.0"
+
+
+def shard_path(seg_dir: Path, fld: str, fld_dims: int, index: int) -> Path:
+    return seg_dir / fld / shard_key(fld_dims, index)
+
+
+def encode_shard(chunks: list[bytes | None]) -> bytes:
+    """A shard file from its encoded inner chunks (None: absent), index at the end."""
+    body = bytearray()
+    index = np.full((len(chunks), 2), EMPTY, dtype="<u8")
+    for i, c in enumerate(chunks):
+        if c is None:
+            continue
+        index[i] = (len(body), len(c))
+        body += c
+    raw_index = index.tobytes()
+    return bytes(body) + raw_index + struct.pack("<I", crc32c.crc32c(raw_index))
+
+
+def decode_index(tail: bytes, shard_chunks: int) -> np.ndarray:
+    """The (offset, length) pairs from a shard's last `index_bytes` bytes; raises ShardIndexError."""
+    want = shard_chunks * INDEX_ENTRY + CRC_BYTES
+    if len(tail) != want:
+        raise ShardIndexError(f"index is {len(tail)} bytes, expected {want}")
+    raw, crc = tail[:-CRC_BYTES], struct.unpack("<I", tail[-CRC_BYTES:])[0]
+    if crc32c.crc32c(raw) != crc:
+        raise ShardIndexError("index fails its crc32c")
+    return np.frombuffer(raw, dtype="<u8").reshape(shard_chunks, 2)
+
+
+def read_index(path: Path, shard_chunks: int) -> np.ndarray:
+    """Read and check a shard file's index (raises OSError, ShardIndexError)."""
+    want = shard_chunks * INDEX_ENTRY + CRC_BYTES
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        if size < want:
+            raise ShardIndexError(f"file is {size} bytes, shorter than its index ({want})")
+        f.seek(size - want)
+        idx = decode_index(f.read(want), shard_chunks)
+    body = size - want
+    present = idx[:, 0] != EMPTY
+    end = int((idx[present, 0] + idx[present, 1]).max()) if present.any() else 0
+    if end != body:  # written whole and once: the chunk data is exactly what the index accounts for
+        raise ShardIndexError(f"holds {body} bytes of chunk data, its index accounts for {end} (truncated, "
+                              "appended to or rewritten)")
+    return idx
+
+
+def inner_present(idx: np.ndarray, first: int, last: int) -> list[int]:
+    """Inner chunk positions in [first, last] that the index marks absent."""
+    return [i for i in range(first, last + 1) if int(idx[i, 0]) == EMPTY]
