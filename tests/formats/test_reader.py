@@ -5,7 +5,6 @@ while the other samples still read bit-exact. Real builds, real chunk files dele
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -17,7 +16,8 @@ from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.coordinator import RunOptions, run_build
-from builder.store.segment import chunk_paths
+from builder.store.segment import field_geometry, sample_files
+from builder.store.shard import EMPTY, encode_shard, read_index
 
 C = 16  # chunk length: the samples below span several chunks
 
@@ -30,8 +30,33 @@ def _built(make_build, codec: str) -> tuple:
     return build, rows
 
 
-def _chunks(build, row, fld):
-    return chunk_paths(layout(build).data / row["segment"], fld, row["token_start"], row["num_tokens"], C)
+def _inner(build, row, fld, j):
+    """(shard file, its index, position in it) of the sample's j-th chunk of `fld`."""
+    seg = layout(build).data / row["segment"]
+    inner, shard_chunks = field_geometry(seg, fld)
+    k = row["token_start"] // inner + j
+    path = next(p for p in sample_files(seg, fld, row["token_start"], row["num_tokens"])
+                if p.name.split(".")[1] == str(k // shard_chunks))
+    return path, read_index(path, shard_chunks), k % shard_chunks
+
+
+def drop_chunk(build, row, fld, j):
+    """Rewrite the shard as if the sample's j-th chunk had never been written: a consistent shard that zarr
+    reads as zeros there."""
+    path, idx, pos = _inner(build, row, fld, j)
+    data = path.read_bytes()
+    chunks = [None if o == EMPTY or i == pos else data[o : o + n] for i, (o, n) in enumerate(idx.tolist())]
+    path.write_bytes(encode_shard(chunks))
+    return path
+
+
+def garble_chunk(build, row, fld, j) -> None:
+    """Overwrite the bytes of the sample's j-th chunk (same length): present, but they do not decode."""
+    path, idx, pos = _inner(build, row, fld, j)
+    o, n = idx[pos].tolist()
+    data = bytearray(path.read_bytes())
+    data[o : o + n] = b"\xff" * n
+    path.write_bytes(bytes(data))
 
 
 def _items(ds) -> dict[str, dict]:
@@ -41,9 +66,8 @@ def _items(ds) -> dict[str, dict]:
 def test_missing_or_undecodable_chunk_raises_naming_the_sample(make_build):
     build, rows = _built(make_build, "zstd:1")
     good = _items(HiddenStateDataset(build))
-    _chunks(build, rows["s0001"], "hidden_state")[1].unlink()  # data/<seg>/hidden_state/c/<i+1>/0
-    trunc = _chunks(build, rows["s0002"], "aux_hidden_state")[0]
-    os.truncate(trunc, trunc.stat().st_size // 2)
+    drop_chunk(build, rows["s0001"], "hidden_state", 1)  # zarr alone would read zeros there
+    garble_chunk(build, rows["s0002"], "aux_hidden_state", 0)
 
     for verify in (True, False):  # presence is checked even without checksums
         ds = HiddenStateDataset(build, verify_checksums=verify)
@@ -54,7 +78,7 @@ def test_missing_or_undecodable_chunk_raises_naming_the_sample(make_build):
         assert isinstance(e, OSError) and (e.reason, e.sample_id, e.field) == ("missing_data", "s0001", "hidden_state")
         msg = str(e)
         seg = rows["s0001"]["segment"]
-        assert "s0001" in msg and seg in msg and "hidden_state/c/" in msg and "missing" in msg
+        assert "s0001" in msg and seg in msg and "hidden_state/c." in msg and "lacks chunk" in msg
         assert f"hsbuild verify {build}" in msg and f"hsbuild resume {build}" in msg
         with pytest.raises(DamagedSampleError, match="s0002.*aux_hidden_state.*do not decode") as ei:
             ds[pos["s0002"]]
@@ -68,9 +92,9 @@ def test_missing_or_undecodable_chunk_raises_naming_the_sample(make_build):
 def test_flipped_byte_raises_checksum_mismatch_unless_opted_out(make_build):
     build, rows = _built(make_build, "none")  # uncompressed chunks: a flipped byte still "decodes"
     good = _items(HiddenStateDataset(build))
-    chunk = _chunks(build, rows["s0002"], "hidden_state")[0]
+    chunk, idx, pos = _inner(build, rows["s0002"], "hidden_state", 0)
     data = bytearray(chunk.read_bytes())
-    data[10] ^= 0x40  # inside the sample's first token row
+    data[int(idx[pos][0]) + 10] ^= 0x40  # inside the sample's first token row
     chunk.write_bytes(bytes(data))
 
     ds = HiddenStateDataset(build)
