@@ -29,8 +29,25 @@ from builder.log.lock import BuildLock
 from builder.log.server import QueryServer
 from builder.progress import NoProgress, Progress
 from builder.run.create import code_fingerprint
+from builder.run.messages import (
+    Abandoned,
+    Deferred,
+    Exit,
+    Failed,
+    Fatal,
+    FromWorker,
+    NoSpace,
+    Ready,
+    Sealed,
+    SealFailed,
+    Skipped,
+    Started,
+    Stop,
+    Task,
+    Written,
+)
 from builder.run.plan import Plan, check_source, make_plan
-from builder.run.worker import Flags, Task, WorkerSettings, worker_main
+from builder.run.worker import Flags, WorkerSettings, worker_main
 from builder.space.capacity import measured_bytes_per_token, project
 from builder.space.watermarks import SpaceMonitor
 
@@ -216,7 +233,7 @@ class Coordinator:
                     self._dispatch(st, conns, by_id, flags, report)
                 for w in sorted(st.alive - st.told_to_stop):  # a sentinel once a worker has nothing more to do
                     if stopping or (not st.pending and not st.assigned[w]):
-                        _send(conns[w], None)
+                        _send(conns[w], Stop())
                         st.told_to_stop.add(w)
                 for c in mp_connection.wait([conns[w] for w in st.alive], timeout=0.1):
                     w = next(k for k, v in conns.items() if v is c)
@@ -277,65 +294,60 @@ class Coordinator:
         self.paused_reason = reason
         self.flush(force=True)
 
-    def _handle(self, msg, st: _Dispatch, by_id, meta, bar, report) -> None:
-        kind, wid = msg[0], msg[1]
-        if kind == "ready":
-            fp = msg[2]
-            st.ready.add(wid)
-            if meta.get("model_fingerprint") and fp != meta["model_fingerprint"]:
-                self.stop_requested = max(self.stop_requested, 1)
-                raise ModelError(
-                    f"model fingerprint {fp} differs from the build's {meta['model_fingerprint']}: the model changed "
-                    "since `init`; restore it, or start a new build with `hsbuild init --force`"
-                )
-        elif kind == "fatal":
-            raise ModelError(f"worker {wid} could not start: {msg[2]}")
-        elif kind == "started":
-            _, _, sid, attempt, fp, _t = msg
-            st.current[wid] = sid
-            st.attempts[sid] = attempt
-            self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
-        elif kind == "written":
-            _, _, sid, attempt, fp, loc, truncated, seconds, verified = msg
-            self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, segment=loc.segment,
-                            token_start=loc.token_start, num_tokens=loc.num_tokens, nbytes=loc.nbytes,
-                            checksums=json.dumps(loc.checksums, sort_keys=True),
-                            detail=detail(truncated=truncated, seconds=round(seconds, 4))))
-            if verified:
-                self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+    def _handle(self, msg: FromWorker, st: _Dispatch, by_id, meta, bar, report) -> None:
+        wid = msg.worker
+        match msg:
+            case Ready(fingerprint=fp):
+                st.ready.add(wid)
+                if meta.get("model_fingerprint") and fp != meta["model_fingerprint"]:
+                    self.stop_requested = max(self.stop_requested, 1)
+                    raise ModelError(
+                        f"model fingerprint {fp} differs from the build's {meta['model_fingerprint']}: the model "
+                        "changed since `init`; restore it, or start a new build with `hsbuild init --force`"
+                    )
+            case Fatal(error=error):
+                raise ModelError(f"worker {wid} could not start: {error}")
+            case Started(sample_id=sid, attempt=attempt, fingerprint=fp):
+                st.current[wid] = sid
+                st.attempts[sid] = attempt
+                self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
+            case Written(sample_id=sid, attempt=attempt, fingerprint=fp, location=loc):
+                self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
-                                detail=detail(mode="after_write")))
-            st.done(wid, sid)
-            report.written += 1
-            self.space.account(loc.nbytes, loc.num_tokens)
-            bar.update(1, loc.num_tokens, loc.nbytes)
-        elif kind == "failed":
-            _, _, sid, attempt, fp, reason, message = msg
-            self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason=reason,
-                            detail=detail(message=message)))
-            st.done(wid, sid)
-            report.failed += 1
-            bar.update(1)
-        elif kind == "nospace":
-            _, _, sid, attempt, fp, message = msg
-            self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason="no_space",
-                            detail=detail(message=message)))
-            st.done(wid, sid, requeue=True)  # retried once space returns
-            self.space.disk_full()
-        elif kind == "deferred":
-            st.done(wid, msg[2], requeue=True)
-            self.space.flood_block(msg[3])
-        elif kind in ("skipped", "abandoned"):
-            st.done(wid, msg[2], requeue=not self.stop_requested)
-        elif kind == "sealed":
-            info = msg[2]
-            self.emit(Event("segment_sealed", worker=wid, segment=info["segment"], num_tokens=info["tokens"],
-                            detail=detail(**info)))
-        elif kind == "seal_failed":
-            self.emit(Event("segment_sealed", worker=wid, segment=msg[2], reason="seal_failed",
-                            detail=detail(error=msg[3])))
-        elif kind == "exit":
-            st.alive.discard(wid)
+                                nbytes=loc.nbytes, checksums=json.dumps(loc.checksums, sort_keys=True),
+                                detail=detail(truncated=msg.truncated, seconds=round(msg.seconds, 4))))
+                if msg.verified:
+                    self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+                                    segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
+                                    detail=detail(mode="after_write")))
+                st.done(wid, sid)
+                report.written += 1
+                self.space.account(loc.nbytes, loc.num_tokens)
+                bar.update(1, loc.num_tokens, loc.nbytes)
+            case Failed(sample_id=sid, attempt=attempt, fingerprint=fp, reason=reason, message=message):
+                self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason=reason,
+                                detail=detail(message=message)))
+                st.done(wid, sid)
+                report.failed += 1
+                bar.update(1)
+            case NoSpace(sample_id=sid, attempt=attempt, fingerprint=fp, message=message):
+                self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+                                reason="no_space", detail=detail(message=message)))
+                st.done(wid, sid, requeue=True)  # retried once space returns
+                self.space.disk_full()
+            case Deferred(sample_id=sid, projected=projected):
+                st.done(wid, sid, requeue=True)
+                self.space.flood_block(projected)
+            case Skipped(sample_id=sid) | Abandoned(sample_id=sid):
+                st.done(wid, sid, requeue=not self.stop_requested)
+            case Sealed(info=info):
+                self.emit(Event("segment_sealed", worker=wid, segment=info["segment"], num_tokens=info["tokens"],
+                                detail=detail(**info)))
+            case SealFailed(segment=segment, error=error):
+                self.emit(Event("segment_sealed", worker=wid, segment=segment, reason="seal_failed",
+                                detail=detail(error=error)))
+            case Exit():
+                st.alive.discard(wid)
 
     def _worker_died(self, w: int, code: int | None, st: _Dispatch, report: RunReport) -> None:
         """Its sample in hand failed (`worker_died`); samples only queued to it go back to pending; the run stops."""

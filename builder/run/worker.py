@@ -20,6 +20,22 @@ import torch
 
 from builder.errors import SampleError
 from builder.extract.model import Extractor
+from builder.run.messages import (
+    Abandoned,
+    Deferred,
+    Exit,
+    Failed,
+    Fatal,
+    NoSpace,
+    Ready,
+    Sealed,
+    SealFailed,
+    Skipped,
+    Started,
+    Stop,
+    Task,
+    Written,
+)
 from builder.store.segment import SegmentWriter, new_segment_name
 
 
@@ -41,15 +57,6 @@ class WorkerSettings:
     flood: float = 0.95
     coordinator_pid: int = 0
     min_free: int = 0
-
-
-@dataclass
-class Task:
-    sample_id: str
-    attempt: int
-    fingerprint: str
-    input_ids: object  # np.ndarray int32
-    loss_mask: object  # np.ndarray uint8
 
 
 class Flags:
@@ -106,18 +113,18 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
         torch.set_num_threads(max(1, settings.threads))
         ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, settings.device)
     except Exception as e:  # noqa: BLE001
-        conn.send(("fatal", wid, f"{type(e).__name__}: {e}"))
+        conn.send(Fatal(wid, f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", wid, ex.fingerprint, ex.metadata()))
+    conn.send(Ready(wid, ex.fingerprint, ex.metadata()))
     writer: SegmentWriter | None = None
     while True:
-        task: Task | None = conn.recv()
-        if task is None:
+        task: Task | Stop = conn.recv()
+        if isinstance(task, Stop):
             break
         if flags.stop:
-            conn.send(("skipped", wid, task.sample_id))
+            conn.send(Skipped(wid, task.sample_id))
             continue
-        conn.send(("started", wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
+        conn.send(Started(wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
         t0 = time.perf_counter()
         try:
             ids = ex.check(task.input_ids, settings.max_tokens)
@@ -127,7 +134,7 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
             while not flags.gate_open and not flags.stop:
                 time.sleep(0.05)
             if not flags.gate_open:
-                conn.send(("abandoned", wid, task.sample_id))
+                conn.send(Abandoned(wid, task.sample_id))
                 continue
             if writer is None:
                 writer = SegmentWriter(Path(settings.data_root), new_segment_name(settings.run_id, wid),
@@ -140,7 +147,7 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
             over_flood = settings.flood < 1.0 and (total - free + projected) / total >= settings.flood
             under_min_free = settings.min_free > 0 and free - projected < settings.min_free
             if over_flood or under_min_free:
-                conn.send(("deferred", wid, task.sample_id, projected))  # would cross flood: not started
+                conn.send(Deferred(wid, task.sample_id, projected))  # would cross flood: not started
                 continue
             start = writer.cursor
             try:
@@ -148,7 +155,7 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
             except OSError as e:
                 writer.discard(start, int(ids.shape[0]))
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    conn.send(("nospace", wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
+                    conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
                     continue
                 raise
             verified = False
@@ -158,20 +165,19 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
                 finding = check_location(Path(settings.data_root), loc.segment, loc.token_start, loc.num_tokens,
                                          loc.checksums, settings.chunk_tokens)
                 if finding is not None:
-                    conn.send(("failed", wid, task.sample_id, task.attempt, task.fingerprint, finding[0],
-                                 finding[1]))
+                    conn.send(Failed(wid, task.sample_id, task.attempt, task.fingerprint, finding[0], finding[1]))
                     continue
                 verified = True
-            conn.send(("written", wid, task.sample_id, task.attempt, task.fingerprint, loc,
-                         int(task.input_ids.shape[0]) - loc.num_tokens, time.perf_counter() - t0, verified))
+            conn.send(Written(wid, task.sample_id, task.attempt, task.fingerprint, loc,
+                              int(task.input_ids.shape[0]) - loc.num_tokens, time.perf_counter() - t0, verified))
         except SampleError as e:
-            conn.send(("failed", wid, task.sample_id, task.attempt, task.fingerprint, e.reason, str(e)))
+            conn.send(Failed(wid, task.sample_id, task.attempt, task.fingerprint, e.reason, str(e)))
         except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
-            conn.send(("failed", wid, task.sample_id, task.attempt, task.fingerprint, "error", tb))
+            conn.send(Failed(wid, task.sample_id, task.attempt, task.fingerprint, "error", tb))
     if writer is not None:
         try:
-            conn.send(("sealed", wid, writer.seal()))
+            conn.send(Sealed(wid, writer.seal()))
         except OSError as e:
-            conn.send(("seal_failed", wid, writer.name, str(e)))
-    conn.send(("exit", wid))
+            conn.send(SealFailed(wid, writer.name, str(e)))
+    conn.send(Exit(wid))
