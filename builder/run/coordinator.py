@@ -237,16 +237,13 @@ class Coordinator:
                         st.told_to_stop.add(w)
                 for c in mp_connection.wait([conns[w] for w in st.alive], timeout=0.1):
                     w = next(k for k, v in conns.items() if v is c)
-                    try:
-                        msg = c.recv()
-                    except (EOFError, OSError):
-                        procs[w].join(timeout=5)
-                        self._worker_died(w, procs[w].exitcode, st, report)
-                        continue
-                    self._handle(msg, st, by_id, meta, bar, report)
+                    self._drain(w, c, procs[w], st, by_id, meta, bar, report)
                 for w, p in procs.items():
                     if w in st.alive and not p.is_alive():
-                        self._worker_died(w, p.exitcode, st, report)
+                        # read what it sent before exiting (`written`, `sealed`, `exit`) before judging it
+                        self._drain(w, conns[w], p, st, by_id, meta, bar, report)
+                        if w in st.alive:
+                            self._worker_died(w, p.exitcode, st, report)
                 if self.aborted and abort_deadline is None:
                     abort_deadline = time.monotonic() + 120
                 if abort_deadline is not None and time.monotonic() > abort_deadline:
@@ -348,6 +345,20 @@ class Coordinator:
                                 detail=detail(error=error)))
             case Exit():
                 st.alive.discard(wid)
+
+    def _drain(self, w: int, conn: Connection, proc, st: _Dispatch, by_id, meta, bar, report) -> None:
+        """Handle every message the worker has sent so far, in order. At EOF (its end of the pipe is closed: the
+        process is gone) a worker that never said `exit` died."""
+        while w in st.alive:
+            try:
+                if not conn.poll(0):
+                    return
+                msg = conn.recv()
+            except (EOFError, OSError):
+                proc.join(timeout=5)
+                self._worker_died(w, proc.exitcode, st, report)
+                return
+            self._handle(msg, st, by_id, meta, bar, report)
 
     def _worker_died(self, w: int, code: int | None, st: _Dispatch, report: RunReport) -> None:
         """Its sample in hand failed (`worker_died`); samples only queued to it go back to pending; the run stops."""
