@@ -93,6 +93,10 @@ def _die_with_parent() -> None:
         pass
 
 
+def _is_nospace(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def worker_main(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma: no cover - subprocess
     """Takes tasks from, and reports to, its own pipe to the coordinator (one per worker, so a worker killed
     mid-message damages nothing but its own pipe)."""
@@ -137,9 +141,16 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
                 conn.send(Abandoned(wid, task.sample_id))
                 continue
             if writer is None:
-                writer = SegmentWriter(Path(settings.data_root), new_segment_name(settings.run_id, wid),
-                                       ex.hidden_size, len(ex.aux_layers), settings.chunk_tokens, settings.codec,
-                                       settings.dtype).create()
+                try:
+                    writer = SegmentWriter(Path(settings.data_root), new_segment_name(settings.run_id, wid),
+                                           ex.hidden_size, len(ex.aux_layers), settings.chunk_tokens,
+                                           settings.codec, settings.dtype).create()
+                except OSError as e:
+                    if _is_nospace(e):  # like a full disk during a write: pause, retry once space returns
+                        conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint,
+                                          f"creating a segment: {e}"))
+                        continue
+                    raise
             projected = int(ids.nbytes + mask.nbytes + aux.numel() * aux.element_size()
                             + final.numel() * final.element_size())
             st = os.statvfs(settings.data_root)
@@ -154,7 +165,7 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
                 loc = writer.write(ids, mask, aux, final)
             except OSError as e:
                 writer.discard(start, int(ids.shape[0]))
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                if _is_nospace(e):
                     conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
                     continue
                 raise

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -99,7 +100,18 @@ class SegmentWriter:
         return self.data_root / self.name
 
     def create(self) -> SegmentWriter:
+        """Create the segment (directory and Zarr metadata, fsynced). If that fails (a full disk), what was
+        created of it is removed again: the directory is this writer's alone and holds no sample yet."""
         self.path.mkdir()  # exclusive: a segment name is never reused
+        try:
+            self._create_arrays()
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._arrays.clear()
+            raise
+        return self
+
+    def _create_arrays(self) -> None:
         compressors = parse_codec(self.codec)
         group = zarr.create_group(store=str(self.path), zarr_format=3,
                                   attributes={"segment": self.name, "created_at": time.time()})
@@ -120,7 +132,6 @@ class SegmentWriter:
             )
         fsync_paths([self.path / f / "zarr.json" for f in FIELDS] + [self.path / f for f in FIELDS]
                     + [self.path / "zarr.json", self.path, self.data_root])
-        return self
 
     def write(self, input_ids: np.ndarray, loss_mask: np.ndarray, aux: torch.Tensor, final: torch.Tensor) -> Location:
         """Write one sample whole and make it durable (chunk files and their directories fsynced)."""

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from builder.layout import layout
 from builder.log.events import EventLog
@@ -38,3 +45,75 @@ def test_a_worker_that_finishes_while_the_coordinator_is_busy_is_not_reported_de
     sealed = _events(build, "SELECT segment, reason FROM events WHERE kind = 'segment_sealed'")
     written_segments = {r["segment"] for r in _events(build, "SELECT segment FROM samples")}
     assert {r["segment"] for r in sealed} == written_segments and all(r["reason"] is None for r in sealed)
+
+
+def _mount_tmpfs(path: Path, size: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; test skipped")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); test skipped")
+
+
+def _fill(path: Path) -> None:
+    """Fill the volume holding `path` to the last byte (ENOSPC), as another process would."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\xff" * (64 << 10))
+    except OSError:
+        pass
+    try:
+        while True:
+            os.write(fd, b"\xff" * 512)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+@pytest.fixture
+def full_data_volume(make_build, tmp_path):
+    """A build whose data/ is a real small tmpfs, filled to the brim by another file (the log lives on the
+    ordinary disk, so only segment data meets ENOSPC). Yields (build, filler)."""
+    build = make_build(6, seed=22)
+    data = layout(build).data
+    group = (data / "zarr.json").read_bytes()
+    (data / "zarr.json").unlink()
+    _mount_tmpfs(data, "4m")
+    try:
+        (data / "zarr.json").write_bytes(group)
+        filler = data / "filler.bin"
+        _fill(filler)
+        yield build, filler
+    finally:
+        subprocess.run(["umount", "-l", str(data)], capture_output=True)
+
+
+def test_enospc_while_creating_a_segment_pauses_and_retries_without_counting(full_data_volume, cli):
+    build, filler = full_data_volume
+    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--flood", "1.0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and p.poll() is None:
+            cp = cli("sql", build, "SELECT count(*) AS n FROM events WHERE kind = 'failed'", "--json")
+            if cp.returncode == 0 and json.loads(cp.stdout)[0]["n"] >= 1:
+                break
+            time.sleep(0.3)
+        time.sleep(1.0)
+        assert p.poll() is None  # paused, alive, not finished with failures
+        filler.unlink()  # space returns
+        out, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    failed = _events(build, "SELECT DISTINCT reason FROM events WHERE kind = 'failed'")
+    assert failed == [{"reason": "no_space"}]  # an environment failure, not counted against --max-attempts
+    paused = _events(build, "SELECT reason FROM events WHERE kind = 'paused'")
+    assert {"reason": "disk_full"} in paused
+    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 6}]
+    # the half-created segments of the failed attempts are gone: every segment left holds written samples
+    live = {r["segment"] for r in _events(build, "SELECT segment FROM samples")}
+    assert {s.name for s in layout(build).data.iterdir() if s.is_dir()} == live
