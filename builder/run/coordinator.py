@@ -23,6 +23,7 @@ from builder.doctor.gpu import GpuSampler
 from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
 from builder.extract.source import Sample, load_source
+from builder.humanize import human_bytes, pct
 from builder.layout import layout
 from builder.log.events import Event, EventBatch, detail, open_log
 from builder.log.lock import BuildLock
@@ -333,8 +334,25 @@ class Coordinator:
                 st.done(wid, sid, requeue=True)  # retried once space returns
                 self.space.disk_full()
             case Deferred(sample_id=sid, projected=projected):
-                st.done(wid, sid, requeue=True)
-                self.space.flood_block(projected)
+                room = self.space.never_fits(projected, msg.total, msg.free)
+                if room is None:  # waits until it fits
+                    st.done(wid, sid, requeue=True)
+                    self.space.flood_block(projected)
+                    return
+                wm = self.cfg.watermarks
+                message = (f"needs {projected} bytes ({human_bytes(projected)}, uncompressed upper bound) but the "
+                           f"volume of {self.lay.data} ({human_bytes(msg.total)}) has room for only {room} bytes "
+                           f"({human_bytes(room)}) below the flood watermark ({pct(wm.flood)})"
+                           + (f" and min_free ({human_bytes(wm.min_free)})" if wm.min_free else "")
+                           + " besides the other files on it, even without this build's data; it can never be "
+                           "written there: grow or clean the volume, raise --flood, or lower --max-tokens")
+                self.emit(Event("failed", sample_id=sid, fingerprint=msg.fingerprint, attempt=msg.attempt,
+                                worker=wid, reason="too_big_for_volume",
+                                detail=detail(message=message, projected=projected, room=room)))
+                self.echo(f"\nsample {sid} failed: too big for the volume: {message}")
+                st.done(wid, sid)
+                report.failed += 1
+                bar.update(1)
             case Skipped(sample_id=sid) | Abandoned(sample_id=sid):
                 st.done(wid, sid, requeue=not self.stop_requested)
             case Sealed(info=info):

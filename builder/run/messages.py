@@ -95,7 +95,11 @@ class Deferred:
 
     worker: int
     sample_id: str
+    attempt: int
+    fingerprint: str
     projected: int  # bytes the write would take (uncompressed upper bound)
+    total: int  # the data volume's size and free bytes the worker measured (statvfs)
+    free: int
 
 
 @dataclass(frozen=True)

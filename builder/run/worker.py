@@ -158,7 +158,8 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
             over_flood = settings.flood < 1.0 and (total - free + projected) / total >= settings.flood
             under_min_free = settings.min_free > 0 and free - projected < settings.min_free
             if over_flood or under_min_free:
-                conn.send(Deferred(wid, task.sample_id, projected))  # would cross flood: not started
+                # would cross flood: not started
+                conn.send(Deferred(wid, task.sample_id, task.attempt, task.fingerprint, projected, total, free))
                 continue
             start = writer.cursor
             try:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import random_rows, write_jsonl
 
 from builder.layout import layout
 from builder.log.events import EventLog
@@ -117,3 +118,32 @@ def test_enospc_while_creating_a_segment_pauses_and_retries_without_counting(ful
     # the half-created segments of the failed attempts are gone: every segment left holds written samples
     live = {r["segment"] for r in _events(build, "SELECT segment FROM samples")}
     assert {s.name for s in layout(build).data.iterdir() if s.is_dir()} == live
+
+
+def test_a_sample_too_big_for_the_volume_fails_and_the_run_goes_on(tmp_path, cli):
+    """One sample needs more than the whole volume allows below `flood`: it can never be written. It fails
+    with a reason saying so (instead of pausing the run forever), the user is told, the others are written."""
+    mnt = tmp_path / "vol"
+    mnt.mkdir()
+    _mount_tmpfs(mnt, "16m")
+    try:
+        rows = random_rows(5, seed=23, lo=20, hi=40)
+        rows.append({"id": "big", "input_ids": [7] * 2100})  # 2100 tokens x ~8 KB/token: ~17 MB > 95% of 16 MB
+        src = write_jsonl(tmp_path / "src.jsonl", rows)
+        build = mnt / "build"
+        cp = cli("init", build, "--source", src, "--model",
+                 "builtin:hidden=1024,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128")
+        assert cp.returncode == 0, cp.stderr
+        try:
+            cp = cli("run", build, "--no-progress", "--allow-overcommit", timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run never ended: the too-big sample paused it forever")
+        assert cp.returncode == 1, cp.stderr  # finished; a sample failed
+        assert "big" in cp.stderr and "too big" in cp.stderr  # told, by name
+        rows = {r["sample_id"]: r for r in _events(build, "SELECT sample_id, state, error, error_detail FROM samples")}
+        assert rows["big"]["state"] == "failed" and rows["big"]["error"] == "too_big_for_volume"
+        message = json.loads(rows["big"]["error_detail"])["message"]
+        assert "bytes" in message and "flood" in message
+        assert all(r["state"] == "written" for sid, r in rows.items() if sid != "big")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
