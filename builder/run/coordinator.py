@@ -47,7 +47,7 @@ from builder.run.messages import (
     Task,
     Written,
 )
-from builder.run.plan import Plan, check_source, make_plan
+from builder.run.plan import INTERRUPTED_EXTRA, Plan, check_source, make_plan
 from builder.run.worker import Flags, WorkerSettings, worker_main
 from builder.space.capacity import measured_bytes_per_token, project
 from builder.space.watermarks import SpaceMonitor
@@ -149,10 +149,12 @@ class Coordinator:
         added = check_source(self.log, samples)
         plan = make_plan(self.log, samples, self.cfg.max_attempts, self.opts.limit)
         report = RunReport(self.run_id, plan)
-        if resume or plan.done or plan.interrupted or plan.failed_retry or plan.damaged:
+        if resume or plan.done or plan.interrupted or plan.interrupted_final or plan.failed_retry or plan.damaged:
             self.echo(
-                f"replayed {self.log._seq} events: {plan.done} done, {len(plan.interrupted)} interrupted in flight, "
-                f"{len(plan.failed_retry) + len(plan.failed_final)} failed ({len(plan.failed_retry)} to retry), "
+                f"replayed {self.log._seq} events: {plan.done} done, {len(plan.interrupted)} interrupted in flight"
+                + (f" (+{len(plan.interrupted_final)} interrupted too often: given up)"
+                   if plan.interrupted_final else "")
+                + f", {len(plan.failed_retry) + len(plan.failed_final)} failed ({len(plan.failed_retry)} to retry), "
                 f"{len(plan.damaged)} damaged (re-extract), {len(plan.pending)} never started; "
                 f"{len(plan.todo)} to do now" + (f" (+{added} new in source)" if added else "")
             )
@@ -166,6 +168,7 @@ class Coordinator:
         self.space.preflight(sum(s.num_tokens for s in plan.todo), meta, measured_bytes_per_token(self.log),
                              allow_overcommit=self.opts.allow_overcommit, echo=self.echo)
         by_id = {s.sample_id: s for s in plan.todo}
+        self._give_up_interrupted(plan)
         self.emit(Event("run_started", detail=detail(
             workers=self.workers, resume=resume, plan=plan.summary(), config=self.cfg.to_toml(),
             config_fingerprint=self.cfg.fingerprint(), model_fingerprint=meta.get("model_fingerprint"),
@@ -198,6 +201,23 @@ class Coordinator:
             failed_in_build=report.failed_in_build)))
         self.flush(force=True)
         return report
+
+    def _give_up_interrupted(self, plan: Plan) -> None:
+        """Record the samples left in flight too often as failed, with the reason, so `status`, the `samples`
+        view and later plans show why they are no longer tried."""
+        limit = self.cfg.max_attempts + INTERRUPTED_EXTRA
+        for sid in plan.interrupted_final:
+            n = plan.attempts[sid]
+            self.emit(Event("failed", sample_id=sid, attempt=n, reason="interrupted_too_often", detail=detail(
+                attempts=n, limit=limit, message=(
+                    f"started {n} times without being written, the last time left in flight by a run that ended "
+                    f"abruptly (crash, OOM kill, kill -9); given up at {limit} starts (--max-attempts + "
+                    f"{INTERRUPTED_EXTRA}): find what kills the run on this sample, or raise --max-attempts to try "
+                    "it again"))))
+        if plan.interrupted_final:
+            self.echo(f"given up on {len(plan.interrupted_final)} sample(s) interrupted too often (e.g. "
+                      f"{', '.join(plan.interrupted_final[:3])}): started {limit} times or more, left in flight by "
+                      "runs that ended abruptly; recorded as failed (interrupted_too_often)")
 
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
         ctx = mp.get_context("spawn")

@@ -13,7 +13,7 @@ import pytest
 from conftest import random_rows, write_jsonl
 
 from builder.layout import layout
-from builder.log.events import EventLog
+from builder.log.events import Event, EventLog, detail
 from builder.run import coordinator as coordinator_mod
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.messages import Stop
@@ -147,3 +147,31 @@ def test_a_sample_too_big_for_the_volume_fails_and_the_run_goes_on(tmp_path, cli
         assert all(r["state"] == "written" for sid, r in rows.items() if sid != "big")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_sample_interrupted_too_often_is_not_retried_and_is_reported(make_build, cli):
+    """A sample that took the whole run down with it five times (e.g. the coordinator OOM-killed while it was
+    in flight) is left `started` each time; resume must not try it forever."""
+    build = make_build(5, seed=24)
+    with EventLog(layout(build).events) as log:
+        fp = {r["sample_id"]: r["fingerprint"] for r in log.query_dicts("SELECT * FROM source_samples")}
+        for k in range(5):  # five runs, each died with s0001 in flight (and s0002 once)
+            run = f"crashed{k}"
+            log.append([Event("run_started", run_id=run, detail=detail(workers=1)),
+                        Event("started", run_id=run, sample_id="s0001", fingerprint=fp["s0001"], attempt=k + 1,
+                              worker=0)]
+                       + ([Event("started", run_id=run, sample_id="s0002", fingerprint=fp["s0002"], attempt=1,
+                                 worker=0)] if k == 0 else []))
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 1, cp.stderr  # finished; one sample is failed for good
+    assert "1 interrupted too often" in cp.stderr  # the replay says so
+    rows = {r["sample_id"]: r for r in _events(build, "SELECT sample_id, state, attempts, error FROM samples")}
+    assert rows["s0001"]["state"] == "failed" and rows["s0001"]["error"] == "interrupted_too_often"
+    assert rows["s0001"]["attempts"] == 5  # not started again
+    assert all(r["state"] == "written" for sid, r in rows.items() if sid != "s0001")  # s0002: retried once
+    st = cli("status", build)
+    assert "interrupted_too_often 1" in st.stdout, st.stdout
+    again = cli("resume", build, "--no-progress")  # stays given up
+    assert again.returncode == 1, again.stderr
+    assert _events(build, "SELECT count(*) AS n FROM events WHERE kind = 'started' AND sample_id = 's0001'") \
+        == [{"n": 5}]
