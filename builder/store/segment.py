@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,7 +205,16 @@ class SegmentWriter:
             os.close(fd)
             return len(memoryview(data).cast("B"))
 
-        nbytes = sum(_pool().map(put, jobs))
+        futures = [_pool().submit(put, job) for job in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception()), None)
+        if failed is not None:
+            # Stop the rest and let those already writing finish, so the caller's discard sees every file.
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise failed.exception()
+        nbytes = sum(f.result() for f in futures)
         fsync_paths(dirs)
         return nbytes
 
