@@ -219,6 +219,8 @@ class SegmentWriter:
         return nbytes
 
     def _write_zarr(self, start: int, arrays: dict[str, np.ndarray]) -> int:
+        """Write through zarr (blosc builds), then fsync the chunk files and every directory zarr may have added
+        an entry to: FIELD/ (its `c/`), FIELD/c/ (chunk files, or `i/` for 2-D fields) and FIELD/c/i/."""
         n = next(iter(arrays.values())).shape[0]
         nbytes = 0
         to_sync: list[Path] = []
@@ -230,6 +232,7 @@ class SegmentWriter:
                 to_sync.append(p.parent)
                 if fld in ("hidden_state", "aux_hidden_state"):
                     to_sync.append(p.parent.parent)
+            to_sync.append(self.path / fld)
         fsync_paths(to_sync)
         return nbytes
 
