@@ -110,10 +110,11 @@ class Coordinator:
 
     # -- signals ------------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        """Only records the request: no I/O here (a write to a stream the main thread is writing to would fail
+        as a reentrant call). The main loop says it is stopping."""
         self.stop_requested += 1
         if self.stop_requested >= 2:
             os._exit(EXIT_INTERRUPTED)  # still safe: nothing uncommitted is ever referenced
-        self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
 
     # -- events -------------------------------------------------------------------------------------------
     def emit(self, ev: Event) -> None:
@@ -243,8 +244,12 @@ class Coordinator:
         bar.start(len(plan.todo), "extract")
         gpus = GpuSampler(interval=5.0) if getattr(self, "gpu_build", False) else None
         abort_deadline: float | None = None
+        announced = False
         try:
             while st.alive:
+                if self.stop_requested and not announced:
+                    announced = True
+                    self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
                 stopping = bool(self.stop_requested or self.aborted)
                 flags.stop = stopping
                 pause = self.space.poll()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -204,3 +205,50 @@ def test_a_failing_chunk_write_leaves_no_file_of_the_sample_after_discard(tmp_pa
     segment_mod._POOL = None
     left = [p for p in w.path.rglob("*") if p.is_file() and p.parent.name != "seg-x" and p.name != "zarr.json"]
     assert left == []
+
+
+class _Terminal:
+    """Progress bar and echo sharing one stream, as in the CLI (both write to stderr). Like Python's buffered
+    stderr, a write that starts while another write to the stream is under way fails (a reentrant call)."""
+
+    def __init__(self, interrupt_after: int):
+        self.lines: list[str] = []
+        self.writing = False
+        self.done = 0
+        self.interrupt_after = interrupt_after
+        self.interrupted = False
+        self.closed_at: float | None = None
+
+    def echo(self, line: str) -> None:
+        if self.writing:
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+        self.lines.append(line)
+
+    def start(self, total: int, label: str) -> None:
+        pass
+
+    def update(self, done: int = 0, tokens: int = 0, nbytes: int = 0, note: str = "") -> None:
+        self.writing = True
+        try:
+            self.done += done
+            if self.done >= self.interrupt_after and not self.interrupted:
+                self.interrupted = True
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives while the bar is being drawn
+                for _ in range(1000):  # drawing goes on; Python runs signal handlers between these steps
+                    pass
+        finally:
+            self.writing = False
+
+    def close(self) -> None:
+        self.closed_at = time.monotonic()
+
+
+def test_ctrl_c_while_the_progress_bar_draws_stops_cleanly_and_says_so_once(make_build):
+    build = make_build(40, seed=25)
+    term = _Terminal(interrupt_after=3)
+    report = run_build(build, RunOptions(workers=2, progress=term), echo=term.echo)
+    assert term.interrupted
+    assert (report.outcome, report.exit_code) == ("interrupted", 130)
+    assert sum("stopping at a safe point" in line for line in term.lines) == 1
+    assert _events(build, "SELECT outcome FROM runs") == [{"outcome": "interrupted"}]
+    assert {r["state"] for r in _events(build, "SELECT state FROM samples")} <= {"written", "pending"}
