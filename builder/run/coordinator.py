@@ -283,12 +283,11 @@ class Coordinator:
         finally:
             flags.stop, flags.gate_open = True, True
             bar.close()
-            self.flush(force=True)
-            for w, p in procs.items():
-                p.join(timeout=10 if w not in st.alive or not self.aborted else 0)
-                if p.is_alive():
-                    p.kill()
-                conns[w].close()
+            try:
+                self.flush(force=True)
+            finally:
+                overdue = bool(self.aborted and st.alive)  # past the deadline after a worker died: kill now
+                _stop_workers(procs, conns, st, 0 if overdue else SHUTDOWN_SECONDS)
 
     def _dispatch(self, st: _Dispatch, conns: dict, by_id: dict[str, Sample], flags: Flags, report: RunReport) -> None:
         """Hand out samples: at most PER_WORKER to each ready worker (one in hand, one waiting)."""
@@ -421,6 +420,25 @@ class Coordinator:
 
 
 PER_WORKER = 2  # samples handed to a worker at once: one in hand, one waiting
+SHUTDOWN_SECONDS = 10.0  # leaving the main loop early (an error): how long all workers together get to exit
+
+
+def _stop_workers(procs: dict[int, mp.process.BaseProcess], conns: dict[int, Connection], st: _Dispatch,
+                  seconds: float) -> None:
+    """Tell every worker still running to stop, then join them all within one shared deadline; kill the rest
+    (safe: nothing they have not reported is referenced)."""
+    for w, p in procs.items():
+        if w not in st.told_to_stop and p.is_alive():
+            _send(conns[w], Stop())
+            st.told_to_stop.add(w)
+    deadline = time.monotonic() + seconds
+    for p in procs.values():
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for w, p in procs.items():
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+        conns[w].close()
 
 
 @dataclass

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import random_rows, write_jsonl
 
+from builder.errors import ModelError
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
 from builder.run import coordinator as coordinator_mod
@@ -22,6 +23,25 @@ from builder.run.coordinator import RunOptions, run_build
 from builder.run.messages import Stop
 from builder.store import segment as segment_mod
 from builder.store.segment import SegmentWriter, chunk_paths, init_data_group
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _events(build, sql: str) -> list[dict]:
@@ -252,3 +272,18 @@ def test_ctrl_c_while_the_progress_bar_draws_stops_cleanly_and_says_so_once(make
     assert sum("stopping at a safe point" in line for line in term.lines) == 1
     assert _events(build, "SELECT outcome FROM runs") == [{"outcome": "interrupted"}]
     assert {r["state"] for r in _events(build, "SELECT state FROM samples")} <= {"written", "pending"}
+
+
+def test_a_run_that_ends_in_an_error_stops_its_idle_workers_at_once(make_build):
+    """The model changed since init: the first worker to load it reports a different fingerprint and the run
+    ends with that error. The other workers, idle, are told to stop and joined together, not waited for one
+    after another (10 s each) and then killed."""
+    build = make_build(8, seed=26)
+    with EventLog(layout(build).events) as log:
+        log.set_meta({"model_fingerprint": "0123456789abcdef"})
+    term = _Terminal(interrupt_after=10**9)
+    with pytest.raises(ModelError, match="model fingerprint"):
+        run_build(build, RunOptions(workers=4, progress=term, force=True), echo=term.echo)  # past the preflight
+    shutdown = time.monotonic() - term.closed_at
+    assert shutdown < 20, f"stopping 4 idle workers took {shutdown:.0f} s"
+    assert not [c for c in _children(os.getpid()) if b"spawn_main" in _cmdline(c)]  # every worker is gone
