@@ -235,7 +235,7 @@ class Coordinator:
                 flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free, coordinator_pid=os.getpid())
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=worker_main, args=(settings, theirs, flags), daemon=True, name=f"hsbuild-worker-{w}")
-            p.start()
+            _start_ignoring_stop_signals(p)
             theirs.close()  # so a dead worker's pipe reads as EOF here
             procs[w], conns[w] = p, mine
         st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
@@ -460,6 +460,23 @@ class _Dispatch:
             del self.current[w]
         if requeue:
             self.pending.appendleft(sid)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _start_ignoring_stop_signals(p: mp.process.BaseProcess) -> None:
+    """Start a worker process that ignores SIGINT and SIGTERM from its first instruction: an ignored signal
+    stays ignored across exec, so the coordinator ignores them for the moment of the spawn. A Ctrl-C or a
+    `kill -TERM -- -PGID` (systemd, `timeout`) then reaches the coordinator alone, which stops the workers at
+    a safe point; none is killed with a sample in hand. (A signal arriving in those few milliseconds is
+    ignored by the coordinator too.)"""
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        p.start()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _send(conn: Connection, obj: object) -> None:

@@ -110,8 +110,10 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
     _die_with_parent()
     if os.getppid() != settings.coordinator_pid:  # the coordinator died while this process was starting
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The coordinator decides when to stop: a Ctrl-C or SIGTERM to the whole process group must not kill a
+    # worker with a sample in hand. (Spawned with both ignored already; this keeps it so.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     wid = settings.worker
     try:
         torch.set_num_threads(max(1, settings.threads))

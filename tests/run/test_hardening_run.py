@@ -18,6 +18,7 @@ from conftest import random_rows, write_jsonl
 from builder.errors import ModelError
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
+from builder.log.query import run_query
 from builder.run import coordinator as coordinator_mod
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.messages import Stop
@@ -287,3 +288,39 @@ def test_a_run_that_ends_in_an_error_stops_its_idle_workers_at_once(make_build):
     shutdown = time.monotonic() - term.closed_at
     assert shutdown < 20, f"stopping 4 idle workers took {shutdown:.0f} s"
     assert not [c for c in _children(os.getpid()) if b"spawn_main" in _cmdline(c)]  # every worker is gone
+
+
+def _written(build) -> int:
+    """Written events so far, asked of the running owner (or read from the file when none runs)."""
+    try:
+        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+    except Exception:  # noqa: BLE001 - the run may be starting or gone
+        return -1
+
+
+def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_build, cli):
+    """`kill -TERM -- -PGID` (systemd, `timeout`) reaches the coordinator and its workers alike. Three such
+    stops in a row must each end at a safe point (exit 130), and no healthy sample may be failed for it."""
+    build = make_build(300, seed=27)
+    for _ in range(3):
+        before = _written(build)
+        p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
+                              "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and p.poll() is None and _written(build) < before + 3:
+                time.sleep(0.2)
+            assert p.poll() is None, "the run finished before it could be stopped; give it more samples"
+            os.killpg(p.pid, signal.SIGTERM)
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        assert p.returncode == 130, err
+        assert "died" not in err
+        assert _events(build, "SELECT outcome FROM runs")[-1] == {"outcome": "interrupted"}
+        assert _events(build, "SELECT count(*) AS n FROM events WHERE kind = 'failed'") == [{"n": 0}]
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 300}]
