@@ -67,6 +67,9 @@ class RunOptions:
     high: float | None = None
     flood: float | None = None
     min_free: int | None = None
+    # after Ctrl-C/SIGTERM, seconds the workers get to finish the sample in hand before they are killed (named,
+    # their sample left for resume); None: $HSBUILD_STOP_GRACE, else 30
+    stop_grace: float | None = None
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Coordinator:
         self.workers = self.opts.workers or self.cfg.workers
         if self.workers < 1:
             raise UsageError(f"--workers {self.workers}: must be at least 1")
+        self.stop_grace = _stop_grace(self.opts.stop_grace)
         self.echo = echo
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
@@ -243,7 +247,11 @@ class Coordinator:
         bar = self.opts.progress or NoProgress()
         bar.start(len(plan.todo), "extract")
         gpus = GpuSampler(interval=5.0) if getattr(self, "gpu_build", False) else None
-        abort_deadline: float | None = None
+        # once stopping, workers still running a grace period after the stop request (or a worker's death) are
+        # killed and named: a hung or SIGSTOPped worker cannot hold the run forever
+        stop_since: float | None = None
+        abort_since: float | None = None
+        abort_grace = max(self.stop_grace, ABORT_GRACE_SECONDS)
         announced = False
         try:
             while st.alive:
@@ -270,11 +278,14 @@ class Coordinator:
                         self._drain(w, conns[w], p, st, by_id, meta, bar, report)
                         if w in st.alive:
                             self._worker_died(w, p.exitcode, st, report)
-                if self.aborted and abort_deadline is None:
-                    abort_deadline = time.monotonic() + 120
-                if abort_deadline is not None and time.monotonic() > abort_deadline:
-                    self.echo("workers did not stop within 120 s after the failure; killing them (still safe)")
-                    break
+                now = time.monotonic()
+                if self.stop_requested and stop_since is None:
+                    stop_since = now
+                if self.aborted and abort_since is None:
+                    abort_since = now
+                for since, grace in ((stop_since, self.stop_grace), (abort_since, abort_grace)):
+                    if since is not None and now - since > grace:
+                        self._give_up_on(st, procs, grace)
                 stats = gpus.poll() if gpus else None
                 if stats:
                     self.emit(Event("gpu_stats", detail=detail(devices=stats)))
@@ -286,8 +297,7 @@ class Coordinator:
             try:
                 self.flush(force=True)
             finally:
-                overdue = bool(self.aborted and st.alive)  # past the deadline after a worker died: kill now
-                _stop_workers(procs, conns, st, 0 if overdue else SHUTDOWN_SECONDS)
+                _stop_workers(procs, conns, st, SHUTDOWN_SECONDS)
 
     def _dispatch(self, st: _Dispatch, conns: dict, by_id: dict[str, Sample], flags: Flags, report: RunReport) -> None:
         """Hand out samples: at most PER_WORKER to each ready worker (one in hand, one waiting)."""
@@ -402,6 +412,21 @@ class Coordinator:
                 return
             self._handle(msg, st, by_id, meta, bar, report)
 
+    def _give_up_on(self, st: _Dispatch, procs: dict[int, mp.process.BaseProcess], grace: float) -> None:
+        """Workers that did not stop within the grace period (hung, or frozen by SIGSTOP) are killed and named.
+        The sample in hand stays `started` for `resume` (not charged a failure); queued ones go back to pending."""
+        for w in sorted(st.alive):
+            p = procs[w]
+            in_hand = st.current.pop(w, None)
+            self.echo(f"\nworker {w} (pid {p.pid}) did not stop within {grace:g} s; killing it (still safe)"
+                      + (f"; its sample {in_hand} is left for `hsbuild resume`, not counted as failed"
+                         if in_hand else "; it held no sample"))
+            p.kill()
+            p.join(timeout=5)
+            st.alive.discard(w)
+            st.pending.extendleft(sid for sid in reversed(st.assigned.pop(w, [])) if sid != in_hand)
+            st.assigned[w] = []
+
     def _worker_died(self, w: int, code: int | None, st: _Dispatch, report: RunReport) -> None:
         """Its sample in hand failed (`worker_died`); samples only queued to it go back to pending; the run stops."""
         st.alive.discard(w)
@@ -420,6 +445,8 @@ class Coordinator:
 
 
 PER_WORKER = 2  # samples handed to a worker at once: one in hand, one waiting
+STOP_GRACE_SECONDS = 30.0  # after Ctrl-C/SIGTERM, how long workers get to finish their sample (HSBUILD_STOP_GRACE)
+ABORT_GRACE_SECONDS = 120.0  # after a worker died, how long the others get
 SHUTDOWN_SECONDS = 10.0  # leaving the main loop early (an error): how long all workers together get to exit
 
 
@@ -484,6 +511,20 @@ def _send(conn: Connection, obj: object) -> None:
         conn.send(obj)
     except (BrokenPipeError, OSError):
         pass  # the worker is gone; the main loop notices and accounts for its samples
+
+
+def _stop_grace(value: float | None) -> float:
+    if value is None:
+        raw = os.environ.get("HSBUILD_STOP_GRACE")
+        if not raw:
+            return STOP_GRACE_SECONDS
+        try:
+            value = float(raw)
+        except ValueError:
+            raise UsageError(f"HSBUILD_STOP_GRACE={raw!r}: not a number of seconds") from None
+    if not value >= 0:
+        raise UsageError(f"stop grace {value}: must be 0 or more seconds")
+    return float(value)
 
 
 def _tokenizer_for(cfg):

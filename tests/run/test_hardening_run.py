@@ -324,3 +324,37 @@ def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_buil
     cp = cli("resume", build, "--no-progress")
     assert cp.returncode == 0, cp.stderr
     assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 300}]
+
+
+def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishes(make_build, cli):
+    """A worker frozen by SIGSTOP never finishes its sample. One Ctrl-C must still end the run (after a bound,
+    here 3 s via HSBUILD_STOP_GRACE), name the worker, and leave its sample to resume, not fail it."""
+    build = make_build(300, seed=28)
+    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "HSBUILD_STOP_GRACE": "3"})
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[int] = []
+        while time.monotonic() < deadline and p.poll() is None:
+            workers = [c for c in _children(p.pid) if b"spawn_main" in _cmdline(c)]
+            if len(workers) == 2 and _written(build) >= 3:
+                break
+            time.sleep(0.2)
+        assert p.poll() is None and len(workers) == 2
+        frozen = workers[0]
+        os.kill(frozen, signal.SIGSTOP)
+        p.send_signal(signal.SIGINT)
+        try:
+            out, err = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail("one Ctrl-C with a stopped worker never ended the run")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err
+    assert f"pid {frozen}" in err and "did not stop" in err, err
+    assert _events(build, "SELECT count(*) AS n FROM events WHERE kind = 'failed'") == [{"n": 0}]
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 300}]
