@@ -23,15 +23,33 @@ from builder.doctor.gpu import GpuSampler
 from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
 from builder.extract.source import Sample, load_source
+from builder.humanize import human_bytes, pct
 from builder.layout import layout
 from builder.log.events import Event, EventBatch, detail, open_log
 from builder.log.lock import BuildLock
 from builder.log.server import QueryServer
 from builder.progress import NoProgress, Progress
 from builder.run.create import code_fingerprint
-from builder.run.plan import Plan, check_source, make_plan
+from builder.run.messages import (
+    Abandoned,
+    Deferred,
+    Exit,
+    Failed,
+    Fatal,
+    FromWorker,
+    NoSpace,
+    Ready,
+    Sealed,
+    SealFailed,
+    Skipped,
+    Started,
+    Stop,
+    Task,
+    Written,
+)
+from builder.run.plan import INTERRUPTED_EXTRA, Plan, check_source, make_plan
 from builder.run.rebuild import adopt, unlogged
-from builder.run.worker import Flags, Task, WorkerSettings, worker_main
+from builder.run.worker import Flags, WorkerSettings, worker_main
 from builder.space.capacity import measured_bytes_per_token, project
 from builder.space.watermarks import SpaceMonitor
 
@@ -50,6 +68,9 @@ class RunOptions:
     high: float | None = None
     flood: float | None = None
     min_free: int | None = None
+    # after Ctrl-C/SIGTERM, seconds the workers get to finish the sample in hand before they are killed (named,
+    # their sample left for resume); None: $HSBUILD_STOP_GRACE, else 30
+    stop_grace: float | None = None
 
 
 @dataclass
@@ -84,6 +105,7 @@ class Coordinator:
         self.workers = self.opts.workers or self.cfg.workers
         if self.workers < 1:
             raise UsageError(f"--workers {self.workers}: must be at least 1")
+        self.stop_grace = _stop_grace(self.opts.stop_grace)
         self.echo = echo
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
@@ -93,10 +115,11 @@ class Coordinator:
 
     # -- signals ------------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        """Only records the request: no I/O here (a write to a stream the main thread is writing to would fail
+        as a reentrant call). The main loop says it is stopping."""
         self.stop_requested += 1
         if self.stop_requested >= 2:
             os._exit(EXIT_INTERRUPTED)  # still safe: nothing uncommitted is ever referenced
-        self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
 
     # -- events -------------------------------------------------------------------------------------------
     def emit(self, ev: Event) -> None:
@@ -133,10 +156,12 @@ class Coordinator:
         self._adopt_unlogged()
         plan = make_plan(self.log, samples, self.cfg.max_attempts, self.opts.limit)
         report = RunReport(self.run_id, plan)
-        if resume or plan.done or plan.interrupted or plan.failed_retry or plan.damaged:
+        if resume or plan.done or plan.interrupted or plan.interrupted_final or plan.failed_retry or plan.damaged:
             self.echo(
-                f"replayed {self.log._seq} events: {plan.done} done, {len(plan.interrupted)} interrupted in flight, "
-                f"{len(plan.failed_retry) + len(plan.failed_final)} failed ({len(plan.failed_retry)} to retry), "
+                f"replayed {self.log._seq} events: {plan.done} done, {len(plan.interrupted)} interrupted in flight"
+                + (f" (+{len(plan.interrupted_final)} interrupted too often: given up)"
+                   if plan.interrupted_final else "")
+                + f", {len(plan.failed_retry) + len(plan.failed_final)} failed ({len(plan.failed_retry)} to retry), "
                 f"{len(plan.damaged)} damaged (re-extract), {len(plan.pending)} never started; "
                 f"{len(plan.todo)} to do now" + (f" (+{added} new in source)" if added else "")
             )
@@ -151,6 +176,7 @@ class Coordinator:
                              allow_overcommit=self.opts.allow_overcommit, echo=self.echo,
                              remaining_samples=len(plan.todo))
         by_id = {s.sample_id: s for s in plan.todo}
+        self._give_up_interrupted(plan)
         self.emit(Event("run_started", detail=detail(
             workers=self.workers, resume=resume, plan=plan.summary(), config=self.cfg.to_toml(),
             config_fingerprint=self.cfg.fingerprint(), model_fingerprint=meta.get("model_fingerprint"),
@@ -199,6 +225,23 @@ class Coordinator:
                   f"before the log's commit, or a lost log file); adopted {len(rep.adopted)} after reading them back"
                   + (f"; {len(rep.damaged)} failed the check and are extracted again" if rep.damaged else ""))
 
+    def _give_up_interrupted(self, plan: Plan) -> None:
+        """Record the samples left in flight too often as failed, with the reason, so `status`, the `samples`
+        view and later plans show why they are no longer tried."""
+        limit = self.cfg.max_attempts + INTERRUPTED_EXTRA
+        for sid in plan.interrupted_final:
+            n = plan.attempts[sid]
+            self.emit(Event("failed", sample_id=sid, attempt=n, reason="interrupted_too_often", detail=detail(
+                attempts=n, limit=limit, message=(
+                    f"started {n} times without being written, the last time left in flight by a run that ended "
+                    f"abruptly (crash, OOM kill, kill -9); given up at {limit} starts (--max-attempts + "
+                    f"{INTERRUPTED_EXTRA}): find what kills the run on this sample, or raise --max-attempts to try "
+                    "it again"))))
+        if plan.interrupted_final:
+            self.echo(f"given up on {len(plan.interrupted_final)} sample(s) interrupted too often (e.g. "
+                      f"{', '.join(plan.interrupted_final[:3])}): started {limit} times or more, left in flight by "
+                      "runs that ended abruptly; recorded as failed (interrupted_too_often)")
+
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
         ctx = mp.get_context("spawn")
         flags = Flags(ctx)
@@ -214,7 +257,7 @@ class Coordinator:
                 flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free, coordinator_pid=os.getpid())
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=worker_main, args=(settings, theirs, flags), daemon=True, name=f"hsbuild-worker-{w}")
-            p.start()
+            _start_ignoring_stop_signals(p)
             theirs.close()  # so a dead worker's pipe reads as EOF here
             procs[w], conns[w] = p, mine
         st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
@@ -222,9 +265,17 @@ class Coordinator:
         bar = self.opts.progress or NoProgress()
         bar.start(len(plan.todo), "extract")
         gpus = GpuSampler(interval=5.0) if getattr(self, "gpu_build", False) else None
-        abort_deadline: float | None = None
+        # once stopping, workers still running a grace period after the stop request (or a worker's death) are
+        # killed and named: a hung or SIGSTOPped worker cannot hold the run forever
+        stop_since: float | None = None
+        abort_since: float | None = None
+        abort_grace = max(self.stop_grace, ABORT_GRACE_SECONDS)
+        announced = False
         try:
             while st.alive:
+                if self.stop_requested and not announced:
+                    announced = True
+                    self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
                 stopping = bool(self.stop_requested or self.aborted)
                 flags.stop = stopping
                 pause = self.space.poll()
@@ -234,25 +285,25 @@ class Coordinator:
                     self._dispatch(st, conns, by_id, flags, report)
                 for w in sorted(st.alive - st.told_to_stop):  # a sentinel once a worker has nothing more to do
                     if stopping or (not st.pending and not st.assigned[w]):
-                        _send(conns[w], None)
+                        _send(conns[w], Stop())
                         st.told_to_stop.add(w)
                 for c in mp_connection.wait([conns[w] for w in st.alive], timeout=0.1):
                     w = next(k for k, v in conns.items() if v is c)
-                    try:
-                        msg = c.recv()
-                    except (EOFError, OSError):
-                        procs[w].join(timeout=5)
-                        self._worker_died(w, procs[w].exitcode, st, report)
-                        continue
-                    self._handle(msg, st, by_id, meta, bar, report)
+                    self._drain(w, c, procs[w], st, by_id, meta, bar, report)
                 for w, p in procs.items():
                     if w in st.alive and not p.is_alive():
-                        self._worker_died(w, p.exitcode, st, report)
-                if self.aborted and abort_deadline is None:
-                    abort_deadline = time.monotonic() + 120
-                if abort_deadline is not None and time.monotonic() > abort_deadline:
-                    self.echo("workers did not stop within 120 s after the failure; killing them (still safe)")
-                    break
+                        # read what it sent before exiting (`written`, `sealed`, `exit`) before judging it
+                        self._drain(w, conns[w], p, st, by_id, meta, bar, report)
+                        if w in st.alive:
+                            self._worker_died(w, p.exitcode, st, report)
+                now = time.monotonic()
+                if self.stop_requested and stop_since is None:
+                    stop_since = now
+                if self.aborted and abort_since is None:
+                    abort_since = now
+                for since, grace in ((stop_since, self.stop_grace), (abort_since, abort_grace)):
+                    if since is not None and now - since > grace:
+                        self._give_up_on(st, procs, grace)
                 stats = gpus.poll() if gpus else None
                 if stats:
                     self.emit(Event("gpu_stats", detail=detail(devices=stats)))
@@ -261,12 +312,10 @@ class Coordinator:
         finally:
             flags.stop, flags.gate_open = True, True
             bar.close()
-            self.flush(force=True)
-            for w, p in procs.items():
-                p.join(timeout=10 if w not in st.alive or not self.aborted else 0)
-                if p.is_alive():
-                    p.kill()
-                conns[w].close()
+            try:
+                self.flush(force=True)
+            finally:
+                _stop_workers(procs, conns, st, SHUTDOWN_SECONDS)
 
     def _dispatch(self, st: _Dispatch, conns: dict, by_id: dict[str, Sample], flags: Flags, report: RunReport) -> None:
         """Hand out samples: at most PER_WORKER to each ready worker (one in hand, one waiting)."""
@@ -295,66 +344,107 @@ class Coordinator:
         self.paused_reason = reason
         self.flush(force=True)
 
-    def _handle(self, msg, st: _Dispatch, by_id, meta, bar, report) -> None:
-        kind, wid = msg[0], msg[1]
-        if kind == "ready":
-            fp = msg[2]
-            st.ready.add(wid)
-            if meta.get("model_fingerprint") and fp != meta["model_fingerprint"]:
-                self.stop_requested = max(self.stop_requested, 1)
-                raise ModelError(
-                    f"model fingerprint {fp} differs from the build's {meta['model_fingerprint']}: the model changed "
-                    "since `init`; restore it, or start a new build with `hsbuild init --force`"
-                )
-        elif kind == "fatal":
-            raise ModelError(f"worker {wid} could not start: {msg[2]}")
-        elif kind == "started":
-            _, _, sid, attempt, fp, _t = msg
-            st.current[wid] = sid
-            st.attempts[sid] = attempt
-            self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
-        elif kind == "written":
-            _, _, sid, attempt, fp, loc, truncated, seconds, verified = msg
-            self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, segment=loc.segment,
-                            token_start=loc.token_start, num_tokens=loc.num_tokens, nbytes=loc.nbytes,
-                            checksums=json.dumps(loc.checksums, sort_keys=True),
-                            detail=detail(truncated=truncated, seconds=round(seconds, 4),
-                                          disk_bytes=loc.disk_bytes)))
-            if verified:
-                self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+    def _handle(self, msg: FromWorker, st: _Dispatch, by_id, meta, bar, report) -> None:
+        wid = msg.worker
+        match msg:
+            case Ready(fingerprint=fp):
+                st.ready.add(wid)
+                if meta.get("model_fingerprint") and fp != meta["model_fingerprint"]:
+                    self.stop_requested = max(self.stop_requested, 1)
+                    raise ModelError(
+                        f"model fingerprint {fp} differs from the build's {meta['model_fingerprint']}: the model "
+                        "changed since `init`; restore it, or start a new build with `hsbuild init --force`"
+                    )
+            case Fatal(error=error):
+                raise ModelError(f"worker {wid} could not start: {error}")
+            case Started(sample_id=sid, attempt=attempt, fingerprint=fp):
+                st.current[wid] = sid
+                st.attempts[sid] = attempt
+                self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
+            case Written(sample_id=sid, attempt=attempt, fingerprint=fp, location=loc):
+                self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
-                                detail=detail(mode="after_write")))
-            st.done(wid, sid)
-            report.written += 1
-            self.space.account(loc.nbytes, loc.num_tokens)
-            bar.update(1, loc.num_tokens, loc.nbytes)
-        elif kind == "failed":
-            _, _, sid, attempt, fp, reason, message = msg
-            self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason=reason,
-                            detail=detail(message=message)))
-            st.done(wid, sid)
-            report.failed += 1
-            bar.update(1)
-        elif kind == "nospace":
-            _, _, sid, attempt, fp, message = msg
-            self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason="no_space",
-                            detail=detail(message=message)))
-            st.done(wid, sid, requeue=True)  # retried once space returns
-            self.space.disk_full()
-        elif kind == "deferred":
-            st.done(wid, msg[2], requeue=True)
-            self.space.flood_block(msg[3])
-        elif kind in ("skipped", "abandoned"):
-            st.done(wid, msg[2], requeue=not self.stop_requested)
-        elif kind == "sealed":
-            info = msg[2]
-            self.emit(Event("segment_sealed", worker=wid, segment=info["segment"], num_tokens=info["tokens"],
-                            detail=detail(**info)))
-        elif kind == "seal_failed":
-            self.emit(Event("segment_sealed", worker=wid, segment=msg[2], reason="seal_failed",
-                            detail=detail(error=msg[3])))
-        elif kind == "exit":
-            st.alive.discard(wid)
+                                nbytes=loc.nbytes, checksums=json.dumps(loc.checksums, sort_keys=True),
+                                detail=detail(truncated=msg.truncated, seconds=round(msg.seconds, 4),
+                                              disk_bytes=loc.disk_bytes)))
+                if msg.verified:
+                    self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+                                    segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
+                                    detail=detail(mode="after_write")))
+                st.done(wid, sid)
+                report.written += 1
+                self.space.account(loc.nbytes, loc.num_tokens)
+                bar.update(1, loc.num_tokens, loc.nbytes)
+            case Failed(sample_id=sid, attempt=attempt, fingerprint=fp, reason=reason, message=message):
+                self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason=reason,
+                                detail=detail(message=message)))
+                st.done(wid, sid)
+                report.failed += 1
+                bar.update(1)
+            case NoSpace(sample_id=sid, attempt=attempt, fingerprint=fp, message=message):
+                self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+                                reason="no_space", detail=detail(message=message)))
+                st.done(wid, sid, requeue=True)  # retried once space returns
+                self.space.disk_full()
+            case Deferred(sample_id=sid, projected=projected):
+                room = self.space.never_fits(projected, msg.total, msg.free)
+                if room is None:  # waits until it fits
+                    st.done(wid, sid, requeue=True)
+                    self.space.flood_block(projected)
+                    return
+                wm = self.cfg.watermarks
+                message = (f"needs {projected} bytes ({human_bytes(projected)}, uncompressed upper bound) but the "
+                           f"volume of {self.lay.data} ({human_bytes(msg.total)}) has room for only {room} bytes "
+                           f"({human_bytes(room)}) below the flood watermark ({pct(wm.flood)})"
+                           + (f" and min_free ({human_bytes(wm.min_free)})" if wm.min_free else "")
+                           + " besides the other files on it, even without this build's data; it can never be "
+                           "written there: grow or clean the volume, raise --flood, or lower --max-tokens")
+                self.emit(Event("failed", sample_id=sid, fingerprint=msg.fingerprint, attempt=msg.attempt,
+                                worker=wid, reason="too_big_for_volume",
+                                detail=detail(message=message, projected=projected, room=room)))
+                self.echo(f"\nsample {sid} failed: too big for the volume: {message}")
+                st.done(wid, sid)
+                report.failed += 1
+                bar.update(1)
+            case Skipped(sample_id=sid) | Abandoned(sample_id=sid):
+                st.done(wid, sid, requeue=not self.stop_requested)
+            case Sealed(info=info):
+                self.emit(Event("segment_sealed", worker=wid, segment=info["segment"], num_tokens=info["tokens"],
+                                detail=detail(**info)))
+            case SealFailed(segment=segment, error=error):
+                self.emit(Event("segment_sealed", worker=wid, segment=segment, reason="seal_failed",
+                                detail=detail(error=error)))
+            case Exit():
+                st.alive.discard(wid)
+
+    def _drain(self, w: int, conn: Connection, proc, st: _Dispatch, by_id, meta, bar, report) -> None:
+        """Handle every message the worker has sent so far, in order. At EOF (its end of the pipe is closed: the
+        process is gone) a worker that never said `exit` died."""
+        while w in st.alive:
+            try:
+                if not conn.poll(0):
+                    return
+                msg = conn.recv()
+            except (EOFError, OSError):
+                proc.join(timeout=5)
+                self._worker_died(w, proc.exitcode, st, report)
+                return
+            self._handle(msg, st, by_id, meta, bar, report)
+
+    def _give_up_on(self, st: _Dispatch, procs: dict[int, mp.process.BaseProcess], grace: float) -> None:
+        """Workers that did not stop within the grace period (hung, or frozen by SIGSTOP) are killed and named.
+        The sample in hand stays `started` for `resume` (not charged a failure); queued ones go back to pending."""
+        for w in sorted(st.alive):
+            p = procs[w]
+            in_hand = st.current.pop(w, None)
+            self.echo(f"\nworker {w} (pid {p.pid}) did not stop within {grace:g} s; killing it (still safe)"
+                      + (f"; its sample {in_hand} is left for `hsbuild resume`, not counted as failed"
+                         if in_hand else "; it held no sample"))
+            p.kill()
+            p.join(timeout=5)
+            st.alive.discard(w)
+            st.pending.extendleft(sid for sid in reversed(st.assigned.pop(w, [])) if sid != in_hand)
+            st.assigned[w] = []
 
     def _worker_died(self, w: int, code: int | None, st: _Dispatch, report: RunReport) -> None:
         """Its sample in hand failed (`worker_died`); samples only queued to it go back to pending; the run stops."""
@@ -374,6 +464,27 @@ class Coordinator:
 
 
 PER_WORKER = 2  # samples handed to a worker at once: one in hand, one waiting
+STOP_GRACE_SECONDS = 30.0  # after Ctrl-C/SIGTERM, how long workers get to finish their sample (HSBUILD_STOP_GRACE)
+ABORT_GRACE_SECONDS = 120.0  # after a worker died, how long the others get
+SHUTDOWN_SECONDS = 10.0  # leaving the main loop early (an error): how long all workers together get to exit
+
+
+def _stop_workers(procs: dict[int, mp.process.BaseProcess], conns: dict[int, Connection], st: _Dispatch,
+                  seconds: float) -> None:
+    """Tell every worker still running to stop, then join them all within one shared deadline; kill the rest
+    (safe: nothing they have not reported is referenced)."""
+    for w, p in procs.items():
+        if w not in st.told_to_stop and p.is_alive():
+            _send(conns[w], Stop())
+            st.told_to_stop.add(w)
+    deadline = time.monotonic() + seconds
+    for p in procs.values():
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for w, p in procs.items():
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+        conns[w].close()
 
 
 @dataclass
@@ -397,11 +508,42 @@ class _Dispatch:
             self.pending.appendleft(sid)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _start_ignoring_stop_signals(p: mp.process.BaseProcess) -> None:
+    """Start a worker process that ignores SIGINT and SIGTERM from its first instruction: an ignored signal
+    stays ignored across exec, so the coordinator ignores them for the moment of the spawn. A Ctrl-C or a
+    `kill -TERM -- -PGID` (systemd, `timeout`) then reaches the coordinator alone, which stops the workers at
+    a safe point; none is killed with a sample in hand. (A signal arriving in those few milliseconds is
+    ignored by the coordinator too.)"""
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        p.start()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 def _send(conn: Connection, obj: object) -> None:
     try:
         conn.send(obj)
     except (BrokenPipeError, OSError):
         pass  # the worker is gone; the main loop notices and accounts for its samples
+
+
+def _stop_grace(value: float | None) -> float:
+    if value is None:
+        raw = os.environ.get("HSBUILD_STOP_GRACE")
+        if not raw:
+            return STOP_GRACE_SECONDS
+        try:
+            value = float(raw)
+        except ValueError:
+            raise UsageError(f"HSBUILD_STOP_GRACE={raw!r}: not a number of seconds") from None
+    if not value >= 0:
+        raise UsageError(f"stop grace {value}: must be 0 or more seconds")
+    return float(value)
 
 
 def _tokenizer_for(cfg):

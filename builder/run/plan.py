@@ -12,6 +12,10 @@ from builder.log.events import EventLog
 DAMAGE_REASONS = {"checksum_mismatch", "missing_data", "unreadable"}
 # Failures of the environment, not of the sample; retried without counting against --max-attempts.
 TRANSIENT_REASONS = {"no_space"}
+# A sample left `started` by runs that ended abruptly (crash, OOM kill, kill -9) is started again, until it
+# has been started max_attempts + INTERRUPTED_EXTRA times (default 3 + 2 = 5): then it is given up
+# (`failed`, reason `interrupted_too_often`), so a sample that takes the whole run down is not retried forever.
+INTERRUPTED_EXTRA = 2
 
 
 @dataclass
@@ -21,6 +25,7 @@ class Plan:
     interrupted: list[str] = field(default_factory=list)  # left `started` by a crash
     failed_retry: list[str] = field(default_factory=list)  # failed, retried now
     failed_final: list[str] = field(default_factory=list)  # failed max_attempts times; not retried
+    interrupted_final: list[str] = field(default_factory=list)  # left `started` too often; given up now
     damaged: list[str] = field(default_factory=list)  # marked damaged by verify; re-extracted
     pending: list[str] = field(default_factory=list)  # never started
     todo: list[Sample] = field(default_factory=list)
@@ -29,6 +34,7 @@ class Plan:
     def summary(self) -> dict:
         return {"total": self.total, "done": self.done, "interrupted": len(self.interrupted),
                 "failed_retry": len(self.failed_retry), "failed_final": len(self.failed_final),
+                "interrupted_final": len(self.interrupted_final),
                 "damaged": len(self.damaged), "pending": len(self.pending), "todo": len(self.todo)}
 
 
@@ -63,6 +69,9 @@ def make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: in
             plan.done += 1
             continue
         if state == "started":
+            if attempts >= max_attempts + INTERRUPTED_EXTRA:
+                plan.interrupted_final.append(s.sample_id)
+                continue
             plan.interrupted.append(s.sample_id)
         elif state == "failed":
             reason = row["error"]

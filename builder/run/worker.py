@@ -20,6 +20,22 @@ import torch
 
 from builder.errors import SampleError
 from builder.extract.model import Extractor
+from builder.run.messages import (
+    Abandoned,
+    Deferred,
+    Exit,
+    Failed,
+    Fatal,
+    NoSpace,
+    Ready,
+    Sealed,
+    SealFailed,
+    Skipped,
+    Started,
+    Stop,
+    Task,
+    Written,
+)
 from builder.store.segment import SegmentWriter, new_segment_name
 
 
@@ -41,15 +57,6 @@ class WorkerSettings:
     flood: float = 0.95
     coordinator_pid: int = 0
     min_free: int = 0
-
-
-@dataclass
-class Task:
-    sample_id: str
-    attempt: int
-    fingerprint: str
-    input_ids: object  # np.ndarray int32
-    loss_mask: object  # np.ndarray uint8
 
 
 class Flags:
@@ -86,6 +93,10 @@ def _die_with_parent() -> None:
         pass
 
 
+def _is_nospace(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def worker_main(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma: no cover - subprocess
     """Takes tasks from, and reports to, its own pipe to the coordinator (one per worker, so a worker killed
     mid-message damages nothing but its own pipe)."""
@@ -99,25 +110,27 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
     _die_with_parent()
     if os.getppid() != settings.coordinator_pid:  # the coordinator died while this process was starting
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The coordinator decides when to stop: a Ctrl-C or SIGTERM to the whole process group must not kill a
+    # worker with a sample in hand. (Spawned with both ignored already; this keeps it so.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     wid = settings.worker
     try:
         torch.set_num_threads(max(1, settings.threads))
         ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, settings.device)
     except Exception as e:  # noqa: BLE001
-        conn.send(("fatal", wid, f"{type(e).__name__}: {e}"))
+        conn.send(Fatal(wid, f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", wid, ex.fingerprint, ex.metadata()))
+    conn.send(Ready(wid, ex.fingerprint, ex.metadata()))
     writer: SegmentWriter | None = None
     while True:
-        task: Task | None = conn.recv()
-        if task is None:
+        task: Task | Stop = conn.recv()
+        if isinstance(task, Stop):
             break
         if flags.stop:
-            conn.send(("skipped", wid, task.sample_id))
+            conn.send(Skipped(wid, task.sample_id))
             continue
-        conn.send(("started", wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
+        conn.send(Started(wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
         t0 = time.perf_counter()
         try:
             ids = ex.check(task.input_ids, settings.max_tokens)
@@ -127,12 +140,19 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
             while not flags.gate_open and not flags.stop:
                 time.sleep(0.05)
             if not flags.gate_open:
-                conn.send(("abandoned", wid, task.sample_id))
+                conn.send(Abandoned(wid, task.sample_id))
                 continue
             if writer is None:
-                writer = SegmentWriter(Path(settings.data_root), new_segment_name(settings.run_id, wid),
-                                       ex.hidden_size, len(ex.aux_layers), settings.chunk_tokens, settings.codec,
-                                       settings.dtype).create()
+                try:
+                    writer = SegmentWriter(Path(settings.data_root), new_segment_name(settings.run_id, wid),
+                                           ex.hidden_size, len(ex.aux_layers), settings.chunk_tokens,
+                                           settings.codec, settings.dtype).create()
+                except OSError as e:
+                    if _is_nospace(e):  # like a full disk during a write: pause, retry once space returns
+                        conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint,
+                                          f"creating a segment: {e}"))
+                        continue
+                    raise
             projected = int(ids.nbytes + mask.nbytes + aux.numel() * aux.element_size()
                             + final.numel() * final.element_size())
             st = os.statvfs(settings.data_root)
@@ -140,14 +160,15 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
             over_flood = settings.flood < 1.0 and (total - free + projected) / total >= settings.flood
             under_min_free = settings.min_free > 0 and free - projected < settings.min_free
             if over_flood or under_min_free:
-                conn.send(("deferred", wid, task.sample_id, projected))  # would cross flood: not started
+                # would cross flood: not started
+                conn.send(Deferred(wid, task.sample_id, task.attempt, task.fingerprint, projected, total, free))
                 continue
             try:  # a failed write leaves nothing of the sample behind (SegmentWriter.flush)
                 loc = writer.write(ids, mask, aux, final, sample_id=task.sample_id, fingerprint=task.fingerprint,
                                    attempt=task.attempt)
             except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    conn.send(("nospace", wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
+                if _is_nospace(e):
+                    conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
                     continue
                 raise
             verified = False
@@ -157,20 +178,19 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
                 finding = check_location(Path(settings.data_root), loc.segment, loc.token_start, loc.num_tokens,
                                          loc.checksums, settings.chunk_tokens)
                 if finding is not None:
-                    conn.send(("failed", wid, task.sample_id, task.attempt, task.fingerprint, finding[0],
-                                 finding[1]))
+                    conn.send(Failed(wid, task.sample_id, task.attempt, task.fingerprint, finding[0], finding[1]))
                     continue
                 verified = True
-            conn.send(("written", wid, task.sample_id, task.attempt, task.fingerprint, loc,
-                         int(task.input_ids.shape[0]) - loc.num_tokens, time.perf_counter() - t0, verified))
+            conn.send(Written(wid, task.sample_id, task.attempt, task.fingerprint, loc,
+                              int(task.input_ids.shape[0]) - loc.num_tokens, time.perf_counter() - t0, verified))
         except SampleError as e:
-            conn.send(("failed", wid, task.sample_id, task.attempt, task.fingerprint, e.reason, str(e)))
+            conn.send(Failed(wid, task.sample_id, task.attempt, task.fingerprint, e.reason, str(e)))
         except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
-            conn.send(("failed", wid, task.sample_id, task.attempt, task.fingerprint, "error", tb))
+            conn.send(Failed(wid, task.sample_id, task.attempt, task.fingerprint, "error", tb))
     if writer is not None:
         try:
-            conn.send(("sealed", wid, writer.seal()))
+            conn.send(Sealed(wid, writer.seal()))
         except OSError as e:
-            conn.send(("seal_failed", wid, writer.name, str(e)))
-    conn.send(("exit", wid))
+            conn.send(SealFailed(wid, writer.name, str(e)))
+    conn.send(Exit(wid))

@@ -153,6 +153,24 @@ class SpaceMonitor:
         self._paused = "flood"
         self._flood_need = projected
 
+    def never_fits(self, projected: int, total: int, free: int) -> int | None:
+        """A write of `projected` bytes was held back at `flood`/`min_free` on a volume of `total` bytes with
+        `free` left. Would it be held back even if this run had written nothing (its samples and the ballast
+        freed)? Then it can never be written while the other files stay: returns the room it would have had
+        (bytes); else None (it waits for space like any other write)."""
+        ballast = self.lay.ballast.stat().st_size if self.lay.ballast.exists() else 0
+        others = max(0, total - free - self.bytes_written - ballast)
+        over_flood = self.wm.flood < 1.0 and (others + projected) / total >= self.wm.flood
+        under_min_free = self.wm.min_free > 0 and total - others - projected < self.wm.min_free
+        if not (over_flood or under_min_free):
+            return None
+        rooms = []
+        if self.wm.flood < 1.0:
+            rooms.append(int(total * self.wm.flood) - others)
+        if self.wm.min_free > 0:
+            rooms.append(total - others - self.wm.min_free)
+        return max(0, min(rooms))
+
     # -- ballast ------------------------------------------------------------------------------------------
     def ensure_ballast(self) -> None:
         b = self.lay.ballast

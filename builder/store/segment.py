@@ -167,8 +167,8 @@ class SegmentWriter:
     def create(self) -> SegmentWriter:
         """Create the segment's directories and metadata, durable (the data directory's entry included).
         On failure (a full disk) whatever was created is removed again and the error raised."""
+        self.path.mkdir()  # exclusive: a segment name is never reused (FileExistsError: nothing is touched)
         try:
-            self.path.mkdir()  # exclusive: a segment name is never reused
             self._create_metadata()
         except BaseException:
             self.remove()

@@ -1,0 +1,143 @@
+"""Messages between the coordinator and its workers, one small dataclass each (sent pickled over each worker's
+own pipe).
+
+Coordinator -> worker: `Task` (extract and write one sample), `Stop` (no more tasks: seal and exit).
+Worker -> coordinator: everything else; each names its worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from builder.store.segment import Location
+
+
+# -- coordinator -> worker ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Task:
+    sample_id: str
+    attempt: int
+    fingerprint: str
+    input_ids: object  # np.ndarray int32
+    loss_mask: object  # np.ndarray uint8
+
+
+@dataclass(frozen=True)
+class Stop:
+    """No more tasks: finish, seal the segment, say `Exit`."""
+
+
+# -- worker -> coordinator ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready:
+    """The model is loaded."""
+
+    worker: int
+    fingerprint: str
+    metadata: dict
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """The worker could not start (the model failed to load)."""
+
+    worker: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Started:
+    worker: int
+    sample_id: str
+    attempt: int
+    fingerprint: str
+    at: float  # time.time()
+
+
+@dataclass(frozen=True)
+class Written:
+    """The sample is durable at `location`."""
+
+    worker: int
+    sample_id: str
+    attempt: int
+    fingerprint: str
+    location: Location
+    truncated: int  # tokens cut by max_tokens
+    seconds: float
+    verified: bool  # read back and checked (--verify-after-write)
+
+
+@dataclass(frozen=True)
+class Failed:
+    worker: int
+    sample_id: str
+    attempt: int
+    fingerprint: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class NoSpace:
+    """The filesystem said ENOSPC/EDQUOT; what was written of the sample is removed."""
+
+    worker: int
+    sample_id: str
+    attempt: int
+    fingerprint: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Not written: it would have crossed `flood` (or gone below `min_free`)."""
+
+    worker: int
+    sample_id: str
+    attempt: int
+    fingerprint: str
+    projected: int  # bytes the write would take (uncompressed upper bound)
+    total: int  # the data volume's size and free bytes the worker measured (statvfs)
+    free: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Not started: the run is stopping."""
+
+    worker: int
+    sample_id: str
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """Extracted but not written: the run stopped while writers were paused."""
+
+    worker: int
+    sample_id: str
+
+
+@dataclass(frozen=True)
+class Sealed:
+    worker: int
+    info: dict  # seal.json: segment, tokens, samples, sealed_at, chunk_tokens
+
+
+@dataclass(frozen=True)
+class SealFailed:
+    worker: int
+    segment: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Exit:
+    """The worker's last message: it is about to exit cleanly."""
+
+    worker: int
+
+
+ToWorker = Task | Stop
+FromWorker = (Ready | Fatal | Started | Written | Failed | NoSpace | Deferred | Skipped | Abandoned | Sealed | SealFailed
+              | Exit)

@@ -1,0 +1,360 @@
+"""Regression tests for defects of the run loop found by trying to break builds (issue 14)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_rows, write_jsonl
+
+from builder.errors import ModelError
+from builder.layout import layout
+from builder.log.events import Event, EventLog, detail
+from builder.log.query import run_query
+from builder.run import coordinator as coordinator_mod
+from builder.run.coordinator import RunOptions, run_build
+from builder.run.messages import Stop
+from builder.store import segment as segment_mod
+from builder.store.segment import SegmentWriter, chunk_paths, init_data_group
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _events(build, sql: str) -> list[dict]:
+    with EventLog(layout(build).events, read_only=True) as log:
+        return log.query_dicts(sql)
+
+
+def test_a_worker_that_finishes_while_the_coordinator_is_busy_is_not_reported_dead(make_build, monkeypatch):
+    """The coordinator stalls (a slow commit) right after telling each worker to stop: the workers seal, say
+    `exit` and are gone before it reads their last messages. Those messages are still read; nobody died."""
+    build = make_build(6, seed=21)
+    real_send = coordinator_mod._send
+
+    def send_then_stall(conn, obj):
+        real_send(conn, obj)
+        if isinstance(obj, Stop):
+            time.sleep(3.0)  # the worker seals its segment and exits meanwhile
+
+    monkeypatch.setattr(coordinator_mod, "_send", send_then_stall)
+    echoed: list[str] = []
+    report = run_build(build, RunOptions(workers=2), echo=echoed.append)
+    assert (report.outcome, report.exit_code) == ("completed", 0), echoed
+    assert not any("died" in m for m in echoed), echoed
+    assert report.written == 6
+    states = _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1")
+    assert states == [{"state": "written", "n": 6}]
+    sealed = _events(build, "SELECT segment, reason FROM events WHERE kind = 'segment_sealed'")
+    written_segments = {r["segment"] for r in _events(build, "SELECT segment FROM samples")}
+    assert {r["segment"] for r in sealed} == written_segments and all(r["reason"] is None for r in sealed)
+
+
+def _mount_tmpfs(path: Path, size: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; test skipped")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); test skipped")
+
+
+def _fill(path: Path) -> None:
+    """Fill the volume holding `path` to the last byte (ENOSPC), as another process would."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\xff" * (64 << 10))
+    except OSError:
+        pass
+    try:
+        while True:
+            os.write(fd, b"\xff" * 512)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+@pytest.fixture
+def full_data_volume(make_build, tmp_path):
+    """A build whose data/ is a real small tmpfs, filled to the brim by another file (the log lives on the
+    ordinary disk, so only segment data meets ENOSPC). Yields (build, filler)."""
+    build = make_build(6, seed=22)
+    data = layout(build).data
+    group = (data / "zarr.json").read_bytes()
+    (data / "zarr.json").unlink()
+    _mount_tmpfs(data, "4m")
+    try:
+        (data / "zarr.json").write_bytes(group)
+        filler = data / "filler.bin"
+        _fill(filler)
+        yield build, filler
+    finally:
+        subprocess.run(["umount", "-l", str(data)], capture_output=True)
+
+
+def test_enospc_while_creating_a_segment_pauses_and_retries_without_counting(full_data_volume, cli):
+    build, filler = full_data_volume
+    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--flood", "1.0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and p.poll() is None:
+            cp = cli("sql", build, "SELECT count(*) AS n FROM events WHERE kind = 'failed'", "--json")
+            if cp.returncode == 0 and json.loads(cp.stdout)[0]["n"] >= 1:
+                break
+            time.sleep(0.3)
+        time.sleep(1.0)
+        assert p.poll() is None  # paused, alive, not finished with failures
+        filler.unlink()  # space returns
+        out, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    failed = _events(build, "SELECT DISTINCT reason FROM events WHERE kind = 'failed'")
+    assert failed == [{"reason": "no_space"}]  # an environment failure, not counted against --max-attempts
+    paused = _events(build, "SELECT reason FROM events WHERE kind = 'paused'")
+    assert {"reason": "disk_full"} in paused
+    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 6}]
+    # the half-created segments of the failed attempts are gone: every segment left holds written samples
+    live = {r["segment"] for r in _events(build, "SELECT segment FROM samples")}
+    assert {s.name for s in layout(build).data.iterdir() if s.is_dir()} == live
+
+
+def test_a_sample_too_big_for_the_volume_fails_and_the_run_goes_on(tmp_path, cli):
+    """One sample needs more than the whole volume allows below `flood`: it can never be written. It fails
+    with a reason saying so (instead of pausing the run forever), the user is told, the others are written."""
+    mnt = tmp_path / "vol"
+    mnt.mkdir()
+    _mount_tmpfs(mnt, "16m")
+    try:
+        rows = random_rows(5, seed=23, lo=20, hi=40)
+        rows.append({"id": "big", "input_ids": [7] * 2100})  # 2100 tokens x ~8 KB/token: ~17 MB > 95% of 16 MB
+        src = write_jsonl(tmp_path / "src.jsonl", rows)
+        build = mnt / "build"
+        cp = cli("init", build, "--source", src, "--model",
+                 "builtin:hidden=1024,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128")
+        assert cp.returncode == 0, cp.stderr
+        try:
+            cp = cli("run", build, "--no-progress", "--allow-overcommit", timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run never ended: the too-big sample paused it forever")
+        assert cp.returncode == 1, cp.stderr  # finished; a sample failed
+        assert "big" in cp.stderr and "too big" in cp.stderr  # told, by name
+        rows = {r["sample_id"]: r for r in _events(build, "SELECT sample_id, state, error, error_detail FROM samples")}
+        assert rows["big"]["state"] == "failed" and rows["big"]["error"] == "too_big_for_volume"
+        message = json.loads(rows["big"]["error_detail"])["message"]
+        assert "bytes" in message and "flood" in message
+        assert all(r["state"] == "written" for sid, r in rows.items() if sid != "big")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_sample_interrupted_too_often_is_not_retried_and_is_reported(make_build, cli):
+    """A sample that took the whole run down with it five times (e.g. the coordinator OOM-killed while it was
+    in flight) is left `started` each time; resume must not try it forever."""
+    build = make_build(5, seed=24)
+    with EventLog(layout(build).events) as log:
+        fp = {r["sample_id"]: r["fingerprint"] for r in log.query_dicts("SELECT * FROM source_samples")}
+        for k in range(5):  # five runs, each died with s0001 in flight (and s0002 once)
+            run = f"crashed{k}"
+            log.append([Event("run_started", run_id=run, detail=detail(workers=1)),
+                        Event("started", run_id=run, sample_id="s0001", fingerprint=fp["s0001"], attempt=k + 1,
+                              worker=0)]
+                       + ([Event("started", run_id=run, sample_id="s0002", fingerprint=fp["s0002"], attempt=1,
+                                 worker=0)] if k == 0 else []))
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 1, cp.stderr  # finished; one sample is failed for good
+    assert "1 interrupted too often" in cp.stderr  # the replay says so
+    rows = {r["sample_id"]: r for r in _events(build, "SELECT sample_id, state, attempts, error FROM samples")}
+    assert rows["s0001"]["state"] == "failed" and rows["s0001"]["error"] == "interrupted_too_often"
+    assert rows["s0001"]["attempts"] == 5  # not started again
+    assert all(r["state"] == "written" for sid, r in rows.items() if sid != "s0001")  # s0002: retried once
+    st = cli("status", build)
+    assert "interrupted_too_often 1" in st.stdout, st.stdout
+    again = cli("resume", build, "--no-progress")  # stays given up
+    assert again.returncode == 1, again.stderr
+    assert _events(build, "SELECT count(*) AS n FROM events WHERE kind = 'started' AND sample_id = 's0001'") \
+        == [{"n": 5}]
+
+
+def test_a_failing_chunk_write_leaves_no_file_of_the_sample_after_discard(tmp_path):
+    """One chunk write of a sample fails (a real OS error: the chunk file already exists, O_EXCL refuses it).
+    The worker then discards the sample's range; no sibling chunk write may still be running and leave a file
+    behind after that."""
+    data = tmp_path / "data"
+    init_data_group(data, {})
+    h, c, n = 2048, 256, 1024  # 4 chunks per field; hidden-state chunks of 1 MB, aux chunks of 3 MB
+    w = SegmentWriter(data, "seg-x", h, 3, c, "zstd:19").create()  # slow to encode: writes overlap
+    g = torch.Generator().manual_seed(0)
+    aux, final = (torch.randn(n, 3 * h, generator=g).to(torch.bfloat16),
+                  torch.randn(n, h, generator=g).to(torch.bfloat16))
+    ids, mask = np.arange(n, dtype=np.int32), np.ones(n, dtype=np.uint8)
+    # the last loss_mask chunk fails, while the big hidden-state chunks after it are being written
+    last_mask = chunk_paths(w.path, "loss_mask", 0, n, c)[-1]
+    last_mask.parent.mkdir(parents=True)
+    last_mask.write_bytes(b"in the way")
+    with pytest.raises(FileExistsError):
+        w.write(ids, mask, aux, final)
+    w.discard(0, n)  # what the worker does with a failed write
+    segment_mod._pool().shutdown(wait=True)  # let any straggler finish (there must be none)
+    segment_mod._POOL = None
+    left = [p for p in w.path.rglob("*") if p.is_file() and p.parent.name != "seg-x" and p.name != "zarr.json"]
+    assert left == []
+
+
+class _Terminal:
+    """Progress bar and echo sharing one stream, as in the CLI (both write to stderr). Like Python's buffered
+    stderr, a write that starts while another write to the stream is under way fails (a reentrant call)."""
+
+    def __init__(self, interrupt_after: int):
+        self.lines: list[str] = []
+        self.writing = False
+        self.done = 0
+        self.interrupt_after = interrupt_after
+        self.interrupted = False
+        self.closed_at: float | None = None
+
+    def echo(self, line: str) -> None:
+        if self.writing:
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+        self.lines.append(line)
+
+    def start(self, total: int, label: str) -> None:
+        pass
+
+    def update(self, done: int = 0, tokens: int = 0, nbytes: int = 0, note: str = "") -> None:
+        self.writing = True
+        try:
+            self.done += done
+            if self.done >= self.interrupt_after and not self.interrupted:
+                self.interrupted = True
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives while the bar is being drawn
+                for _ in range(1000):  # drawing goes on; Python runs signal handlers between these steps
+                    pass
+        finally:
+            self.writing = False
+
+    def close(self) -> None:
+        self.closed_at = time.monotonic()
+
+
+def test_ctrl_c_while_the_progress_bar_draws_stops_cleanly_and_says_so_once(make_build):
+    build = make_build(40, seed=25)
+    term = _Terminal(interrupt_after=3)
+    report = run_build(build, RunOptions(workers=2, progress=term), echo=term.echo)
+    assert term.interrupted
+    assert (report.outcome, report.exit_code) == ("interrupted", 130)
+    assert sum("stopping at a safe point" in line for line in term.lines) == 1
+    assert _events(build, "SELECT outcome FROM runs") == [{"outcome": "interrupted"}]
+    assert {r["state"] for r in _events(build, "SELECT state FROM samples")} <= {"written", "pending"}
+
+
+def test_a_run_that_ends_in_an_error_stops_its_idle_workers_at_once(make_build):
+    """The model changed since init: the first worker to load it reports a different fingerprint and the run
+    ends with that error. The other workers, idle, are told to stop and joined together, not waited for one
+    after another (10 s each) and then killed."""
+    build = make_build(8, seed=26)
+    with EventLog(layout(build).events) as log:
+        log.set_meta({"model_fingerprint": "0123456789abcdef"})
+    term = _Terminal(interrupt_after=10**9)
+    with pytest.raises(ModelError, match="model fingerprint"):
+        run_build(build, RunOptions(workers=4, progress=term, force=True), echo=term.echo)  # past the preflight
+    shutdown = time.monotonic() - term.closed_at
+    assert shutdown < 20, f"stopping 4 idle workers took {shutdown:.0f} s"
+    assert not [c for c in _children(os.getpid()) if b"spawn_main" in _cmdline(c)]  # every worker is gone
+
+
+def _written(build) -> int:
+    """Written events so far, asked of the running owner (or read from the file when none runs)."""
+    try:
+        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+    except Exception:  # noqa: BLE001 - the run may be starting or gone
+        return -1
+
+
+def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_build, cli):
+    """`kill -TERM -- -PGID` (systemd, `timeout`) reaches the coordinator and its workers alike. Three such
+    stops in a row must each end at a safe point (exit 130), and no healthy sample may be failed for it."""
+    build = make_build(300, seed=27)
+    for _ in range(3):
+        before = _written(build)
+        p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
+                              "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and p.poll() is None and _written(build) < before + 3:
+                time.sleep(0.2)
+            assert p.poll() is None, "the run finished before it could be stopped; give it more samples"
+            os.killpg(p.pid, signal.SIGTERM)
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        assert p.returncode == 130, err
+        assert "died" not in err
+        assert _events(build, "SELECT outcome FROM runs")[-1] == {"outcome": "interrupted"}
+        assert _events(build, "SELECT count(*) AS n FROM events WHERE kind = 'failed'") == [{"n": 0}]
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 300}]
+
+
+def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishes(make_build, cli):
+    """A worker frozen by SIGSTOP never finishes its sample. One Ctrl-C must still end the run (after a bound,
+    here 3 s via HSBUILD_STOP_GRACE), name the worker, and leave its sample to resume, not fail it."""
+    build = make_build(300, seed=28)
+    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "HSBUILD_STOP_GRACE": "3"})
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[int] = []
+        while time.monotonic() < deadline and p.poll() is None:
+            workers = [c for c in _children(p.pid) if b"spawn_main" in _cmdline(c)]
+            if len(workers) == 2 and _written(build) >= 3:
+                break
+            time.sleep(0.2)
+        assert p.poll() is None and len(workers) == 2
+        frozen = workers[0]
+        os.kill(frozen, signal.SIGSTOP)
+        p.send_signal(signal.SIGINT)
+        try:
+            out, err = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail("one Ctrl-C with a stopped worker never ended the run")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err
+    assert f"pid {frozen}" in err and "did not stop" in err, err
+    assert _events(build, "SELECT count(*) AS n FROM events WHERE kind = 'failed'") == [{"n": 0}]
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 300}]
