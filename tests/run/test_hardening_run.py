@@ -23,7 +23,7 @@ from builder.run import coordinator as coordinator_mod
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.messages import Stop
 from builder.store import segment as segment_mod
-from builder.store.segment import SegmentWriter, chunk_paths, init_data_group
+from builder.store.segment import SegmentWriter, init_data_group, sample_files
 
 
 def _children(pid: int) -> list[int]:
@@ -203,29 +203,27 @@ def test_a_sample_interrupted_too_often_is_not_retried_and_is_reported(make_buil
         == [{"n": 5}]
 
 
-def test_a_failing_chunk_write_leaves_no_file_of_the_sample_after_discard(tmp_path):
-    """One chunk write of a sample fails (a real OS error: the chunk file already exists, O_EXCL refuses it).
-    The worker then discards the sample's range; no sibling chunk write may still be running and leave a file
-    behind after that."""
+def test_a_failing_shard_write_leaves_no_file_of_the_group(tmp_path):
+    """One shard write of a group fails (a real OS error: the file already exists, O_EXCL refuses it) while the
+    big shards are still being written. When `write` raises, every sibling write has finished and every file of
+    the group is gone again; the file in the way (not ours) is left alone."""
     data = tmp_path / "data"
     init_data_group(data, {})
     h, c, n = 2048, 256, 1024  # 4 chunks per field; hidden-state chunks of 1 MB, aux chunks of 3 MB
-    w = SegmentWriter(data, "seg-x", h, 3, c, "zstd:19").create()  # slow to encode: writes overlap
+    w = SegmentWriter(data, "seg-x", h, 3, c, "zstd:19", shard_chunks=2).create()  # 2 shards per field
     g = torch.Generator().manual_seed(0)
     aux, final = (torch.randn(n, 3 * h, generator=g).to(torch.bfloat16),
                   torch.randn(n, h, generator=g).to(torch.bfloat16))
     ids, mask = np.arange(n, dtype=np.int32), np.ones(n, dtype=np.uint8)
-    # the last loss_mask chunk fails, while the big hidden-state chunks after it are being written
-    last_mask = chunk_paths(w.path, "loss_mask", 0, n, c)[-1]
-    last_mask.parent.mkdir(parents=True)
-    last_mask.write_bytes(b"in the way")
+    in_the_way = sample_files(w.path, "loss_mask", 0, n)[-1]
+    in_the_way.write_bytes(b"in the way")
+    before = {p for p in w.path.rglob("*") if p.is_file()}
     with pytest.raises(FileExistsError):
-        w.write(ids, mask, aux, final)
-    w.discard(0, n)  # what the worker does with a failed write
+        w.write(ids, mask, aux, final, sample_id="s", fingerprint="f", attempt=1)
     segment_mod._pool().shutdown(wait=True)  # let any straggler finish (there must be none)
     segment_mod._POOL = None
-    left = [p for p in w.path.rglob("*") if p.is_file() and p.parent.name != "seg-x" and p.name != "zarr.json"]
-    assert left == []
+    assert {p for p in w.path.rglob("*") if p.is_file()} == before
+    assert in_the_way.read_bytes() == b"in the way"
 
 
 class _Terminal:
