@@ -42,6 +42,7 @@ from builder.run.messages import (
     Sealed,
     SealFailed,
     Skipped,
+    Staged,
     Started,
     Stop,
     Task,
@@ -284,7 +285,7 @@ class Coordinator:
                 if not stopping and self.paused_reason is None:
                     self._dispatch(st, conns, by_id, flags, report)
                 for w in sorted(st.alive - st.told_to_stop):  # a sentinel once a worker has nothing more to do
-                    if stopping or (not st.pending and not st.assigned[w]):
+                    if stopping or (not st.pending and not st.assigned[w]):  # its staged group: flushed on Stop
                         _send(conns[w], Stop())
                         st.told_to_stop.add(w)
                 for c in mp_connection.wait([conns[w] for w in st.alive], timeout=0.1):
@@ -318,9 +319,14 @@ class Coordinator:
                 _stop_workers(procs, conns, st, SHUTDOWN_SECONDS)
 
     def _dispatch(self, st: _Dispatch, conns: dict, by_id: dict[str, Sample], flags: Flags, report: RunReport) -> None:
-        """Hand out samples: at most PER_WORKER to each ready worker (one in hand, one waiting)."""
+        """Hand out samples: PER_WORKER to each ready worker (one in hand, one waiting), more while they are small
+        (up to QUEUE_SAMPLES and QUEUE_TOKENS queued), so a worker always has its next sample at hand and can
+        group many small ones into one durable write."""
         for w in sorted(st.ready & st.alive - st.told_to_stop, key=lambda k: len(st.assigned[k])):
-            while st.pending and len(st.assigned[w]) < PER_WORKER:
+            while st.pending and (len(st.assigned[w]) < PER_WORKER or (
+                    len(st.assigned[w]) < QUEUE_SAMPLES
+                    and sum(by_id[x].num_tokens for x in st.assigned[w]) + by_id[st.pending[0]].num_tokens
+                    <= QUEUE_TOKENS)):
                 pause = self.space.poll(force=True)  # fresh figures before every dispatch
                 if pause is not None:
                     self._set_paused(pause, flags, report)
@@ -361,6 +367,8 @@ class Coordinator:
                 st.current[wid] = sid
                 st.attempts[sid] = attempt
                 self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
+            case Staged(sample_id=sid):
+                st.stage(wid, sid)
             case Written(sample_id=sid, attempt=attempt, fingerprint=fp, location=loc):
                 self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
@@ -459,11 +467,15 @@ class Coordinator:
             else:
                 st.pending.appendleft(sid)
         st.assigned[w] = []
+        for sid in st.staged.pop(w, []):  # staged in its group, never made durable: extracted again
+            st.pending.appendleft(sid)
         self.aborted = f"worker {w} died (exit code {code})"
         self.echo("stopping the run at a safe point; `hsbuild resume` continues")
 
 
-PER_WORKER = 2  # samples handed to a worker at once: one in hand, one waiting
+PER_WORKER = 2  # samples handed to a worker at once: one in hand, one waiting ...
+QUEUE_SAMPLES = 64  # ... or more, while small: up to this many
+QUEUE_TOKENS = 8192  # ... holding at most this many tokens
 STOP_GRACE_SECONDS = 30.0  # after Ctrl-C/SIGTERM, how long workers get to finish their sample (HSBUILD_STOP_GRACE)
 ABORT_GRACE_SECONDS = 120.0  # after a worker died, how long the others get
 SHUTDOWN_SECONDS = 10.0  # leaving the main loop early (an error): how long all workers together get to exit
@@ -498,10 +510,21 @@ class _Dispatch:
     ready: set[int] = field(default_factory=set)
     current: dict[int, str] = field(default_factory=dict)  # the sample a worker announced `started`
     told_to_stop: set[int] = field(default_factory=set)
+    staged: dict[int, list[str]] = field(default_factory=dict)  # extracted, in the worker's unflushed group
+
+    def stage(self, w: int, sid: str) -> None:
+        """The worker holds `sid` in its group (not durable): it no longer counts against PER_WORKER."""
+        if sid in self.assigned.get(w, []):
+            self.assigned[w].remove(sid)
+        if self.current.get(w) == sid:
+            del self.current[w]
+        self.staged.setdefault(w, []).append(sid)
 
     def done(self, w: int, sid: str, requeue: bool = False) -> None:
         if sid in self.assigned.get(w, []):
             self.assigned[w].remove(sid)
+        if sid in self.staged.get(w, []):
+            self.staged[w].remove(sid)
         if self.current.get(w) == sid:
             del self.current[w]
         if requeue:

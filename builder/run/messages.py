@@ -55,6 +55,15 @@ class Started:
 
 
 @dataclass(frozen=True)
+class Staged:
+    """Extracted and staged in the worker's current group (in memory, not durable yet): the coordinator may hand
+    the worker its next sample. `Written` (or `NoSpace`/`Abandoned`/`Failed`) follows when the group is flushed."""
+
+    worker: int
+    sample_id: str
+
+
+@dataclass(frozen=True)
 class Written:
     """The sample is durable at `location`."""
 
@@ -139,5 +148,5 @@ class Exit:
 
 
 ToWorker = Task | Stop
-FromWorker = (Ready | Fatal | Started | Written | Failed | NoSpace | Deferred | Skipped | Abandoned | Sealed | SealFailed
+FromWorker = (Ready | Fatal | Started | Staged | Written | Failed | NoSpace | Deferred | Skipped | Abandoned | Sealed | SealFailed
               | Exit)

@@ -31,12 +31,13 @@ from builder.run.messages import (
     Sealed,
     SealFailed,
     Skipped,
+    Staged,
     Started,
     Stop,
     Task,
     Written,
 )
-from builder.store.segment import SegmentWriter, new_segment_name
+from builder.store.segment import Location, SegmentWriter, new_segment_name
 
 
 @dataclass
@@ -122,75 +123,152 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
         conn.send(Fatal(wid, f"{type(e).__name__}: {e}"))
         return
     conn.send(Ready(wid, ex.fingerprint, ex.metadata()))
-    writer: SegmentWriter | None = None
+    group = _Group(settings, conn, flags, ex)
     while True:
+        if group.staged and (group.full() or flags.stop or not conn.poll(group.wait_seconds())):
+            group.flush()  # nothing more to stage right now (or the group is full): make it durable
+            continue
         task: Task | Stop = conn.recv()
         if isinstance(task, Stop):
+            group.flush()
             break
         if flags.stop:
             conn.send(Skipped(wid, task.sample_id))
             continue
-        conn.send(Started(wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
+        group.extract_and_stage(task)
+    group.seal()
+    conn.send(Exit(settings.worker))
+
+
+GROUP_BYTES = 32 << 20  # encoded bytes a worker stages before making them durable in one barrier
+GROUP_SAMPLES = 256  # ... or this many samples
+GROUP_SECONDS = float(os.environ.get("HSBUILD_GROUP_SECONDS", "3"))  # ... or once its oldest staged sample
+# has waited this long (what a crash can cost: that much extraction, redone)
+
+
+@dataclass
+class _StagedSample:
+    task: Task
+    location: Location
+    truncated: int
+    t0: float
+
+
+class _Group:
+    """A worker's segment and the group of samples it has staged but not yet made durable.
+
+    Samples are extracted and encoded into memory (`Staged`), then made durable together (`SegmentWriter.flush`:
+    one barrier) and only then reported `Written`, so the engine is not held up by one fsync per sample and
+    small samples share files. Memory: at most about GROUP_BYTES of encoded data plus the sample in hand."""
+
+    def __init__(self, settings: WorkerSettings, conn, flags: Flags, ex: Extractor):
+        self.settings, self.conn, self.flags, self.ex = settings, conn, flags, ex
+        self.wid = settings.worker
+        self.writer: SegmentWriter | None = None
+        self.items: list[_StagedSample] = []
+        self.first_staged = 0.0
+
+    @property
+    def staged(self) -> int:
+        return len(self.items)
+
+    def full(self) -> bool:
+        w = self.writer
+        return w is not None and (w.staged_bytes >= GROUP_BYTES or w.staged >= GROUP_SAMPLES
+                                  or time.monotonic() - self.first_staged >= GROUP_SECONDS)
+
+    def wait_seconds(self) -> float:
+        """How long to wait for another task before flushing what is staged."""
+        return 0.0 if not self.items else max(0.0, min(0.05, GROUP_SECONDS - (time.monotonic() - self.first_staged)))
+
+    def _fail(self, task: Task, reason: str, message: str) -> None:
+        self.conn.send(Failed(self.wid, task.sample_id, task.attempt, task.fingerprint, reason, message))
+
+    def extract_and_stage(self, task: Task) -> None:
+        s, wid = self.settings, self.wid
+        self.conn.send(Started(wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
         t0 = time.perf_counter()
         try:
-            ids = ex.check(task.input_ids, settings.max_tokens)
+            ids = self.ex.check(task.input_ids, s.max_tokens)
             mask = task.loss_mask[: ids.shape[0]]
-            aux, final = ex.extract(ids)
-            # Pause point: the coordinator may hold the gate shut (disk watermarks). Never mid-write.
-            while not flags.gate_open and not flags.stop:
-                time.sleep(0.05)
-            if not flags.gate_open:
-                conn.send(Abandoned(wid, task.sample_id))
-                continue
-            if writer is None:
+            aux, final = self.ex.extract(ids)
+            if self.writer is None:
                 try:
-                    writer = SegmentWriter(Path(settings.data_root), new_segment_name(settings.run_id, wid),
-                                           ex.hidden_size, len(ex.aux_layers), settings.chunk_tokens,
-                                           settings.codec, settings.dtype).create()
+                    self.writer = SegmentWriter(Path(s.data_root), new_segment_name(s.run_id, wid),
+                                                self.ex.hidden_size, len(self.ex.aux_layers), s.chunk_tokens,
+                                                s.codec, s.dtype).create()
                 except OSError as e:
                     if _is_nospace(e):  # like a full disk during a write: pause, retry once space returns
-                        conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint,
-                                          f"creating a segment: {e}"))
-                        continue
+                        self.conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint,
+                                               f"creating a segment: {e}"))
+                        return
                     raise
             projected = int(ids.nbytes + mask.nbytes + aux.numel() * aux.element_size()
-                            + final.numel() * final.element_size())
-            st = os.statvfs(settings.data_root)
+                            + final.numel() * final.element_size()) + self.writer.staged_bytes
+            st = os.statvfs(s.data_root)
             total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-            over_flood = settings.flood < 1.0 and (total - free + projected) / total >= settings.flood
-            under_min_free = settings.min_free > 0 and free - projected < settings.min_free
-            if over_flood or under_min_free:
-                # would cross flood: not started
-                conn.send(Deferred(wid, task.sample_id, task.attempt, task.fingerprint, projected, total, free))
-                continue
-            try:  # a failed write leaves nothing of the sample behind (SegmentWriter.flush)
-                loc = writer.write(ids, mask, aux, final, sample_id=task.sample_id, fingerprint=task.fingerprint,
-                                   attempt=task.attempt)
-            except OSError as e:
+            over_flood = s.flood < 1.0 and (total - free + projected) / total >= s.flood
+            under_min_free = s.min_free > 0 and free - projected < s.min_free
+            if over_flood or under_min_free:  # would cross flood: not staged; what is staged is written first
+                self.flush()
+                self.conn.send(Deferred(wid, task.sample_id, task.attempt, task.fingerprint,
+                                        projected - (self.writer.staged_bytes if self.writer else 0), total, free))
+                return
+            loc = self.writer.add(ids, mask, aux, final, sample_id=task.sample_id, fingerprint=task.fingerprint,
+                                  attempt=task.attempt,
+                                  extra={"truncated": int(task.input_ids.shape[0]) - int(ids.shape[0])})
+            if not self.items:
+                self.first_staged = time.monotonic()
+            self.items.append(_StagedSample(task, loc, int(task.input_ids.shape[0]) - loc.num_tokens, t0))
+            self.conn.send(Staged(wid, task.sample_id))
+        except SampleError as e:
+            self._fail(task, e.reason, str(e))
+        except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
+            self._fail(task, "error", traceback.format_exception_only(type(e), e)[-1].strip())
+
+    def flush(self) -> None:
+        """Make the staged group durable, then report each sample (`Written`, checked first with
+        --verify-after-write). The pause point: never starts while writers are paused."""
+        if not self.items or self.writer is None:
+            return
+        items, self.items = self.items, []
+        s, wid, w = self.settings, self.wid, self.writer
+        while not self.flags.gate_open and not self.flags.stop:
+            time.sleep(0.05)
+        if not self.flags.gate_open:  # stopping while paused: nothing of the group is written
+            w.drop_staged()
+            for it in items:
+                self.conn.send(Abandoned(wid, it.task.sample_id))
+            return
+        try:
+            w.flush()  # a failed group leaves nothing behind (SegmentWriter.flush)
+        except OSError as e:
+            for it in items:
+                t = it.task
                 if _is_nospace(e):
-                    conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint, str(e)))
-                    continue
-                raise
+                    self.conn.send(NoSpace(wid, t.sample_id, t.attempt, t.fingerprint, str(e)))
+                else:
+                    self._fail(t, "error", f"writing its group: {type(e).__name__}: {e}")
+            return
+        for it in items:
+            t, loc = it.task, it.location
             verified = False
-            if settings.verify_after_write:
+            if s.verify_after_write:
                 from builder.verify.checks import check_location  # noqa: PLC0415
 
-                finding = check_location(Path(settings.data_root), loc.segment, loc.token_start, loc.num_tokens,
-                                         loc.checksums, settings.chunk_tokens)
+                finding = check_location(Path(s.data_root), loc.segment, loc.token_start, loc.num_tokens,
+                                         loc.checksums, s.chunk_tokens)
                 if finding is not None:
-                    conn.send(Failed(wid, task.sample_id, task.attempt, task.fingerprint, finding[0], finding[1]))
+                    self._fail(t, finding[0], finding[1])
                     continue
                 verified = True
-            conn.send(Written(wid, task.sample_id, task.attempt, task.fingerprint, loc,
-                              int(task.input_ids.shape[0]) - loc.num_tokens, time.perf_counter() - t0, verified))
-        except SampleError as e:
-            conn.send(Failed(wid, task.sample_id, task.attempt, task.fingerprint, e.reason, str(e)))
-        except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
-            tb = traceback.format_exception_only(type(e), e)[-1].strip()
-            conn.send(Failed(wid, task.sample_id, task.attempt, task.fingerprint, "error", tb))
-    if writer is not None:
+            self.conn.send(Written(wid, t.sample_id, t.attempt, t.fingerprint, loc, it.truncated,
+                                   time.perf_counter() - it.t0, verified))
+
+    def seal(self) -> None:
+        if self.writer is None:
+            return
         try:
-            conn.send(Sealed(wid, writer.seal()))
+            self.conn.send(Sealed(self.wid, self.writer.seal()))
         except OSError as e:
-            conn.send(SealFailed(wid, writer.name, str(e)))
-    conn.send(Exit(wid))
+            self.conn.send(SealFailed(self.wid, self.writer.name, str(e)))

@@ -46,7 +46,7 @@ SEAL_NAME = "seal.json"
 MANIFEST_DIR = "samples"
 MANIFEST_FORMAT = 1
 SHARD_TARGET_BYTES = 64 << 20  # a shard file of aux states holds at most about this much raw data
-MAX_SHARD_CHUNKS = 256
+MAX_SHARD_CHUNKS = 64  # the index costs 16 bytes a chunk in every shard file, used or not
 
 
 _POOL: ThreadPoolExecutor | None = None
