@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from builder.errors import UsageError
+from builder.errors import ConfigChangedError, UsageError
 from builder.fsutil import atomic_write_bytes
 from builder.layout import BuildLayout
 
@@ -35,6 +35,13 @@ class Watermarks:
         if self.min_free < 0:
             raise UsageError("watermarks: min_free must be >= 0 bytes")
         return self
+
+
+# The keys that decide what a stored sample looks like. A build holds one format: `init` records them (meta
+# `format`), and a config whose format keys differ is refused by every run, with or without --force.
+FORMAT_KEYS = ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tokens")
+POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "workers")
+UNKNOWN = object()  # a value at init that an old build did not record
 
 
 @dataclass
@@ -94,16 +101,66 @@ class BuildConfig:
             cfg = cls(**data, watermarks=Watermarks(**wm))
         except TypeError as e:
             raise UsageError(f"{path}: {e}") from e
+        for k in POSITIVE_INTS:
+            v = getattr(cfg, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise UsageError(f"{path}: {k} = {v!r}: must be an integer >= 1")
+        if not isinstance(cfg.aux_layers, list) or not all(isinstance(i, int) for i in cfg.aux_layers):
+            raise UsageError(f"{path}: aux_layers = {cfg.aux_layers!r}: must be a list of integers")
         cfg.watermarks.validate()
         return cfg
 
     def save(self, path: Path) -> None:
         atomic_write_bytes(path, self.to_toml().encode())
 
+    def format_fields(self) -> dict:
+        """The values of the format keys: everything that changes the bytes a sample produces."""
+        return {k: getattr(self, k) for k in FORMAT_KEYS}
+
     def fingerprint(self) -> str:
-        """Fingerprint of everything that changes the bytes a sample produces."""
-        keyed = {k: getattr(self, k) for k in ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tokens")}
-        return hashlib.blake2b(json.dumps(keyed, sort_keys=True).encode(), digest_size=8).hexdigest()
+        """Fingerprint of the format keys."""
+        return hashlib.blake2b(json.dumps(self.format_fields(), sort_keys=True).encode(), digest_size=8).hexdigest()
+
+    def format_changes(self, meta: dict) -> dict[str, tuple[object, object]]:
+        """{key: (value at init, value now)} for each format key that changed since `init`.
+
+        `meta` is the build's meta table: its `format` (recorded by init); builds from before that record have
+        model, aux_layers, dtype, codec and chunk_tokens in meta and the config fingerprint, so a fingerprint
+        that differs while those agree means max_tokens changed (its old value UNKNOWN)."""
+        recorded = meta.get("format")
+        if isinstance(recorded, dict):
+            return {k: (recorded.get(k), getattr(self, k)) for k in FORMAT_KEYS if recorded.get(k) != getattr(self, k)}
+        if meta.get("config_fingerprint") in (None, self.fingerprint()):
+            return {}
+        changed = {k: (meta[k], getattr(self, k)) for k in FORMAT_KEYS if k in meta and meta[k] != getattr(self, k)}
+        return changed or {"max_tokens": (UNKNOWN, self.max_tokens)}
+
+
+def format_change_message(changes: dict[str, tuple[object, object]]) -> str:
+    """One line naming the changed format keys and the two ways out (never --force)."""
+    what = ", ".join(f"{k} {_toml_value_or_unknown(old)} -> {_toml_value_or_unknown(new)}"
+                     for k, (old, new) in changes.items())
+    return (f"hsbuild.toml changed the build's format since `init` ({what}): a build never holds two formats and "
+            "--force does not override this; restore hsbuild.toml, or start a new build with "
+            "`hsbuild init NEWDIR --source ...`")
+
+
+def require_same_format(cfg: BuildConfig, meta: dict) -> None:
+    """Raise ConfigChangedError when the config's format keys differ from the build's."""
+    changes = cfg.format_changes(meta)
+    if changes:
+        raise ConfigChangedError(format_change_message(changes))
+
+
+def _toml_value_or_unknown(v: object) -> str:
+    if v is UNKNOWN:
+        return "?"
+    if v is None:
+        return "(unset)"
+    try:
+        return _toml_value(v)
+    except TypeError:
+        return repr(v)
 
 
 def _toml_value(v: object) -> str:

@@ -50,6 +50,14 @@ class BuildLockedError(HsbuildError, BlockingIOError):
     """Another live process owns the build (a run or verify is going)."""
 
 
+class BuildReadOnlyError(UsageError, PermissionError):
+    """The build cannot be written (no write permission, or a read-only mount): it cannot be locked."""
+
+
+class ConfigChangedError(UsageError):
+    """hsbuild.toml changes what samples look like (format keys) since `init`: never mixed, never overridable."""
+
+
 class ReadOnlyQueryError(UsageError, PermissionError):
     """`hsbuild sql` refused a statement that would write."""
 

@@ -34,6 +34,12 @@ def random_rows(n: int, seed: int = 0, vocab: int = 1024, lo: int = 5, hi: int =
     return rows
 
 
+@pytest.fixture(autouse=True)
+def _private_weights_cache(tmp_path, monkeypatch):
+    """Model-file digests (extract/weights.py) are cached per test, never in the user's ~/.cache."""
+    monkeypatch.setenv("HSBUILD_CACHE_DIR", str(tmp_path / "hsbuild-cache"))
+
+
 @pytest.fixture
 def make_build(tmp_path):
     """make_build(n=20, rows=None, **init_kwargs) -> build path (initialised, not run)."""

@@ -14,6 +14,7 @@ import sys
 from builder import __version__
 from builder.cli import doctor as cli_doctor
 from builder.cli import verify as cli_verify
+from builder.cli.args import Parser, count, fraction, positive_int
 from builder.cli.args import fmt_of as _fmt
 from builder.cli.args import int_list as _int_list
 from builder.cli.args import out_flags as _out_flags
@@ -25,25 +26,26 @@ from builder.humanize import human_bytes, human_seconds, pct
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, help="extraction worker processes (default: config, 1)")
-    p.add_argument("--limit", type=int, help="process at most N samples in this run")
-    p.add_argument("--max-attempts", type=int, help="failed samples are retried until this many attempts (3)")
+    p.add_argument("--workers", type=positive_int, help="extraction worker processes (default: config, 1)")
+    p.add_argument("--limit", type=count, help="process at most N samples in this run")
+    p.add_argument("--max-attempts", type=positive_int,
+                   help="failed samples are retried until this many attempts (3)")
     p.add_argument("--device", help="auto, cpu or cuda[:N] (default: config, auto)")
     p.add_argument("--verify-after-write", action="store_true", default=None,
                    help="read each sample back right after writing and record `verified`")
     p.add_argument("--allow-overcommit", action="store_true",
                    help="start even if the projected size does not fit below the high watermark (writers pause)")
     p.add_argument("--force", action="store_true", help="start despite blocking preflight problems")
-    p.add_argument("--low", type=float, help="resume writing below this usage fraction (0.85)")
-    p.add_argument("--high", type=float, help="pause writers at this usage fraction (0.90)")
-    p.add_argument("--flood", type=float, help="never start a write that would cross this usage fraction (0.95)")
+    p.add_argument("--low", type=fraction, help="resume writing below this usage fraction (0.85)")
+    p.add_argument("--high", type=fraction, help="pause writers at this usage fraction (0.90)")
+    p.add_argument("--flood", type=fraction, help="never start a write that would cross this usage fraction (0.95)")
     p.add_argument("--min-free", type=_size, help="pause when free space drops below this, e.g. 50G")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
     out = _out_flags()
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="hsbuild", description="Crash-safe, storage-aware hidden-state dataset builder",
         epilog="exit codes: 0 done; 1 some samples failed (run) / damage found (verify); 2 usage error or bad input "
                "(nothing changed); 3 will not fit below the high watermark; 4 blocking preflight problem; "
@@ -56,16 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", required=True, help="JSONL or Parquet file, one sample a row")
     p.add_argument("--model", default="builtin", help="builtin[:hidden=256,layers=8,vocab=1024] or a HF model dir")
     p.add_argument("--aux-layers", type=_int_list, help="hidden_states indices to keep (default: 2, L//2, L-3)")
-    p.add_argument("--max-tokens", type=int, help="truncate longer samples to N tokens")
-    p.add_argument("--max-attempts", type=int, default=3)
+    p.add_argument("--max-tokens", type=positive_int,
+                   help="truncate longer samples to N tokens (at most the model's positions)")
+    p.add_argument("--max-attempts", type=positive_int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--codec", default="zstd:1", help="zstd:LEVEL (default zstd:1), blosc-lz4:L, blosc-zstd:L, none")
-    p.add_argument("--chunk-tokens", type=int, help="chunk length along the token axis (default: measured)")
+    p.add_argument("--chunk-tokens", type=positive_int, help="chunk length along the token axis (default: measured)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--staging", help="a staging directory to watch as well (e.g. /dev/shm)")
-    p.add_argument("--low", type=float, default=0.85)
-    p.add_argument("--high", type=float, default=0.90)
-    p.add_argument("--flood", type=float, default=0.95)
+    p.add_argument("--staging", help="an existing staging directory to watch as well (e.g. /dev/shm)")
+    p.add_argument("--low", type=fraction, default=0.85)
+    p.add_argument("--high", type=fraction, default=0.90)
+    p.add_argument("--flood", type=fraction, default=0.95)
     p.add_argument("--min-free", type=_size, default=0)
     p.add_argument("--force", action="store_true", help="replace an existing build (deletes its data)")
     p.add_argument("--allow-overcommit", action="store_true", help="do not warn that the build will not fit")
@@ -91,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="init + run on the built-in model and sample set, then print status")
     p.add_argument("build", nargs="?", default="hsbuild-demo")
-    p.add_argument("--samples", type=int, default=300)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--samples", type=positive_int, default=300)
+    p.add_argument("--workers", type=positive_int, default=1)
     p.add_argument("--no-progress", action="store_true")
 
     cli_verify.add_commands(sub, out)

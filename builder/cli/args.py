@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with hsbuild's one-line errors: `hsbuild CMD: error: ...` first, exit code 2 (no usage dump)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def fmt_of(args: argparse.Namespace) -> str:
     return "json" if getattr(args, "json", False) else "csv" if getattr(args, "csv", False) else "table"
 
@@ -29,6 +36,41 @@ def size(s: str) -> int:
     t = s.strip().lower().rstrip("ib").rstrip("b") if s.strip().lower() not in ("0",) else "0"
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
     try:
-        return int(float(num) * units[unit])
+        n = float(num) * units[unit]
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{s}': give a size like 500M or 2G") from None
+    if not 0 <= n < 1 << 62:
+        raise argparse.ArgumentTypeError(f"'{s}': give a size of 0 or more, like 500M or 2G")
+    return int(n)
+
+
+def _int(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{s}': give a whole number") from None
+
+
+def positive_int(s: str) -> int:
+    n = _int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"'{s}': must be 1 or more")
+    return n
+
+
+def count(s: str) -> int:
+    n = _int(s)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"'{s}': must be 0 or more")
+    return n
+
+
+def fraction(s: str) -> float:
+    """A usage fraction in (0, 1] (watermarks)."""
+    try:
+        f = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{s}': give a fraction of the volume, e.g. 0.9") from None
+    if not 0 < f <= 1:
+        raise argparse.ArgumentTypeError(f"'{s}': must be a fraction of the volume in (0, 1], e.g. 0.9")
+    return f

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from builder.config import BuildConfig
+from builder.config import BuildConfig, format_change_message
 from builder.doctor import gpu, procinfo
 from builder.errors import HsbuildError
 from builder.humanize import human_bytes, pct
@@ -503,9 +503,14 @@ def _builtin_params(spec: str) -> int:
 
 
 def model_fingerprint(cfg: BuildConfig) -> str | None:
-    """The model's fingerprint where that is cheap (a small builtin model); None otherwise."""
+    """The model's fingerprint where that is cheap: a small builtin model, or a Hugging Face directory (its
+    files' content digests are cached, so only a changed file is read again); None otherwise."""
     if not (cfg.model == "builtin" or cfg.model.startswith("builtin:")):
-        return None
+        if not (Path(cfg.model) / "config.json").is_file():
+            return None  # env.model reports it
+        from builder.extract.weights import directory_fingerprint  # noqa: PLC0415
+
+        return directory_fingerprint(cfg.model)
     if _builtin_params(cfg.model) > MAX_FINGERPRINT_PARAMS:
         return None
     from builder.extract.model import Extractor  # noqa: PLC0415
@@ -523,24 +528,28 @@ def prepare_model_fingerprint(ctx: Context) -> tuple[str | None, str | None]:
 
 
 def check_fingerprints(ctx: Context) -> Check:
+    """The config's format keys and the model against the build's. Either differing is never overridable:
+    a build holds one format (run refuses whatever --force says)."""
     assert ctx.query is not None
     meta = _meta(ctx.query)
     want_cfg, have_cfg = meta.get("config_fingerprint"), ctx.cfg.fingerprint()
+    changes = ctx.cfg.format_changes(meta)
     data: dict = {"config_fingerprint": have_cfg, "build_config_fingerprint": want_cfg,
-                  "build_model_fingerprint": meta.get("model_fingerprint")}
+                  "build_model_fingerprint": meta.get("model_fingerprint"), "changed_keys": sorted(changes),
+                  "overridable": False}
     problems = []
-    if want_cfg and want_cfg != have_cfg:
-        problems.append(f"config fingerprint {have_cfg} differs from the build's {want_cfg} (model, aux_layers, "
-                        "max_tokens, dtype, codec or chunk_tokens changed in hsbuild.toml)")
+    if changes:
+        problems.append(format_change_message(changes))
     fp, err = ctx.model_fp or prepare_model_fingerprint(ctx)
     if err:
         data["model_error"] = err
     data["model_fingerprint"] = fp
     if fp is not None and meta.get("model_fingerprint") and fp != meta["model_fingerprint"]:
-        problems.append(f"model fingerprint {fp} differs from the build's {meta['model_fingerprint']}")
+        problems.append(f"model fingerprint {fp} differs from the build's {meta['model_fingerprint']}: the model's "
+                        "files changed since `init`")
     if problems:
         return Check("build.fingerprint", FAIL, "; ".join(problems),
                      "restore hsbuild.toml and the model as they were at `init`, or start a new build with "
-                     "`hsbuild init --force` (new samples would not match those written)", data)
+                     "`hsbuild init NEWDIR --source ...` (--force does not override this)", data)
     how = "config and model match the build" if fp else "config matches the build (model checked when loaded)"
     return Check("build.fingerprint", OK, how, data=data)

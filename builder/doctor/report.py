@@ -24,6 +24,7 @@ from builder.config import BuildConfig, load_config
 from builder.doctor import checks as dc
 from builder.doctor.checks import FAIL, OK, WARN, Check, Context, plural
 from builder.errors import BuildLockedError, HsbuildError, PreflightError
+from builder.extract.model import check_device_spec
 from builder.layout import BuildLayout
 from builder.log.events import Event, EventLog, open_log
 from builder.log.lock import BuildLock, LockState, inspect_lock
@@ -172,6 +173,7 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
     lay.require()
     cfg = load_config(lay)
     dev = device or cfg.device
+    check_device_spec(dev)  # a bad --device is a usage error, not a finding to record
     report = DoctorReport(str(lay.root), "doctor", dev, run_id=uuid.uuid4().hex)
     first = inspect_lock(lay)
     own = {os.getpid()}
@@ -225,11 +227,13 @@ def preflight_for_run(lay: BuildLayout, cfg: BuildConfig, log: EventLog, force: 
                   gpu_mem_threshold=gpu_mem_threshold, cgroup_reader=cgroup_reader)
     checks = _system_checks(ctx, probe) + _state_checks(ctx, None, previous_owner)
     report.checks = _ordered(checks)
-    report.forced = bool(force and report.problems)
+    report.forced = bool(force and report.problems and not unforceable(report))
     log.append([_event(report)])
     report.recorded = True
-    if report.problems and not force:
-        err = PreflightError(preflight_message(report))
+    if report.problems and (not force or unforceable(report)):
+        hard = unforceable(report)  # one line: what no flag can fix, and the way out
+        err = PreflightError(f"{hard[0].name}: {hard[0].summary}; fix: {hard[0].fix}" if hard
+                             else preflight_message(report))
         err.report = report  # type: ignore[attr-defined]
         raise err
     return report
@@ -273,13 +277,26 @@ def _by_fix(checks: list[Check]) -> list[list[Check]]:
     return list(groups.values())
 
 
+def unforceable(report: DoctorReport) -> list[Check]:
+    """Blocking problems --force does not override (a build that would hold two formats)."""
+    return [c for c in report.problems if c.data.get("overridable") is False]
+
+
+def _override_note(report: DoctorReport) -> str:
+    hard = unforceable(report)
+    if not hard:
+        return "--force overrides"
+    names = ", ".join(dict.fromkeys(c.name for c in hard))
+    return f"--force does not override {names}" + (", only the others" if len(hard) < len(report.problems) else "")
+
+
 def tally(report: DoctorReport) -> str:
     fails, warns = report.problems, report.warnings
     if fails:
         n = len(_by_fix(fails))
         also = f" ({len(fails)} checks FAIL)" if len(fails) != n else ""
         return (f"{plural(n, 'blocking problem')}{also}, {plural(len(warns), 'warning')}: `hsbuild run` refuses "
-                "to start (--force overrides)")
+                f"to start ({_override_note(report)})")
     if warns:
         return f"no blocking problems, {plural(len(warns), 'warning')}"
     return "all checks OK"
@@ -294,7 +311,10 @@ def preflight_message(report: DoctorReport) -> str:
             lines.append(f"    (also {', '.join(c.name for c in g[1:])})")
         if g[0].fix:
             lines.append(f"    fix: {g[0].fix}")
-    lines.append(f"see `hsbuild doctor {report.build}`; pass --force to start anyway")
+    if unforceable(report):
+        lines.append(f"see `hsbuild doctor {report.build}`; {_override_note(report)}")
+    else:
+        lines.append(f"see `hsbuild doctor {report.build}`; pass --force to start anyway")
     return "\n".join(lines)
 
 

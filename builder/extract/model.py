@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from builder.errors import ModelError, SampleError
+from builder.extract.weights import directory_fingerprint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CONVENTION = "hf_hidden_states: 0=embeddings, k=output of layer k-1, L=final-norm output"
@@ -178,8 +179,47 @@ def builtin_tokenizer(vocab: int):
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """SpecForge's EAGLE-3 default as hidden_states indices: outputs of layers 1, L/2-1 and L-4."""
-    return [2, num_layers // 2, num_layers - 3]
+    """SpecForge's EAGLE-3 default as hidden_states indices: outputs of layers 1, L/2-1 and L-4 (2, L//2, L-3).
+
+    Below 7 layers those three are not distinct (L=6 gives 2, 3, 3): such small models take 1, L//2, L-1
+    instead, and a model with fewer than 4 layers has no three distinct intermediate states to default to."""
+    if num_layers >= 7:
+        return [2, num_layers // 2, num_layers - 3]
+    if num_layers >= 4:
+        return [1, num_layers // 2, num_layers - 1]
+    raise ModelError(
+        f"a {num_layers}-layer model has fewer than 3 distinct intermediate hidden states for the default aux "
+        f"layers; choose them with --aux-layers (hidden_states indices 0..{num_layers})"
+    )
+
+
+def check_aux_layers(aux_layers: list[int], num_layers: int) -> list[int]:
+    """Refuse an empty list, duplicates and indices outside 0..L (hidden_states indices of an L-layer model)."""
+    if not aux_layers:
+        raise ModelError("--aux-layers: give at least one hidden_states index, e.g. 2,16,29")
+    for i in aux_layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_layers:
+            raise ModelError(
+                f"--aux-layers: index {i} is outside 0..{num_layers} (hidden_states indices of a "
+                f"{num_layers}-layer model)"
+            )
+    dups = sorted({i for i in aux_layers if aux_layers.count(i) > 1})
+    if dups:
+        raise ModelError(f"--aux-layers {','.join(map(str, aux_layers))}: index {dups[0]} appears more than once; "
+                         "each aux layer must be a different hidden_states index")
+    return list(aux_layers)
+
+
+def check_device_spec(device: str) -> None:
+    """`auto`, `cpu`, `cuda` or `cuda:N` (syntax only: init may run where the GPUs are not)."""
+    if device == "auto":
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ModelError(f"--device '{device}': use auto, cpu, cuda or cuda:N")
 
 
 def pick_device(device: str) -> torch.device:
@@ -217,13 +257,16 @@ class Extractor:
         else:
             self._model = None
             self._load_hf(spec, load_weights)
-        self.aux_layers = list(aux_layers) if aux_layers else default_aux_layers(self.num_layers)
-        for i in self.aux_layers:
-            if not 0 <= i <= self.num_layers:
-                raise ModelError(
-                    f"--aux-layers: index {i} is outside 0..{self.num_layers} (hidden_states indices of a "
-                    f"{self.num_layers}-layer model)"
-                )
+        self.aux_layers = check_aux_layers(list(aux_layers) if aux_layers else default_aux_layers(self.num_layers),
+                                           self.num_layers)
+
+    def check_max_tokens(self, max_tokens: int | None) -> None:
+        """`--max-tokens` above the model's positions would let over-long samples through: refuse it."""
+        if max_tokens is not None and max_tokens > self.max_positions:
+            raise ModelError(
+                f"--max-tokens {max_tokens}: more than the model's {self.max_positions} positions "
+                f"(max_position_embeddings); use at most {self.max_positions}"
+            )
 
     # -- loading ------------------------------------------------------------------------------------
     def _weights_fingerprint(self, prefix: str) -> str:
@@ -254,12 +297,10 @@ class Extractor:
             raise ModelError(f"--model '{spec}': config.json lacks {e} (num_hidden_layers, hidden_size, vocab_size)") from None
         self.max_positions = int(text.get("max_position_embeddings") or 1 << 30)
         self._hf = True
-        h = hashlib.blake2b(b"hf:", digest_size=8)
-        h.update((path / "config.json").read_bytes())
-        for f in sorted(path.iterdir()):
-            if f.suffix in {".safetensors", ".bin", ".json"}:
-                h.update(f"{f.name}:{f.stat().st_size}".encode())
-        self.fingerprint = h.hexdigest()
+        try:  # the files' contents (cached per file by inode, size, mtime and ctime): see extract/weights.py
+            self.fingerprint = directory_fingerprint(path)
+        except OSError as e:
+            raise ModelError(f"--model '{spec}': cannot read its files to fingerprint them ({e})") from e
         try:
             import transformers  # noqa: PLC0415
         except ImportError:
@@ -301,9 +342,10 @@ class Extractor:
             raise SampleError("empty_sample", "the sample has no tokens")
         if max_tokens is not None and n > max_tokens:
             input_ids = input_ids[:max_tokens]
-        elif n > self.max_positions:
+        if input_ids.shape[0] > self.max_positions:  # the limit is min(max_tokens, positions)
+            kept = f" (kept {input_ids.shape[0]} of them under --max-tokens)" if n != input_ids.shape[0] else ""
             raise SampleError(
-                "too_long", f"{n} tokens exceed the model's {self.max_positions} positions; set --max-tokens"
+                "too_long", f"{n} tokens{kept} exceed the model's {self.max_positions} positions; set --max-tokens"
             )
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.vocab_size:

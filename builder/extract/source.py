@@ -26,6 +26,7 @@ JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
 
 Tokenizer = Callable[[str], list[int]]
+INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
 @dataclass
@@ -49,8 +50,11 @@ def fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def load_source(path: str | Path, tokenizer: Tokenizer | None = None) -> list[Sample]:
-    """Load and validate every sample of a source file. Raises SourceError naming file, line and field."""
+def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> list[Sample]:
+    """Load and validate every sample of a source file. Raises SourceError naming file, line and field.
+
+    With `vocab_size` (init), a sample without tokens or with a token id outside 0..vocab_size-1 is refused
+    too; a run takes such samples (new rows) and records them `failed`."""
     path = Path(path)
     if not path.exists():
         raise SourceError(path, "file not found; pass an existing .jsonl or .parquet file with --source")
@@ -64,11 +68,7 @@ def load_source(path: str | Path, tokenizer: Tokenizer | None = None) -> list[Sa
     else:
         raise SourceError(path, f"unknown source type '{suffix}'; use a .jsonl or .parquet file")
     table, types = _read_with_duckdb(path, kind)
-    if types.get("id") == "JSON":  # ids of mixed types (strings and numbers): DuckDB hands back JSON text
-        ids = [None if v is None else json.loads(v) for v in table.column("id").to_pylist()]
-        table = table.set_column(table.column_names.index("id"), "id", pa.array([None if v is None else str(v)
-                                                                                  for v in ids]))
-    return _samples_from_table(path, kind, table, tokenizer)
+    return _samples_from_table(path, kind, table, types, tokenizer, vocab_size)
 
 
 def _read_with_duckdb(path: Path, kind: str) -> tuple[pa.Table, dict[str, str]]:
@@ -112,8 +112,41 @@ def _scan_json_lines(path: Path) -> None:
     try:
         for lineno, obj in _iter_json_lines(path):
             _check_record(path, lineno, obj)
-    except UnicodeDecodeError as e:
-        raise SourceError(path, f"not UTF-8 text ({e.reason})") from None
+    except UnicodeDecodeError:
+        _raise_non_utf8(path)
+
+
+def _raise_non_utf8(path: Path) -> None:
+    """Name the first line (and field) that is not UTF-8."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                field = None
+                try:
+                    obj = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+                    if isinstance(obj, dict):
+                        field = next((k for k, v in obj.items() if _has_surrogate(k) or _has_surrogate(v)), None)
+                except json.JSONDecodeError:
+                    pass
+                raise SourceError(path, f"not UTF-8 text ({e.reason} at byte {e.start})", line=lineno,
+                                  field=field) from None
+    raise SourceError(path, "not UTF-8 text")
+
+
+def _has_surrogate(v: object) -> bool:
+    if isinstance(v, str):
+        return any("\udc80" <= c <= "\udcff" for c in v)
+    if isinstance(v, list):
+        return any(_has_surrogate(x) for x in v)
+    if isinstance(v, dict):
+        return any(_has_surrogate(k) or _has_surrogate(x) for k, x in v.items())
+    return False
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_record(path: Path, line: int, obj: object) -> None:
@@ -121,8 +154,10 @@ def _check_record(path: Path, line: int, obj: object) -> None:
         raise SourceError(path, f"expected a JSON object, got {type(obj).__name__}", line=line)
     if "input_ids" in obj:
         ids = obj["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        if not isinstance(ids, list) or not all(_is_int(x) for x in ids):
             raise SourceError(path, "must be a list of integers", line=line, field="input_ids")
+        if any(not INT32_MIN <= x <= INT32_MAX for x in ids):
+            raise SourceError(path, "holds a value outside the 32-bit integer range", line=line, field="input_ids")
         mask = obj.get("loss_mask")
         if mask is not None:
             if not isinstance(mask, list) or not all(isinstance(x, int | bool) for x in mask):
@@ -137,8 +172,27 @@ def _check_record(path: Path, line: int, obj: object) -> None:
     else:
         raise SourceError(path, "missing; each row needs 'input_ids' (list of ints) or 'text'", line=line,
                           field="input_ids")
-    if "id" in obj and not isinstance(obj["id"], str | int):
-        raise SourceError(path, "must be a string or an integer", line=line, field="id")
+    if obj.get("id") is not None and not (isinstance(obj["id"], str) or _is_int(obj["id"])):
+        raise SourceError(path, f"must be a string or an integer, not {json.dumps(obj['id'])}", line=line,
+                          field="id")
+
+
+ID_TYPES = ("VARCHAR", "BIGINT", "INTEGER", "SMALLINT", "TINYINT", "UBIGINT", "UINTEGER", "USMALLINT", "UTINYINT",
+            "HUGEINT", "UHUGEINT", '"NULL"', "NULL")
+
+
+def _id_column(path: Path, kind: str, table: pa.Table, types: dict[str, str],
+               fail: Callable[[int, str, str], SourceError]) -> list:
+    """The `id` column as Python values (str or int, or None); anything else names its line (row)."""
+    values = table.column("id").to_pylist()
+    if types.get("id") == "JSON":  # ids of mixed types (strings and numbers): DuckDB hands back JSON text
+        values = [None if v is None else json.loads(v) for v in values]
+    elif types.get("id") not in ID_TYPES and kind == "json":
+        _scan_json_lines(path)  # a DOUBLE column holds 1 and 1.5 alike: the file says which line is wrong
+    for i, v in enumerate(values):
+        if v is not None and not (isinstance(v, str) or _is_int(v)):
+            raise fail(i, "id", f"must be a string or an integer, not {json.dumps(v, default=str)}")
+    return values
 
 
 def _row_label(kind: str, row: int, lines: list[int] | None) -> int:
@@ -156,7 +210,8 @@ def _json_line_numbers(path: Path) -> list[int]:
     return out
 
 
-def _samples_from_table(path: Path, kind: str, table: pa.Table, tokenizer: Tokenizer | None) -> list[Sample]:
+def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str, str], tokenizer: Tokenizer | None,
+                        vocab_size: int | None = None) -> list[Sample]:
     names = set(table.column_names)
     lines = _json_line_numbers(path) if kind == "json" else None
     where = "line" if kind == "json" else "row"
@@ -178,19 +233,36 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, tokenizer: Token
         if name not in names:
             return [None] * n
         col = table.column(name).combine_chunks()
-        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) or not ok_value(col.type.value_type):
+        is_list = pa.types.is_list(col.type) or pa.types.is_large_list(col.type)
+        if is_list and pa.types.is_decimal(col.type.value_type) and col.type.value_type.scale == 0:
+            # DuckDB types a JSON list column decimal when a value does not fit int64 (or signs mix with
+            # uint64-sized values); the per-row check below names the row of a value outside int32
+            try:
+                col = col.cast(pa.list_(pa.int64()))
+            except pa.ArrowInvalid:
+                if kind == "json":
+                    _scan_json_lines(path)
+        if is_list and len(col.values) == 0:  # only empty lists: DuckDB cannot tell their type
+            col = col.cast(pa.list_(pa.int64()))
+        if not is_list or not ok_value(col.type.value_type):
             if kind == "json":
                 _scan_json_lines(path)
-            raise SourceError(path, f"must be a list of {what} (column type is {col.type})", field=name)
+            first = next((i for i, v in enumerate(col.is_null().to_pylist()) if not v), 0)
+            raise fail(first, name, f"must be a list of {what} (column type is {col.type})")
         offsets = col.offsets.to_numpy()
+        if col.values.null_count:  # [1, null, 3]: a null inside a row's list
+            pos = int(np.flatnonzero(col.values.is_null().to_numpy(zero_copy_only=False))[0])
+            row = int(np.searchsorted(offsets, pos, side="right")) - 1
+            raise fail(row, name, f"holds null at position {pos - int(offsets[row])}; give {what} only")
         values = col.values.to_numpy(zero_copy_only=False)
         nulls = col.is_null().to_numpy(zero_copy_only=False)
         return [None if nulls[i] else values[offsets[i] : offsets[i + 1]] for i in range(n)]
 
+    raw_ids = _id_column(path, kind, table, types, fail) if "id" in names else None
+
     ids_list = list_column("input_ids", pa.types.is_integer, "integers")
     masks = list_column("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t), "0/1 integers")
     texts = table.column("text").to_pylist() if "text" in names else [None] * n
-    raw_ids = table.column("id").to_pylist() if "id" in names else None
 
     samples: list[Sample] = []
     seen: dict[str, int] = {}
@@ -206,9 +278,17 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, tokenizer: Token
                 raise fail(i, "text", "needs a tokenizer, but the model has none")
             ids = np.asarray(tokenizer(text), dtype=np.int64)
         ids = np.asarray(ids)
-        if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
-            raise fail(i, "input_ids", "holds a value outside the 32-bit integer range")
+        tokens_field = "input_ids" if ids_list[i] is not None else "text"
+        if ids.size and (ids.min() < INT32_MIN or ids.max() > INT32_MAX):
+            raise fail(i, tokens_field, "holds a value outside the 32-bit integer range")
         ids32 = ids.astype(np.int32)
+        if vocab_size is not None:
+            if not ids32.size:
+                raise fail(i, tokens_field, "has no tokens; a sample needs at least one (drop the row)")
+            bad = ids32[(ids32 < 0) | (ids32 >= vocab_size)]
+            if bad.size:
+                raise fail(i, tokens_field, f"token id {int(bad[0])} is outside the model's vocabulary "
+                                            f"0..{vocab_size - 1}")
         mask = masks[i]
         if mask is None:
             mask8 = np.ones(ids32.shape[0], dtype=np.uint8)

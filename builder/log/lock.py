@@ -7,6 +7,7 @@ JSON content still names the dead owner, which `doctor` reports. A clean exit em
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.errors import BuildLockedError
+from builder.errors import BuildLockedError, BuildReadOnlyError
 from builder.layout import BuildLayout
 
 
@@ -81,7 +82,18 @@ class BuildLock:
         self.socket_path = socket_path_for(lay)
 
     def acquire(self) -> BuildLock:
-        fd = os.open(self.lay.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.lay.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            if not os.access(self.lay.root, os.W_OK | os.X_OK):  # the lock file may be writable, its dir not
+                os.close(fd)
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self.lay.root))
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            raise BuildReadOnlyError(
+                f"{self.lay.root}: not writable ({e.strerror}), so `{self.purpose}` cannot own it; remount the "
+                "volume read-write or fix its permissions (`hsbuild status`/`sql`/`doctor` still read it)"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -18,10 +18,11 @@ from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from builder.config import load_config
+from builder.config import load_config, require_same_format
 from builder.doctor.gpu import GpuSampler
 from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
+from builder.extract.model import check_device_spec
 from builder.extract.source import Sample, load_source
 from builder.humanize import human_bytes, pct
 from builder.layout import layout
@@ -103,10 +104,13 @@ class Coordinator:
             if v is not None:
                 setattr(self.cfg.watermarks, k, v)
         self.cfg.watermarks.validate()
-        self.workers = self.opts.workers or self.cfg.workers
+        self.workers = self.cfg.workers if self.opts.workers is None else self.opts.workers
         if self.workers < 1:
             raise UsageError(f"--workers {self.workers}: must be at least 1")
         self.stop_grace = _stop_grace(self.opts.stop_grace)
+        if self.opts.limit is not None and self.opts.limit < 0:
+            raise UsageError(f"--limit {self.opts.limit}: must be 0 or more samples")
+        check_device_spec(self.opts.device or self.cfg.device)
         self.echo = echo
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
@@ -153,6 +157,7 @@ class Coordinator:
 
     def _run_locked(self, lock: BuildLock, resume: bool, samples: list[Sample]) -> RunReport:
         meta = self.meta = self.log.meta()
+        require_same_format(self.cfg, meta)  # never overridable: a build holds one format
         added = check_source(self.log, samples)
         self._adopt_unlogged()
         plan = make_plan(self.log, samples, self.cfg.max_attempts, self.opts.limit)

@@ -9,12 +9,14 @@ import statistics
 import time
 from pathlib import Path
 
+import duckdb
+
 from builder import __version__
 from builder.config import BuildConfig, Watermarks
-from builder.errors import BuildExistsError, UsageError
-from builder.extract.model import Extractor, suggest_chunk_tokens
+from builder.errors import BuildExistsError, BuildReadOnlyError, UsageError
+from builder.extract.model import Extractor, check_device_spec, suggest_chunk_tokens
 from builder.extract.source import load_source
-from builder.fsutil import make_dirs_durable
+from builder.fsutil import fsync_path, make_dirs_durable
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
@@ -29,6 +31,9 @@ def code_fingerprint() -> str:
         h.update(str(p.relative_to(pkg)).encode())
         h.update(p.read_bytes())
     return h.hexdigest()
+
+
+MAX_CHUNK_TOKENS = 1 << 20
 
 
 def init_build(
@@ -46,63 +51,120 @@ def init_build(
     device: str = "auto",
     staging: str | None = None,
 ) -> BuildLayout:
-    """Create a build. Validates everything first: on any error nothing on disk changes."""
+    """Create a build. Validates everything first: on any error nothing on disk changes.
+
+    `force` replaces what a previous build (or a half-made one) left in the directory: its log, data, ballast
+    and config; it refuses when one of those is not hsbuild's."""
     lay = layout(path)
     if lay.exists() and not force:
         raise BuildExistsError(f"{lay.root}: already holds a build; pass --force to replace it (its data is deleted)")
-    if lay.root.exists() and not lay.exists() and any(lay.root.iterdir()) and not force:
+    if lay.root.is_dir() and not lay.exists() and any(lay.root.iterdir()) and not force:
         raise BuildExistsError(f"{lay.root}: directory is not empty; choose a new directory or pass --force")
+    if lay.root.exists() and not lay.root.is_dir():
+        raise UsageError(f"{lay.root}: exists and is not a directory; choose a new directory for the build")
     if max_tokens is not None and max_tokens < 1:
         raise UsageError(f"--max-tokens {max_tokens}: must be a positive number of tokens")
     if max_attempts < 1:
         raise UsageError(f"--max-attempts {max_attempts}: must be at least 1")
+    if chunk_tokens is not None and not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:
+        raise UsageError(f"--chunk-tokens {chunk_tokens}: must be between 1 and {MAX_CHUNK_TOKENS}")
     if dtype not in STORAGE_DTYPES:
         raise UsageError(f"--dtype {dtype}: use one of {sorted(STORAGE_DTYPES)}")
+    if staging is not None and not Path(staging).is_dir():
+        raise UsageError(f"--staging {staging}: not an existing directory; create it first, or leave --staging out")
     parse_codec(codec)
+    check_device_spec(device)
     wm = (watermarks or Watermarks()).validate()
     ex = Extractor(model, aux_layers, dtype, device="cpu", load_weights=False)  # metadata; no HF weights
+    ex.check_max_tokens(max_tokens)
     source = Path(source).absolute()
-    samples = load_source(source, ex.tokenizer)
+    samples = load_source(source, ex.tokenizer, vocab_size=ex.vocab_size)
     median = int(statistics.median(s.num_tokens for s in samples)) if samples else 128
     if chunk_tokens is None:
         chunk_tokens = suggest_chunk_tokens(ex.hidden_size, len(ex.aux_layers), median)
-    elif chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens {chunk_tokens}: must be positive")
     cfg = BuildConfig(source=str(source), model=model, aux_layers=ex.aux_layers, max_tokens=max_tokens,
                       max_attempts=max_attempts, dtype=dtype, codec=codec, chunk_tokens=chunk_tokens, device=device,
                       staging=staging, watermarks=wm)
 
-    make_dirs_durable(lay.root)
-    if lay.exists():  # --force: take the lock so a live run is never pulled out from under itself
-        with BuildLock(lay, "init --force"):
-            for p in (lay.events, lay.events.with_suffix(".duckdb.wal"), lay.config):
-                p.unlink(missing_ok=True)
-            shutil.rmtree(lay.data, ignore_errors=True)
-    elif force and lay.data.exists():
-        shutil.rmtree(lay.data, ignore_errors=True)
-    meta = {
-        "layout_version": LAYOUT_VERSION,
-        "hsbuild_version": __version__,
-        "created_at": time.time(),
-        "source": str(source),
-        "config_fingerprint": cfg.fingerprint(),
-        "chunk_tokens": chunk_tokens,
-        "codec": codec,
-        "storage_dtype": STORAGE_DTYPES[dtype],
-        **ex.metadata(),
-    }
-    # the data describes itself: the build's metadata is in data/zarr.json too (a lost log is rebuilt from it)
-    init_data_group(lay.data, {**{k: meta[k] for k in ("model", "aux_layers", "convention", "dtype", "storage_dtype",
-                                                       "hidden_size", "num_layers", "chunk_tokens")},
-                               "hsbuild_meta": meta})
-    with EventLog(lay.events) as log:
-        log.set_meta(meta)
-        log.register_samples(samples)
-        log.append([Event("init", detail=detail(samples=len(samples), tokens=sum(s.num_tokens for s in samples),
-                                                 **{k: meta[k] for k in ("model", "model_fingerprint", "aux_layers",
-                                                                          "config_fingerprint")}))])
-    cfg.save(lay.config)  # last: a build "exists" once its config is there
+    try:
+        make_dirs_durable(lay.root)
+    except OSError as e:
+        raise BuildReadOnlyError(f"{lay.root}: cannot create the build directory ({e.strerror})") from None
+    # the lock: a live run is never pulled out from under itself, and two inits never interleave
+    with BuildLock(lay, "init --force" if force else "init"):
+        if force:
+            _remove_previous_build(lay)
+        meta = {
+            "layout_version": LAYOUT_VERSION,
+            "hsbuild_version": __version__,
+            "created_at": time.time(),
+            "source": str(source),
+            "config_fingerprint": cfg.fingerprint(),
+            "format": cfg.format_fields(),
+            "chunk_tokens": chunk_tokens,
+            "codec": codec,
+            "storage_dtype": STORAGE_DTYPES[dtype],
+            **ex.metadata(),
+        }
+        # the data describes itself: the whole metadata is in data/zarr.json too (a lost log is rebuilt from it)
+        init_data_group(lay.data, {**{k: meta[k] for k in ("model", "aux_layers", "convention", "dtype",
+                                                           "storage_dtype", "hidden_size", "num_layers",
+                                                           "chunk_tokens")}, "hsbuild_meta": meta})
+        with EventLog(lay.events) as log:
+            log.set_meta(meta)
+            log.register_samples(samples)
+            log.append([Event("init", detail=detail(samples=len(samples), tokens=sum(s.num_tokens for s in samples),
+                                                     **{k: meta[k] for k in ("model", "model_fingerprint",
+                                                                              "aux_layers", "config_fingerprint")}))])
+        cfg.save(lay.config)  # last: a build "exists" once its config is there
     return lay
+
+
+def _remove_previous_build(lay: BuildLayout) -> None:
+    """What `init --force` replaces: the config, the log (+ WAL), the data group, the ballast, a stale socket.
+    Checks all of them belong to hsbuild before removing any (the caller holds the build lock)."""
+    wal = lay.events.with_name(lay.events.name + ".wal")
+    sock = lay.root / "hsbuild.sock"
+    if lay.events.exists():
+        _require_event_log(lay.events)
+    if lay.data.exists():
+        _require_data_group(lay.data)
+    for p in (lay.ballast, sock, lay.config):
+        if p.is_dir():
+            raise UsageError(f"{p}: is a directory, not hsbuild's; move it away, then run init again")
+    # the config last: until the new one is written the directory is no build, whatever happens here
+    for p in (lay.events, wal, lay.ballast, sock, lay.config):
+        p.unlink(missing_ok=True)
+    if lay.data.exists():
+        shutil.rmtree(lay.data)
+    fsync_path(lay.root)
+
+
+def _require_event_log(path: Path) -> None:
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error as e:
+        raise UsageError(f"{path}: not an hsbuild event log that init --force may replace "
+                         f"({str(e).splitlines()[0]}); move it away, then run init again") from None
+    try:
+        tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    finally:
+        con.close()
+    if not {"meta", "events"} <= tables:
+        raise UsageError(f"{path}: a DuckDB file that is not an hsbuild event log (no meta/events tables); "
+                         "move it away, then run init again")
+
+
+def _require_data_group(path: Path) -> None:
+    if path.is_dir() and not any(path.iterdir()):
+        return
+    try:
+        attrs = json.loads((path / "zarr.json").read_text()).get("attributes", {})
+    except (OSError, ValueError, AttributeError):
+        attrs = {}
+    if not path.is_dir() or not isinstance(attrs, dict) or "hsbuild_layout" not in attrs:
+        raise UsageError(f"{path}: not an hsbuild data group (no hsbuild attributes in zarr.json), so init --force "
+                         "will not delete it; move it away, then run init again")
 
 
 def recorded_meta(lay: BuildLayout) -> dict:

@@ -69,7 +69,7 @@ class SpaceMonitor:
     def __init__(self, lay: BuildLayout, cfg: BuildConfig):
         self.lay, self.wm = lay, cfg.watermarks
         self.paths = [lay.root]
-        if cfg.staging:
+        if cfg.staging and Path(cfg.staging).is_dir():  # a missing one is doctor's FAIL (storage.staging)
             self.paths.append(Path(cfg.staging))
         self._paused: str | None = None
         self._last_poll = 0.0

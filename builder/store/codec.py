@@ -12,6 +12,7 @@ import zarr.codecs as zc
 
 from builder.errors import UsageError
 
+ZSTD_LEVELS = (-131072, 22)  # numcodecs' Zstd: negative levels are the fast modes
 STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 
 
@@ -23,10 +24,16 @@ def parse_codec(spec: str) -> list:
     except ValueError:
         raise UsageError(f"codec '{spec}': level must be an integer") from None
     if name == "none":
+        if level is not None:
+            raise UsageError(f"codec '{spec}': none takes no level; use none")
         return []
     if name == "zstd":
+        if level is not None and not ZSTD_LEVELS[0] <= level <= ZSTD_LEVELS[1]:
+            raise UsageError(f"codec '{spec}': zstd levels are {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]} (1 is the default)")
         return [zc.ZstdCodec(level=1 if level is None else level)]
     if name in ("blosc-lz4", "blosc-zstd"):
+        if level is not None and not 0 <= level <= 9:
+            raise UsageError(f"codec '{spec}': blosc levels are 0..9 (5 is the default)")
         return [zc.BloscCodec(cname=name.split("-")[1], clevel=5 if level is None else level, shuffle="shuffle",
                               typesize=2)]
     raise UsageError(f"codec '{spec}': use zstd:LEVEL, blosc-lz4:LEVEL, blosc-zstd:LEVEL or none")

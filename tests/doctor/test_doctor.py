@@ -302,7 +302,8 @@ def test_started_and_failed_samples_and_changed_config(make_build, monkeypatch):
     cfg_text = lay.config.read_text()
     lay.config.write_text(cfg_text.replace('codec = "zstd:1"', 'codec = "zstd:5"'))
     fp = by_name(run_doctor(lay, probe=False))["build.fingerprint"]
-    assert fp.status == "fail" and "config fingerprint" in fp.summary and "init --force" in fp.fix
+    assert fp.status == "fail" and '(codec "zstd:1" -> "zstd:5")' in fp.summary and "init NEWDIR" in fp.fix
+    assert fp.data["changed_keys"] == ["codec"] and fp.data["overridable"] is False
     lay.config.write_text(cfg_text)
     with EventLog(lay.events) as log:
         log.set_meta({"model_fingerprint": "0123456789abcdef"})

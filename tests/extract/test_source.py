@@ -46,6 +46,18 @@ BAD = [
     ("mask.jsonl", '{"input_ids": [1, 2], "loss_mask": [1]}\n', "has 1 entries", 1, "loss_mask"),
     ("dup.jsonl", '{"id": "a", "input_ids": [1]}\n{"id": "a", "input_ids": [2]}\n', "duplicate id", 2, "id"),
     ("text.jsonl", '{"text": 5}\n', "must be a string", 1, "text"),
+    ("null.jsonl", '{"input_ids": [1, 2]}\n{"input_ids": [1, null, 3]}\n', "holds null at position 1", 2,
+     "input_ids"),
+    ("maskull.jsonl", '{"input_ids": [1, 2], "loss_mask": [1, null]}\n', "holds null", 1, "loss_mask"),
+    ("floatid.jsonl", '{"id": 1, "input_ids": [1]}\n{"id": 1.5, "input_ids": [2]}\n', "string or an integer", 2,
+     "id"),
+    ("objid.jsonl", '{"id": "a", "input_ids": [1]}\n{"id": {"x": 1}, "input_ids": [2]}\n', "string or an integer",
+     2, "id"),
+    ("objids.jsonl", '{"id": {"x": 2}, "input_ids": [1]}\n{"id": {"x": 1}, "input_ids": [2]}\n',
+     "string or an integer", 1, "id"),
+    ("mixedsign.jsonl", '{"input_ids": [1, 2]}\n{"input_ids": [-1, 18446744073709551615]}\n', "32-bit", 2,
+     "input_ids"),
+    ("notutf8.jsonl", b'{"input_ids": [1]}\n{"input_ids": [2], "text": "\xff\xfe"}\n', "not UTF-8", 2, "text"),
     ("empty.jsonl", "", "empty", None, None),
     ("x.csv", "a,b\n", "unknown source type", None, None),
 ]
@@ -54,7 +66,9 @@ BAD = [
 @pytest.mark.parametrize(("name", "content", "message", "line", "field"), BAD, ids=[b[0] for b in BAD])
 def test_bad_sources_name_file_line_and_field(tmp_path, name, content, message, line, field):
     path = tmp_path / name
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     with pytest.raises(SourceError) as ei:
         load_source(path, builtin_tokenizer(1024))
@@ -108,3 +122,26 @@ def test_source_changed_under_finished_sample_is_refused(tmp_path, make_build, c
     cp = cli("resume", build, "--no-progress")
     assert cp.returncode == 2 and "changed" in cp.stderr and "s0002" in cp.stderr
     assert _tree_digest(build) == before
+
+
+def test_parquet_null_inside_a_list_names_the_row(tmp_path):
+    pq = tmp_path / "s.parquet"
+    duckdb.sql(f"COPY (SELECT * FROM (VALUES ([1, 2]), ([3, NULL])) t(input_ids)) TO '{pq}' (FORMAT parquet)")
+    with pytest.raises(SourceError) as ei:
+        load_source(pq)
+    assert "holds null" in str(ei.value) and "(row 2)" in str(ei.value) and ei.value.field == "input_ids"
+
+
+@pytest.mark.parametrize(("rows", "line", "message"), [
+    ([{"input_ids": [5, 6]}, {"input_ids": []}], 2, "has no tokens"),
+    ([{"input_ids": [5, 6]}, {"input_ids": [5]}, {"input_ids": [7, 5000]}], 3, "token id 5000 is outside"),
+    ([{"input_ids": [-3]}], 1, "token id -3 is outside"),
+], ids=["empty", "over-vocab", "negative"])
+def test_init_refuses_samples_the_model_cannot_take(tmp_path, cli, rows, line, message):
+    src = write_jsonl(tmp_path / "s.jsonl", rows)
+    cp = cli("init", tmp_path / "b", "--source", src)
+    assert cp.returncode == 2
+    err = cp.stderr.strip()
+    assert err.startswith("hsbuild init: error:") and "\n" not in err
+    assert f"{src}:{line}: field 'input_ids': {message}" in err
+    assert not (tmp_path / "b").exists()

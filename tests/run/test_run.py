@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import random_rows
+from conftest import random_rows, write_jsonl
 from torch.utils.data import DataLoader
 
 from builder.extract.model import Extractor
@@ -62,8 +62,8 @@ def test_run_stores_bit_exact_states_and_metadata(make_build):
         for r in rows:  # every written sample's bytes match its recorded checksums
             assert check_location(layout(build).data, r["segment"], r["token_start"], r["num_tokens"],
                                   r["checksums"], meta["chunk_tokens"]) is None
-    # SpecForge's default aux layers for L=4: hidden_states indices 2, L//2, L-3
-    assert meta["aux_layers"] == [2, 2, 1] and meta["dtype"] == "bfloat16" and meta["storage_dtype"] == "uint16"
+    # below 7 layers SpecForge's 2, L//2, L-3 are not distinct: a 4-layer model takes 1, L//2, L-1
+    assert meta["aux_layers"] == [1, 2, 3] and meta["dtype"] == "bfloat16" and meta["storage_dtype"] == "uint16"
     assert meta["model_fingerprint"] and meta["convention"].startswith("hf_hidden_states")
     batch = next(iter(DataLoader(HiddenStateDataset(build), batch_size=3, collate_fn=collate_concat)))
     assert batch["cu_seqlens"][-1] == batch["input_ids"].shape[0] == batch["hidden_state"].shape[0]
@@ -77,7 +77,9 @@ def test_per_sample_failures_are_events_and_the_run_goes_on(tmp_path, make_build
     rows[3]["input_ids"][0] = 7  # the model's poisoned token: NaN states
     rows[4]["input_ids"] = rows[4]["input_ids"] * 40  # longer than max_positions=256
     rows[4]["loss_mask"] = rows[4]["loss_mask"] * 40
-    build = make_build(rows=rows, model=MODEL + ",nan_token=7,max_positions=256")
+    # init refuses empty and out-of-vocabulary samples; rows appended to the source later reach the run
+    build = make_build(rows=[rows[i] for i in (0, 3, 4, 5)], model=MODEL + ",nan_token=7,max_positions=256")
+    write_jsonl(tmp_path / "build-source.jsonl", [rows[i] for i in (0, 3, 4, 5, 1, 2)])
     cp = cli("run", build, "--no-progress", "--max-attempts", "2")
     assert cp.returncode == 1, cp.stderr  # finished, but some samples failed
     with EventLog(layout(build).events, read_only=True) as log:

@@ -1,0 +1,181 @@
+"""What `init` accepts, what `init --force` replaces, and a build's format: it never holds two (no flag mixes
+them), and a build on a read-only volume refuses to be written with one line, not a traceback."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import random_rows, write_jsonl
+
+from builder.errors import SampleError
+from builder.extract.model import Extractor
+
+MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "hsbuild.lock"}
+
+
+def one_line_error(cp: subprocess.CompletedProcess, cmd: str) -> str:
+    err = cp.stderr.strip()
+    assert err.startswith(f"hsbuild {cmd}: error:") and "\n" not in err and "Traceback" not in err, cp.stderr
+    return err
+
+
+def sql(cli, build, query: str) -> list[dict]:
+    cp = cli("sql", build, query, "--json")
+    assert cp.returncode == 0, cp.stderr
+    return json.loads(cp.stdout)
+
+
+# -- init --force ------------------------------------------------------------------------------------------
+
+
+def test_force_on_a_build_without_its_config_starts_a_coherent_empty_build(tmp_path, make_build, cli):
+    build = make_build(4)
+    cli("run", build, "--no-progress", check=True)
+    (build / "hsbuild.toml").unlink()  # a half-deleted build: the old log and data are still there
+    cp = cli("init", build, "--source", tmp_path / "build-source.jsonl", "--model", MODEL, "--force",
+             "--high", "0.998", "--low", "0.997", "--flood", "0.999")
+    assert cp.returncode == 0, cp.stderr
+    assert sql(cli, build, "SELECT count(*) AS n FROM events WHERE kind <> 'init'") == [{"n": 0}]
+    assert sql(cli, build, "SELECT DISTINCT state FROM samples") == [{"state": "pending"}]
+    assert [p.name for p in (build / "data").iterdir()] == ["zarr.json"]
+    cp = cli("run", build, "--no-progress")
+    assert cp.returncode == 0 and "wrote 4" in cp.stdout, cp.stdout + cp.stderr
+    cp = cli("verify", build, "--no-progress")
+    assert cp.returncode == 0 and "ok 4" in cp.stdout, cp.stdout + cp.stderr
+
+
+def test_force_refuses_to_delete_what_is_not_hsbuilds(tmp_path, cli):
+    d = tmp_path / "mine"
+    (d / "data").mkdir(parents=True)
+    (d / "data" / "precious.txt").write_text("not hsbuild's")
+    (d / "events.duckdb").write_text("not a database")
+    src = write_jsonl(tmp_path / "src.jsonl", random_rows(2))
+    before = tree_digest(d)
+    cp = cli("init", d, "--source", src, "--model", MODEL, "--force")
+    assert cp.returncode == 2
+    assert "not an hsbuild" in one_line_error(cp, "init")
+    assert tree_digest(d) == before
+
+
+# -- the format: aux layers, max tokens, changed config ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("layers", "want"), [(4, [1, 2, 3]), (6, [1, 3, 5]), (7, [2, 3, 4]), (32, [2, 16, 29])])
+def test_default_aux_layers_are_distinct(layers, want):
+    ex = Extractor(f"builtin:hidden=16,layers={layers},vocab=64,heads=2,kv_heads=1,intermediate=16", device="cpu")
+    assert ex.aux_layers == want
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--aux-layers", "2,2,3"], "appears more than once"),
+    (["--aux-layers", "1,2,9"], "outside 0..4"),
+    (["--model", "builtin:hidden=16,layers=3,vocab=1024,heads=2,kv_heads=1,intermediate=16"], "--aux-layers"),
+    (["--model", MODEL + ",max_positions=256", "--max-tokens", "300"], "--max-tokens 300: more than the model's 256"),
+], ids=["duplicate", "out-of-range", "too-few-layers", "max-tokens-over-positions"])
+def test_init_refuses_a_format_the_model_cannot_have(tmp_path, cli, flags, message):
+    src = write_jsonl(tmp_path / "src.jsonl", random_rows(2))
+    args = ["init", tmp_path / "b", "--source", src] + (["--model", MODEL] if "--model" not in flags else [])
+    cp = cli(*args, *flags)
+    assert cp.returncode == 2
+    assert message in one_line_error(cp, "init")
+    assert not (tmp_path / "b").exists()
+
+
+def test_per_sample_limit_is_the_smaller_of_max_tokens_and_positions():
+    """A build whose max_tokens exceeds the model's positions (made before init checked it) still fails
+    over-long samples `too_long` instead of running them past the model's positions."""
+    ex = Extractor(MODEL + ",max_positions=32", device="cpu")
+    ids = np.arange(3, 53, dtype=np.int32)  # 50 tokens
+    for max_tokens in (40, 1000):  # truncated to 40 is still longer than 32 positions
+        with pytest.raises(SampleError) as ei:
+            ex.check(ids, max_tokens=max_tokens)
+        assert ei.value.reason == "too_long"
+    assert ex.check(ids, max_tokens=20).shape[0] == 20
+
+
+def _edit_config(build: Path, key: str, value: str) -> None:
+    cfg = build / "hsbuild.toml"
+    lines = [ln for ln in cfg.read_text().splitlines() if not ln.startswith(f"{key} =")]
+    i = lines.index("") if "" in lines else len(lines)  # before [watermarks]
+    cfg.write_text("\n".join(lines[:i] + [f"{key} = {value}"] + lines[i:]) + "\n")
+
+
+@pytest.mark.parametrize(("key", "value"), [("aux_layers", "[1, 2]"), ("max_tokens", "16"),
+                                            ("codec", '"blosc-lz4:5"')])
+def test_a_changed_format_is_refused_even_with_force(tmp_path, make_build, cli, key, value):
+    build = make_build(6)
+    cli("run", build, "--no-progress", "--limit", "3", check=True)
+    _edit_config(build, key, value)
+    before = tree_digest(build)
+    cp = cli("resume", build, "--no-progress", "--force")
+    assert cp.returncode == 2
+    err = one_line_error(cp, "resume")
+    assert f"({key} " in err and "restore hsbuild.toml" in err and "hsbuild init NEWDIR" in err
+    assert "--force does not override" in err
+    assert tree_digest(build) == before
+    # doctor agrees: a FAIL naming the key, which --force does not override
+    cp = cli("doctor", build, "--json", "--no-probe", "--no-record")
+    assert cp.returncode == 4
+    fp = next(c for c in json.loads(cp.stdout)["checks"] if c["name"] == "build.fingerprint")
+    assert fp["status"] == "fail" and fp["data"]["changed_keys"] == [key] and fp["data"]["overridable"] is False
+    cp = cli("doctor", build, "--no-probe", "--no-record")
+    assert "--force does not override build.fingerprint" in cp.stdout
+
+
+def test_force_overrides_other_preflight_problems_only(tmp_path, make_build, cli):
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    build = make_build(4, staging=str(staging))
+    staging.rmdir()  # a blocking preflight problem (storage.staging FAIL) that --force may override
+    cp = cli("run", build, "--no-progress", "--limit", "1")
+    assert cp.returncode == 4 and "storage.staging" in cp.stderr, cp.stderr
+    _edit_config(build, "aux_layers", "[1, 2]")
+    cp = cli("run", build, "--no-progress", "--force")
+    assert cp.returncode == 2 and "aux_layers" in one_line_error(cp, "run")
+    _edit_config(build, "aux_layers", "[1, 2, 3]")  # restored: now --force covers the staging problem alone
+    cp = cli("run", build, "--no-progress", "--force")
+    assert cp.returncode == 0 and "wrote 4" in cp.stdout, cp.stdout + cp.stderr
+
+
+# -- read-only builds ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cp = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True)
+    if cp.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {cp.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_read_only_build_is_refused_in_one_line(tmp_path, small_tmpfs, cli):
+    src = write_jsonl(tmp_path / "src.jsonl", random_rows(3))
+    build = small_tmpfs / "b"
+    wm = ["--high", "0.998", "--low", "0.997", "--flood", "0.999"]
+    cli("init", build, "--source", src, "--model", MODEL, *wm, check=True)
+    cli("run", build, "--no-progress", check=True)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    before = tree_digest(build)
+    for args in (["verify", build, "--no-progress"], ["gc", build], ["resume", build, "--no-progress"],
+                 ["init", build, "--source", src, "--model", MODEL, "--force", *wm]):
+        cp = cli(*args)
+        assert cp.returncode == 2, (args, cp.stderr)
+        assert "not writable" in one_line_error(cp, args[0])
+    assert tree_digest(build) == before
+    # reading still works
+    assert sql(cli, build, "SELECT count(*) AS n FROM samples WHERE state = 'written'") == [{"n": 3}]
