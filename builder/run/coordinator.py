@@ -49,6 +49,7 @@ class RunOptions:
     high: float | None = None
     flood: float | None = None
     min_free: int | None = None
+    take_over: bool = False  # take the lock over from an owner on another host (--take-over)
 
 
 @dataclass
@@ -113,7 +114,7 @@ class Coordinator:
 
     # -- the run ----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> RunReport:
-        lock = BuildLock(self.lay, "run", self.run_id).acquire()
+        lock = BuildLock(self.lay, "run", self.run_id, take_over=self.opts.take_over).acquire()
         try:
             # validate the source before the log is even opened: bad input changes nothing
             samples = load_source(self.cfg.source, _tokenizer_for(self.cfg))
