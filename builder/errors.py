@@ -9,7 +9,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_SAMPLES_FAILED = 1  # finished, but some samples failed (run) / damage found (verify)
 EXIT_USAGE = 2  # usage error or bad input; nothing committed changed
-EXIT_WONT_FIT = 3  # projected build size does not fit above the high watermark
+EXIT_WONT_FIT = 3  # projected build size does not fit below the high watermark, or the volume is full
 EXIT_PREFLIGHT = 4  # a blocking preflight (doctor) problem
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM; everything committed is safe
 
@@ -56,6 +56,23 @@ class BuildReadOnlyError(UsageError, PermissionError):
 
 class ConfigChangedError(UsageError):
     """hsbuild.toml changes what samples look like (format keys) since `init`: never mixed, never overridable."""
+
+
+class ForeignLockError(BuildLockedError):
+    """The lock file names an owner on another host that never released it (flock cannot see across hosts on
+    many network filesystems): refused unless the caller takes over explicitly (`--take-over`)."""
+
+
+class LogConflictError(HsbuildError, RuntimeError):
+    """Another process appended to the event log under its owner: two writers, which the lock should prevent
+    (e.g. a network filesystem whose locks are local to each host)."""
+
+
+class DiskFullError(HsbuildError, OSError):
+    """The volume holding the build is full: the event log (or the lock record) cannot be written. Nothing
+    committed is lost; free space and run the command again (`hsbuild resume` continues a run)."""
+
+    exit_code = EXIT_WONT_FIT
 
 
 class ReadOnlyQueryError(UsageError, PermissionError):

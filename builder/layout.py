@@ -41,11 +41,20 @@ class BuildLayout:
     def exists(self) -> bool:
         return self.config.is_file() and self.events.is_file()
 
+    def unfinished_init(self) -> bool:
+        """An `init` that did not finish (killed before it wrote the config, which it writes last)."""
+        return not self.config.is_file() and (self.events.exists() or self.data.exists())
+
     def require(self) -> BuildLayout:
         if self.config.is_file() and self.data.is_dir() and not self.events.is_file():
             raise BuildNotFoundError(
                 f"{self.events}: the event log is missing (deleted, or lost in a crash); rebuild it from the data "
                 f"with `hsbuild rebuild-log {self.root}`"
+            )
+        if not self.exists() and self.unfinished_init():
+            raise BuildNotFoundError(
+                f"{self.root}: an unfinished init left this directory (no {CONFIG_NAME}); run "
+                f"`hsbuild init {self.root} --source FILE --force` to create the build again"
             )
         if not self.exists():
             raise BuildNotFoundError(

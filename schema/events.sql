@@ -16,7 +16,7 @@ CREATE TABLE IF NOT EXISTS source_samples (
 );
 
 CREATE TABLE IF NOT EXISTS events (
-    seq         BIGINT    NOT NULL,   -- strictly increasing; the order of the log
+    seq         BIGINT    NOT NULL,   -- strictly increasing, unique (index below); the order of the log
     ts          TIMESTAMP NOT NULL,   -- UTC
     kind        VARCHAR   NOT NULL,   -- sample: started, written, verified, failed
                                       -- run: run_started, run_finished, segment_sealed, paused, resumed,
@@ -40,3 +40,7 @@ CREATE TABLE IF NOT EXISTS events (
                                       -- doctor: ok, warn, fail
     detail      VARCHAR               -- JSON: free text, figures, configs
 );
+
+-- One writer at a time: a second writer re-using a seq number fails loudly instead of interleaving. An index
+-- rather than a PRIMARY KEY in the table so that the same statement upgrades logs created without it.
+CREATE UNIQUE INDEX IF NOT EXISTS events_seq ON events (seq);

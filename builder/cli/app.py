@@ -41,6 +41,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flood", type=fraction, help="never start a write that would cross this usage fraction (0.95)")
     p.add_argument("--min-free", type=_size, help="pause when free space drops below this, e.g. 50G")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--take-over", action="store_true",
+                   help="take the build over from an owner on another host that never released it (make sure it "
+                        "no longer runs there first)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                        parents=[out])
     p.add_argument("build")
     p.add_argument("query")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="stop the query after this long (default 30)")
 
     p = sub.add_parser("rebuild-log", help="rebuild a lost or damaged event log from the segments' manifests",
                        description="Rebuilds events.duckdb from hsbuild.toml, the source and every segment's "
@@ -129,7 +134,7 @@ def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
     opts = RunOptions(workers=args.workers, limit=args.limit, max_attempts=args.max_attempts, device=args.device,
                       verify_after_write=args.verify_after_write, allow_overcommit=args.allow_overcommit,
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
-                      flood=args.flood, min_free=args.min_free)
+                      flood=args.flood, min_free=args.min_free, take_over=args.take_over)
     report = run_build(args.build, opts, resume=resume, echo=lambda m: print(m, file=sys.stderr))
     print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}"
           + (f", paused {report.pauses}x" if report.pauses else ""))
@@ -153,6 +158,10 @@ def status_lines(st: dict) -> list[str]:
         lines.append(f"running: run {str(st.get('run_id', ''))[:8]} (pid {st.get('pid')}, {st.get('workers')} worker(s))")
     else:
         lines.append("idle: no run is going")
+    if st.get("lock_file_missing") or st.get("lock_not_held"):
+        what = "is missing" if st.get("lock_file_missing") else "is not held by it (replaced?)"
+        lines.append(f"warning: hsbuild.lock {what}, although a process owns this build and answered; nothing "
+                     "stops a second run now: do not start one until this one has finished")
     lines.append(f"samples: {st['total']} total | {st['done']} done ({st['written']} written, {st['verified']} "
                  f"verified) | {st['failed']} failed | {st['started']} in flight/interrupted | {st['pending']} pending")
     lines.append(f"tokens:  {st['tokens_done']:,} of {st['tokens_total']:,} | data {human_bytes(st['bytes_done'])}")
@@ -202,7 +211,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query  # noqa: PLC0415
 
-    cols, rows = run_query(layout(args.build).require(), args.query)
+    cols, rows = run_query(layout(args.build).require(), args.query, timeout=args.timeout)
     print_rows(cols, rows, _fmt(args))
     return EXIT_OK
 

@@ -17,6 +17,9 @@ from builder.cli.progress import progress_for
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK
 from builder.humanize import human_bytes
 
+TAKE_OVER_HELP = ("take the build over from an owner on another host that never released it (make sure it no "
+                  "longer runs there first)")
+
 
 def add_commands(sub, out) -> None:
     p = sub.add_parser("verify", parents=[out],
@@ -35,10 +38,12 @@ def add_commands(sub, out) -> None:
     p.add_argument("--continue", dest="resume", action="store_true",
                    help="continue the last interrupted sweep, skipping what it already checked")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--take-over", action="store_true", help=TAKE_OVER_HELP)
 
     p = sub.add_parser("gc", parents=[out], help="remove orphaned bytes (crashed writers' leftovers)")
     p.add_argument("build")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    p.add_argument("--take-over", action="store_true", help=TAKE_OVER_HELP)
 
 
 def _err(msg: str) -> None:
@@ -74,7 +79,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     opts = SweepOptions(quick=args.quick, subset=args.subset, fraction=args.fraction, seed=args.seed,
                         not_verified_since=args.not_verified_since, segments=args.segment, max_rate=args.max_rate,
-                        jobs=args.jobs, resume=args.resume, progress=progress_for(args))
+                        jobs=args.jobs, resume=args.resume, progress=progress_for(args), take_over=args.take_over)
     s = run_sweep(args.build, opts, echo=_err)
     fmt = _fmt(args)
     if fmt == "json":
@@ -128,7 +133,9 @@ def summary_lines(build: str, s) -> list[str]:
 def cmd_gc(args: argparse.Namespace) -> int:
     from builder.verify.gc import collect_garbage  # noqa: PLC0415
 
-    rep = collect_garbage(args.build, dry_run=args.dry_run)
+    rep = collect_garbage(args.build, dry_run=args.dry_run, take_over=args.take_over)
+    if rep.record_error:
+        _err(f"hsbuild gc: warning: {rep.record_error} (the removal itself is done)")
     fmt = _fmt(args)
     if fmt == "json":
         print_json(rep.as_dict())

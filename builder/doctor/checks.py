@@ -323,11 +323,142 @@ def check_filesystem(ctx: Context, mounts_text: str | None = None) -> Check:
     return Check("storage.filesystem", OK, summary, data=m)
 
 
+# Where flock(2) on hsbuild.lock excludes every other owner (docs/design.md, "The build lock").
+LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs", "ramfs", "overlay", "jfs",
+            "reiserfs", "nilfs2", "hfsplus", "vfat", "exfat"}
+
+
+@dataclass
+class Mount:
+    mount_point: str
+    fstype: str
+    source: str
+    options: dict[str, str | None]  # mount options and superblock options together: {"ro": None, "vers": "4.2"}
+
+    def as_dict(self) -> dict:
+        return {"mount_point": self.mount_point, "fstype": self.fstype, "device": self.source,
+                "options": ",".join(k if v is None else f"{k}={v}" for k, v in self.options.items())}
+
+
+def _options(*texts: str) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for text in texts:
+        for opt in filter(None, text.split(",")):
+            k, eq, v = opt.partition("=")
+            out[k] = v if eq else None
+    return out
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """/proc/self/mountinfo lines: 'ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTS'."""
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        a, b = left.split(), right.split()
+        if not sep or len(a) < 6 or len(b) < 2:
+            continue
+        out.append(Mount(_unescape_mount(a[4]), b[0], _unescape_mount(b[1]), _options(a[5], b[2] if len(b) > 2 else "")))
+    return out
+
+
+def parse_mounts(text: str) -> list[Mount]:
+    """/proc/mounts lines: 'SOURCE MOUNTPOINT FSTYPE OPTS 0 0' (options of mount and superblock merged)."""
+    out = []
+    for line in text.splitlines():
+        p = line.split()
+        if len(p) >= 3:
+            out.append(Mount(_unescape_mount(p[1]), p[2], _unescape_mount(p[0]), _options(p[3] if len(p) > 3 else "")))
+    return out
+
+
+def mount_entry(path: Path, mounts: list[Mount]) -> Mount | None:
+    """The mount with the longest mount point that contains path (later entries over the same point win)."""
+    real = os.path.realpath(path)
+    best, best_len = None, -1
+    for m in mounts:
+        mnt = m.mount_point
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best_len:
+            best, best_len = m, len(mnt)
+    return best
+
+
+def lock_safety(fstype: str, options: dict[str, str | None]) -> tuple[str, str]:
+    """(status, why): does flock(2) on this filesystem exclude owners on every host that mounts it?"""
+    base = fstype.split(".", 1)[0]
+    if fstype in LOCAL_FS:
+        return OK, f"{fstype} is a local filesystem: flock excludes every other process"
+    if base in ("nfs", "nfs4"):
+        local = options.get("local_lock")
+        if "nolock" in options:
+            return FAIL, "NFS mounted with nolock: flock is local to each client host"
+        if local in ("flock", "all"):
+            return FAIL, f"NFS mounted with local_lock={local}: flock is local to each client host"
+        if local in ("none", "posix"):
+            return OK, f"NFS (local_lock={local}): flock is forwarded to the server as a lock every client sees"
+        return WARN, "NFS whose lock options are not shown: flock may be local to each client host"
+    if base == "lustre":
+        if "localflock" in options:
+            return FAIL, "Lustre mounted with localflock: flock is local to each client node"
+        if "flock" in options:
+            return OK, "Lustre mounted with flock: flock is coherent across client nodes"
+        return FAIL, "Lustre without the flock mount option: flock is not supported"
+    if base in ("fuse", "fuseblk"):
+        return WARN, f"{fstype} (FUSE): whether flock reaches other hosts depends on the filesystem daemon"
+    if base == "ceph":
+        return WARN, "CephFS (kernel client): flock is coherent across clients through the MDS, but a client " \
+                     "evicted by the cluster loses its locks while its process runs on"
+    if base in ("cifs", "smb3", "gpfs", "beegfs", "9p", "glusterfs", "ocfs2", "gfs2", "orangefs"):
+        return WARN, f"{fstype} is shared between hosts: flock may not exclude a run on another host"
+    return WARN, f"unknown filesystem type {fstype}: cannot tell whether flock excludes other hosts"
+
+
+def check_locking(ctx: Context, mountinfo_text: str | None = None) -> Check:
+    """Is the build's filesystem safe for the event log's single-owner lock?"""
+    if mountinfo_text is not None:
+        mounts = parse_mountinfo(mountinfo_text)
+    else:
+        try:
+            mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+        except OSError:
+            try:
+                mounts = parse_mounts(Path("/proc/mounts").read_text())
+            except OSError:
+                mounts = []
+    m = mount_entry(ctx.lay.root, mounts)
+    if m is None:
+        return Check("storage.locking", WARN, f"cannot tell which filesystem holds {ctx.lay.root} (no mount table)",
+                     "make sure no two hosts run hsbuild on this build at once", {"fstype": None})
+    status, why = lock_safety(m.fstype, m.options)
+    fix = None
+    if status != OK:
+        fix = ("keep the build (its events.duckdb and hsbuild.lock) on a local disk, or make sure only one host "
+               "ever runs hsbuild on it" + ("; for Lustre mount with -o flock" if m.fstype == "lustre" else "")
+               + ("; for NFS mount without nolock/local_lock" if m.fstype.startswith("nfs") else ""))
+    return Check("storage.locking", status, f"build lock: {why}", fix, m.as_dict())
+
+
 def _meta(q: Query) -> dict:
     return {k: json.loads(v) for k, v in q("SELECT key, value FROM meta")[1]}
 
 
+FULL_BYTES = 1 << 20  # below this much free space the volume counts as full: the event log may not commit
+
+
+def _full(ctx: Context, u) -> Check | None:
+    if u.free >= FULL_BYTES:
+        return None
+    return Check("storage.space", WARN if ctx.for_run else FAIL,
+                 f"the volume is full: {human_bytes(u.free)} free of {human_bytes(u.total)}; the event log cannot "
+                 "commit, so run/resume/verify/gc cannot record anything",
+                 f"free space on the volume of {ctx.lay.root} (`hsbuild gc` removes orphaned bytes; see "
+                 "docs/runbook.md), then `hsbuild resume`", {"free_bytes": u.free, "total_bytes": u.total,
+                                                            "full": True})
+
+
 def check_space(ctx: Context) -> Check:
+    full = _full(ctx, disk_usage(ctx.lay.root))
+    if full is not None:
+        return full
     if ctx.query is None:
         u = disk_usage(ctx.lay.root)
         return Check("storage.space", WARN, f"{human_bytes(u.free)} free ({u.usage:.1%} used); projected need "
@@ -451,8 +582,15 @@ def _stale(info: dict, taken_over: bool) -> Check:
     who = (f"{info.get('purpose', 'run')} pid {pid} (run {str(info.get('run_id') or '?')[:8]}, started {when}"
            + ("" if here else f", host {host}") + ")")
     if not here:
-        state = "is not holding it (its host is another machine)"
-    elif alive:
+        data = {"held": False, "stale": None, "pid": pid, "pid_alive": None, "host": host, "owner": info,
+                "safe_to_take_over": False, "taken_over": taken_over}
+        if taken_over:
+            return Check("build.lock", WARN, f"took over the lock of {who} (--take-over)",
+                         f"make sure nothing runs on this build on {host}", data)
+        return Check("build.lock", WARN, f"lock record of {who}, never released: a lock held on another host may "
+                     "be invisible here, so runs refuse to start", f"make sure it does not run on {host}, then pass "
+                     "--take-over to run/resume/verify/gc", data)
+    if alive:
         state = f"no longer holds it (pid {pid} now belongs to another process)"
     else:
         state = "is dead (killed or crashed)"

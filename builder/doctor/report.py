@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from builder.config import BuildConfig, load_config
 from builder.doctor import checks as dc
 from builder.doctor.checks import FAIL, OK, WARN, Check, Context, plural
-from builder.errors import BuildLockedError, HsbuildError, PreflightError
+from builder.errors import BuildLockedError, DiskFullError, HsbuildError, PreflightError
 from builder.extract.model import check_device_spec
 from builder.layout import BuildLayout
 from builder.log.events import Event, EventLog, open_log
@@ -98,6 +98,7 @@ def _system_checks(ctx: Context, probe: bool) -> list[Check]:
     checks += _guard("env.source", lambda: dc.check_source(ctx))
     checks += _guard("gpu", lambda: dc.check_gpus(ctx))
     checks += _guard("storage.filesystem", lambda: dc.check_filesystem(ctx))
+    checks += _guard("storage.locking", lambda: dc.check_locking(ctx))
     checks += _guard("storage.staging", lambda: dc.check_staging(ctx))
     if probe:
         checks += _guard("storage.probe", lambda: dc.check_probe(ctx))
@@ -142,19 +143,23 @@ def _build_reader(lay: BuildLayout, record: bool) -> Iterator[tuple[str, EventLo
         try:
             lock = BuildLock(lay, "doctor").acquire()
         except BuildLockedError:
-            lock = None  # a run started just now: ask it
+            lock = None  # a run started just now (ask it), or a record from another host (read only)
         except OSError:
-            lock = None  # cannot write here (someone else's build, read-only mount): read only
+            lock = None  # cannot write here (someone else's build, read-only mount, full disk): read only
         if lock is not None:
             try:
-                log = open_log(lay.events, wait=10.0)
                 try:
-                    yield "locked", log, state
-                finally:
-                    log.close()
+                    log = open_log(lay.events, wait=10.0)
+                except DiskFullError:
+                    log = None  # cannot even open it for writing: read it, record nothing
+                if log is not None:
+                    try:
+                        yield "locked", log, state
+                    finally:
+                        log.close()
+                    return
             finally:
                 lock.release(keep_previous=True)
-            return
         state = inspect_lock(lay)
     if state.held:
         yield "live", None, state
@@ -199,8 +204,13 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
         checks += _state_checks(ctx, state, None)
         report.checks = _ordered(checks)
         if how == "locked" and log is not None:
-            report.recorded = True
-            log.append([_event(report)])
+            try:
+                log.append([_event(report)])
+                report.recorded = True
+            except DiskFullError as e:  # a finding, not a crash
+                report.checks = _ordered(report.checks + [Check(
+                    "storage.record", FAIL, f"cannot record this report: {e}",
+                    f"free space on the volume of {lay.root}, then `hsbuild resume`", {"recorded": False})])
     return report
 
 
@@ -228,7 +238,11 @@ def preflight_for_run(lay: BuildLayout, cfg: BuildConfig, log: EventLog, force: 
     checks = _system_checks(ctx, probe) + _state_checks(ctx, None, previous_owner)
     report.checks = _ordered(checks)
     report.forced = bool(force and report.problems and not unforceable(report))
-    log.append([_event(report)])
+    try:
+        log.append([_event(report)])
+    except DiskFullError as e:
+        raise DiskFullError(f"{lay.root}: the volume is full, so the event log cannot commit and the run cannot "
+                            "start; free space (`hsbuild gc` removes orphaned bytes), then `hsbuild resume`") from e
     report.recorded = True
     if report.problems and (not force or unforceable(report)):
         hard = unforceable(report)  # one line: what no flag can fix, and the way out

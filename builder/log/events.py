@@ -3,13 +3,20 @@
 One process owns the log at a time (the coordinator of a run, or a verify sweep). It appends events in
 batches, each batch one transaction, as an Arrow table (DuckDB autocommit fsyncs every statement and
 `executemany` is slow). Readers either open the file read-only (no owner) or ask the owner over its socket.
+
+`seq` is unique (an index) and each append checks that the log's last `seq` is still the one this owner
+wrote: a second writer (which the build lock should make impossible) fails loudly instead of interleaving.
+A full disk surfaces as `DiskFullError`; `EventBatch` keeps its events and retries (see its docstring).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import hashlib
 import json
+import os
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -20,7 +27,7 @@ from typing import Protocol
 import duckdb
 import pyarrow as pa
 
-from builder.errors import BuildLockedError, QueryError
+from builder.errors import BuildLockedError, DiskFullError, LogConflictError, QueryError
 
 
 def schema_dir() -> Path:
@@ -79,6 +86,33 @@ def detail(**kw: object) -> str:
     return json.dumps(kw, default=str, sort_keys=True)
 
 
+def is_no_space(e: BaseException) -> bool:
+    """An error caused by a full volume (or quota), from the OS or from DuckDB."""
+    if isinstance(e, DiskFullError):
+        return True
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    msg = str(e)
+    return "No space left on device" in msg or "Disk quota exceeded" in msg
+
+
+def describe_pid(pid: int) -> str:
+    """'pid N (command line)' for a message, as far as /proc tells."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmd = ""
+    if len(cmd) > 100:
+        cmd = cmd[:97] + "..."
+    return f"pid {pid}" + (f" ({cmd})" if cmd else "")
+
+
+def _holder(message: str) -> str:
+    """Who DuckDB says holds the file ('Conflicting lock is held in /usr/bin/python3 (PID 123) ...')."""
+    m = re.search(r"\(PID (\d+)\)", message)
+    return describe_pid(int(m.group(1))) if m else "another process"
+
+
 class EventLog:
     """Owner's (or read-only) handle on `events.duckdb`."""
 
@@ -89,17 +123,34 @@ class EventLog:
             self.con = duckdb.connect(str(self.path), read_only=read_only)
         except duckdb.IOException as e:
             if "lock" in str(e).lower():
-                raise BuildLockedError(
-                    f"{self.path}: the event log is held by another process (a run or verify is going); "
-                    "use `hsbuild status` / `hsbuild sql`, which ask that process, or wait for it to finish"
-                ) from e
+                raise self._locked_error(str(e)) from e
+            if is_no_space(e):
+                raise DiskFullError(f"{self.path}: cannot open the event log: the volume is full; free space "
+                                    "and try again") from e
             raise
-        if not read_only:
-            self._apply_schema()
-        self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        try:
+            if not read_only:
+                self._apply_schema()
+            self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        except BaseException:
+            self.con.close()
+            raise
+
+    def _locked_error(self, message: str) -> BuildLockedError:
+        who = _holder(message)
+        if self.read_only:
+            return BuildLockedError(
+                f"{self.path}: the event log is held by {who}, which owns the build (a run, verify or gc is "
+                "going); use `hsbuild status` / `hsbuild sql`, which ask that process, or wait for it to finish")
+        # every writer takes the build lock first, so what holds the file now is normally a reader
+        return BuildLockedError(
+            f"{self.path}: the event log is held by {who}, and a writer needs it alone (readers let go: `hsbuild "
+            "sql` and `status` at once, a training job or a DuckDB shell when it closes the file); try again, or "
+            "stop that process")
 
     def _apply_schema(self) -> None:
-        """Create tables and views; re-create views only when schema/*.sql changed (opening changes nothing)."""
+        """Create tables and views; re-create views only when schema/*.sql changed (opening changes nothing).
+        This is also the migration of an existing log (e.g. the unique index on `seq`)."""
         d = schema_dir()
         ddl = (d / "events.sql").read_text() + (d / "views.sql").read_text()
         digest = hashlib.blake2b(ddl.encode(), digest_size=8).hexdigest()
@@ -109,12 +160,28 @@ class EventLog:
             row = None
         if row and json.loads(row[0]) == digest:
             return
-        self.con.execute((d / "events.sql").read_text())
-        self.con.execute((d / "views.sql").read_text())
-        self.set_meta({"schema_digest": digest})
+        try:
+            self.con.execute((d / "events.sql").read_text())
+            self.con.execute((d / "views.sql").read_text())
+            self.set_meta({"schema_digest": digest})
+        except duckdb.ConstraintException as e:
+            raise LogConflictError(
+                f"{self.path}: two events share a seq number (two processes wrote to this log at once, e.g. on a "
+                "network filesystem whose locks are local to each host); the log cannot be upgraded. "
+                "Inspect it with: hsbuild sql BUILD \"SELECT seq, count(*) FROM events GROUP BY seq HAVING "
+                "count(*) > 1\"") from e
+        except duckdb.Error as e:
+            if is_no_space(e):
+                raise DiskFullError(f"{self.path}: cannot update the event log's schema: the volume is full; "
+                                    "free space and try again") from e
+            raise
 
     def close(self) -> None:
-        self.con.close()
+        try:
+            self.con.close()
+        except duckdb.Error as e:  # a checkpoint on a full disk: the committed events stay in the WAL
+            if not is_no_space(e):
+                raise
 
     def __enter__(self) -> EventLog:
         return self
@@ -124,7 +191,9 @@ class EventLog:
 
     # -- writing ----------------------------------------------------------------------------------------
     def append(self, events: Sequence[Event]) -> None:
-        """Commit a batch of events in one transaction."""
+        """Commit a batch of events in one transaction. Raises DiskFullError when the volume is full (nothing
+        of the batch is committed; it may be appended again), LogConflictError when another process appended
+        to the log since this one last did."""
         if not events:
             return
         now = utcnow()
@@ -142,18 +211,32 @@ class EventLog:
         try:
             cur.register("_batch", batch)
             cur.execute("BEGIN TRANSACTION")
+            top = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            if top != self._seq:
+                raise self._conflict(top)
             cur.execute("INSERT INTO events SELECT * FROM _batch")
             cur.execute("COMMIT")
-        except BaseException:
+        except BaseException as e:
             try:
                 cur.execute("ROLLBACK")
             except duckdb.Error:
                 pass
+            if isinstance(e, duckdb.ConstraintException):
+                raise self._conflict(None) from e
+            if isinstance(e, duckdb.Error) and is_no_space(e):
+                raise DiskFullError(f"{self.path}: cannot commit to the event log: the volume is full") from e
             raise
         finally:
             cur.unregister("_batch")
             cur.close()
         self._seq = seq
+
+    def _conflict(self, top: int | None) -> LogConflictError:
+        seen = f"its last seq is {top}, this owner's {self._seq}" if top is not None else "a seq number is taken"
+        return LogConflictError(
+            f"{self.path}: another process appended to the event log ({seen}): two writers on one build, which "
+            "the build lock should prevent (a network filesystem whose locks are local to each host?). This one "
+            "stops; what it committed is kept. See `hsbuild doctor` (storage.locking) and docs/design.md")
 
     def set_meta(self, items: dict[str, object]) -> None:
         rows = pa.Table.from_pydict({"key": list(items), "value": [json.dumps(v, default=str) for v in items.values()]})
@@ -215,39 +298,100 @@ class EventLog:
 
 FLUSH_SECONDS = 0.5  # an owner commits its pending events at least this often ...
 FLUSH_EVENTS = 512  # ... or once this many are pending
+COMMIT_WAIT_S = float(os.environ.get("HSBUILD_COMMIT_WAIT", "120"))  # how long a full disk may stall commits
 
 
 class EventBatch:
     """An owner's pending events, committed in batches (one transaction each): when FLUSH_EVENTS are pending,
-    FLUSH_SECONDS after the last commit, or when forced. `before_commit` runs first (e.g. release the ballast)."""
+    FLUSH_SECONDS after the last commit, or when forced. `before_commit` runs first (e.g. release the ballast).
 
-    def __init__(self, log: EventLog, run_id: str, before_commit: Callable[[], None] | None = None):
+    A full disk (DiskFullError) never loses the batch: the events stay pending, `before_commit` runs again
+    (releasing the ballast), and commits are retried with backoff (0.1 s doubling to 5 s). A routine flush
+    returns at once while stalled; a forced flush waits. Once commits have failed for `wait` seconds
+    (COMMIT_WAIT_S, env HSBUILD_COMMIT_WAIT) the flush raises DiskFullError, once: the owner stops at a safe
+    point; later flushes still try, quietly, so its last events commit if space comes back meanwhile.
+    An owner whose very first commit fails (a run or sweep starting on a full disk) is refused at once.
+    """
+
+    def __init__(self, log: EventLog, run_id: str, before_commit: Callable[[], None] | None = None,
+                 wait: float | None = None):
         self.log, self.run_id, self.before_commit = log, run_id, before_commit
+        self.wait = COMMIT_WAIT_S if wait is None else wait
         self.events: list[Event] = []
         self.last_commit = time.monotonic()
+        self.stalled_since: float | None = None  # commits fail for lack of space since then
+        self.gave_up = False  # DiskFullError was raised once
+        self.last_error: DiskFullError | None = None
+        self._backoff = 0.0
+        self._next_try = 0.0
+        self.commits = 0
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_since is not None
 
     def emit(self, ev: Event) -> None:
         ev.run_id = ev.run_id or self.run_id
         self.events.append(ev)
 
-    def flush(self, force: bool = False) -> None:
+    def flush(self, force: bool = False) -> bool:
+        """Commit the pending events if due. Returns True when none are left pending."""
         now = time.monotonic()
-        if self.events and (force or len(self.events) >= FLUSH_EVENTS or now - self.last_commit >= FLUSH_SECONDS):
-            if self.before_commit is not None:
-                self.before_commit()
+        if not self.events:
+            return True
+        if not (force or len(self.events) >= FLUSH_EVENTS or now - self.last_commit >= FLUSH_SECONDS):
+            return False
+        if (force or self.stalled_since is None or now >= self._next_try) and self._try():
+            return True
+        if self.gave_up:
+            return False  # the error has gone up once; keep trying quietly
+        if not self.commits:
+            self.gave_up = True
+            raise DiskFullError(f"{self.log.path}: the volume is full: the event log cannot commit, so nothing can "
+                                "start; free space (`hsbuild gc` removes orphaned bytes), then try again"
+                                ) from self.last_error
+        if force:
+            while time.monotonic() - (self.stalled_since or now) < self.wait:
+                time.sleep(max(0.0, min(self._next_try - time.monotonic(), 5.0)))
+                if self._try():
+                    return True
+        if time.monotonic() - (self.stalled_since or now) >= self.wait:
+            self.gave_up = True
+            raise DiskFullError(
+                f"{self.log.path}: the event log could not commit for {self.wait:.0f} s: the volume is full "
+                f"({len(self.events)} event(s) not committed: their samples are redone); free space, then "
+                "`hsbuild resume`") from self.last_error
+        return False
+
+    def _try(self) -> bool:
+        if self.before_commit is not None:
+            self.before_commit()
+        try:
             self.log.append(self.events)
-            self.events = []
-            self.last_commit = now
+        except DiskFullError as e:
+            now = time.monotonic()
+            if self.stalled_since is None:
+                self.stalled_since, self._backoff = now, 0.1
+            else:
+                self._backoff = min(self._backoff * 2, 5.0)
+            self._next_try = now + self._backoff
+            self.last_error = e
+            return False
+        self.events = []
+        self.last_commit = time.monotonic()
+        self.commits += 1
+        self.stalled_since, self.gave_up, self.last_error = None, False, None
+        return True
 
 
 def open_log(path: Path, read_only: bool = False, wait: float = 15.0) -> EventLog:
     """Open the log, waiting while another process holds the file for a moment (a short-lived `hsbuild sql`
-    reader, or an owner that is just finishing)."""
+    reader, or an owner that is just finishing). Errors other than a held file are not retried."""
     deadline = time.monotonic() + wait
     while True:
         try:
             return EventLog(path, read_only=read_only)
-        except Exception:
+        except BuildLockedError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1 if read_only else 0.2)

@@ -1,8 +1,18 @@
 """The build lock: one owner of the event log at a time.
 
-`hsbuild.lock` is held with flock(2) by the owner (a run, a verify sweep, gc). The kernel releases the flock
-when the owner dies, even by SIGKILL, so a lock file whose flock is free is stale and safe to take over; its
-JSON content still names the dead owner, which `doctor` reports. A clean exit empties the file.
+`hsbuild.lock` is held with flock(2) by the owner (a run, a verify sweep, gc, doctor for a moment). The kernel
+releases the flock when the owner dies, even by SIGKILL, so a lock file whose flock is free is stale and safe
+to take over; its JSON record still names the dead owner, which `doctor` reports. A clean exit blanks the
+record. What is guaranteed where (local vs network filesystems) is in docs/design.md, "The build lock".
+
+- Inspecting (`status`, `sql`, `doctor`) never takes the lock: on Linux it reads /proc/locks, so a probe can
+  never make an owner's acquire fail. Only where /proc/locks cannot tell (unreadable, or the owner found its
+  own lock invisible there) does it fall back to a brief LOCK_SH probe; the owner's acquire retries for
+  ACQUIRE_RETRY_S before it reports the build busy.
+- The record is written into a preallocated RECORD_SIZE region (padded JSON), so taking or releasing the lock
+  never needs a free block: it works on a full disk.
+- A record naming another host that was never released is refused (flock on a network filesystem may be local
+  to each host): the message names the host; `take_over=True` (`--take-over`) overrides.
 """
 
 from __future__ import annotations
@@ -18,11 +28,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.errors import BuildLockedError, BuildReadOnlyError
+from builder.errors import BuildLockedError, BuildReadOnlyError, DiskFullError, ForeignLockError
 from builder.layout import BuildLayout
+
+RECORD_SIZE = 4096  # bytes reserved for the lock record (JSON padded with spaces)
+ACQUIRE_RETRY_S = 1.0  # an owner retries a busy flock this long before reporting "busy"
+PROC_LOCKS = Path("/proc/locks")
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
 def socket_path_for(lay: BuildLayout) -> Path:
+    """The owner's query socket: deterministic, so clients find it even without the lock record."""
     p = lay.root / "hsbuild.sock"
     if len(str(p)) < 100:
         return p
@@ -40,46 +56,110 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def hostname() -> str:
+    return socket.gethostname()
+
+
 @dataclass
 class LockState:
     held: bool  # a live process holds the flock
-    info: dict | None  # the lock file's content (owner of the live lock, or the dead one)
+    info: dict | None  # the lock file's record (owner of the live lock, or the dead one)
+    missing: bool = False  # there is no lock file at all
+    how: str = "proc_locks"  # how `held` was found: 'proc_locks' (no lock taken) or 'probe' (LOCK_SH)
 
     @property
     def stale(self) -> bool:
         return not self.held and bool(self.info)
 
+    @property
+    def foreign_host(self) -> str | None:
+        """The host named by a record written on another machine, if any."""
+        host = (self.info or {}).get("host")
+        return host if host and host != hostname() else None
+
+
+def parse_record(raw: bytes) -> dict | None:
+    text = raw.replace(b"\0", b" ").strip()
+    if not text:
+        return None
+    try:
+        info = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _dev_ino(st: os.stat_result) -> tuple[int, int, int]:
+    return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
+
+
+def flock_holders(st: os.stat_result, text: str | None = None) -> list[int] | None:
+    """PIDs holding an exclusive flock on the file `st` describes, from /proc/locks (no lock is taken).
+    None when /proc/locks cannot be read. Waiters (`->` lines) and shared locks do not count."""
+    if text is None:
+        try:
+            text = PROC_LOCKS.read_text()
+        except OSError:
+            return None
+    want = _dev_ino(st)
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 3704 fe:00:2146501 0 EOF"; a blocked waiter reads "1: -> FLOCK ..."
+        if len(parts) < 6 or parts[1] != "FLOCK" or parts[3] != "WRITE":
+            continue
+        try:
+            major, minor, ino = parts[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(ino))
+        except ValueError:
+            continue
+        if key == want:
+            try:
+                out.append(int(parts[4]))
+            except ValueError:
+                out.append(-1)
+    return out
+
+
+def _probe(fd: int) -> bool:
+    """Held? by taking LOCK_SH for an instant (the fallback: it can make a concurrent LOCK_EX|LOCK_NB fail,
+    which the owner's retry absorbs)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
 
 def inspect_lock(lay: BuildLayout) -> LockState:
+    """Who owns the build, without ever getting in an owner's way."""
     try:
         fd = os.open(lay.lock, os.O_RDONLY)
     except FileNotFoundError:
-        return LockState(False, None)
+        return LockState(False, None, missing=True)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            held = False
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except BlockingIOError:
-            held = True
-        raw = os.read(fd, 65536)
+        st = os.fstat(fd)
+        raw = os.pread(fd, 65536, 0)
+        info = parse_record(raw)
+        holders = flock_holders(st)
+        if holders is None or (not holders and info and not info.get("proc_locks")):
+            # /proc/locks cannot tell, or the recorded owner could not see its own lock there
+            return LockState(_probe(fd), info, how="probe")
+        return LockState(bool(holders), info)
     finally:
         os.close(fd)
-    try:
-        info = json.loads(raw) if raw.strip() else None
-    except json.JSONDecodeError:
-        info = None
-    return LockState(held, info)
 
 
 class BuildLock:
     """Exclusive ownership of a build. Use as a context manager."""
 
-    def __init__(self, lay: BuildLayout, purpose: str, run_id: str | None = None):
-        self.lay, self.purpose, self.run_id = lay, purpose, run_id
+    def __init__(self, lay: BuildLayout, purpose: str, run_id: str | None = None, take_over: bool = False):
+        self.lay, self.purpose, self.run_id, self.take_over = lay, purpose, run_id, take_over
         self.fd: int | None = None
-        self.previous: dict | None = None  # content left by a dead owner, if any
+        self.previous: dict | None = None  # record left by an owner that did not release (dead, or elsewhere)
         self.socket_path = socket_path_for(lay)
+        self.record_written = False  # False when the disk was too full to write the record (the lock holds)
 
     def acquire(self) -> BuildLock:
         try:
@@ -88,33 +168,62 @@ class BuildLock:
                 os.close(fd)
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self.lay.root))
         except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise
-            raise BuildReadOnlyError(
-                f"{self.lay.root}: not writable ({e.strerror}), so `{self.purpose}` cannot own it; remount the "
-                "volume read-write or fix its permissions (`hsbuild status`/`sql`/`doctor` still read it)"
-            ) from None
+            if e.errno in NO_SPACE:
+                raise DiskFullError(f"{self.lay.lock}: cannot create the lock file: the volume is full; "
+                                    "free space and try again") from None
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise BuildReadOnlyError(
+                    f"{self.lay.root}: not writable ({e.strerror}), so `{self.purpose}` cannot own it; remount the "
+                    "volume read-write or fix its permissions (`hsbuild status`/`sql`/`doctor` still read it)"
+                ) from None
+            raise
+        deadline = time.monotonic() + ACQUIRE_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise self._busy() from None
+                time.sleep(0.01)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            self.previous = parse_record(os.pread(fd, 65536, 0))
+            self._refuse_foreign(self.previous)
+            # an exclusive flock on this inode in /proc/locks right now can only be ours: inspectors may
+            # trust /proc/locks for this file (else they fall back to the LOCK_SH probe)
+            visible = bool(flock_holders(os.fstat(fd)))
+            info = {"pid": os.getpid(), "host": hostname(), "purpose": self.purpose, "run_id": self.run_id,
+                    "started_at": time.time(), "socket": str(self.socket_path), "proc_locks": visible}
+            self.record_written = write_record(fd, info)
+        except BaseException:
+            fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-            st = inspect_lock(self.lay)
-            who = st.info or {}
-            raise BuildLockedError(
-                f"{self.lay.root}: busy: {who.get('purpose', 'another process')} (pid {who.get('pid', '?')}) owns "
-                "this build; watch it with `hsbuild status`, or wait for it to finish"
-            ) from None
-        raw = os.pread(fd, 65536, 0)
-        try:
-            self.previous = json.loads(raw) if raw.strip() else None
-        except json.JSONDecodeError:
-            self.previous = None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose, "run_id": self.run_id,
-                "started_at": time.time(), "socket": str(self.socket_path)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
+            raise
         self.fd = fd
         return self
+
+    def _busy(self) -> BuildLockedError:
+        st = inspect_lock(self.lay)
+        who = st.info or {}
+        where = f" on host {st.foreign_host}" if st.foreign_host else ""
+        return BuildLockedError(
+            f"{self.lay.root}: busy: {who.get('purpose', 'another process')} (pid {who.get('pid', '?')}{where}) "
+            "owns this build; watch it with `hsbuild status`, or wait for it to finish")
+
+    def _refuse_foreign(self, prev: dict | None) -> None:
+        """A record from another host that was never released: that owner may still be running there (flock on
+        a network filesystem may be local to each host). Refuse unless told to take over."""
+        host = (prev or {}).get("host")
+        if not prev or not host or host == hostname() or self.take_over:
+            return
+        when = prev.get("started_at")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, int | float) else "?"
+        raise ForeignLockError(
+            f"{self.lay.root}: the lock record names a {prev.get('purpose', 'run')} on host {host} (pid "
+            f"{prev.get('pid', '?')}, started {since}) that never released the build; a lock taken on another "
+            f"host may be invisible here. Make sure it is not running on {host}, then pass --take-over "
+            f"(or remove {self.lay.lock})")
 
     def release(self, keep_previous: bool = False) -> None:
         """Release; `keep_previous` puts a dead owner's record back (for a short look by `doctor`, so the next
@@ -122,9 +231,7 @@ class BuildLock:
         if self.fd is None:
             return
         try:
-            os.ftruncate(self.fd, 0)
-            if keep_previous and self.previous:
-                os.pwrite(self.fd, json.dumps(self.previous).encode(), 0)
+            write_record(self.fd, self.previous if keep_previous else None)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
         finally:
             os.close(self.fd)
@@ -135,3 +242,30 @@ class BuildLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def write_record(fd: int, info: dict | None) -> bool:
+    """Write the record (None: blank = released cleanly) into the file's preallocated region, so no new block
+    is needed. Returns False when the disk was too full to write it (the flock still holds)."""
+    data = json.dumps(info).encode() if info else b""
+    try:
+        if os.fstat(fd).st_size < RECORD_SIZE:
+            os.posix_fallocate(fd, 0, RECORD_SIZE)
+        if len(data) < RECORD_SIZE:
+            data = data + b" " * (RECORD_SIZE - 1 - len(data)) + b"\n"
+        os.pwrite(fd, data, 0)
+        if len(data) > RECORD_SIZE:
+            os.ftruncate(fd, len(data))
+        return True
+    except OSError as e:
+        if e.errno not in NO_SPACE and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    try:  # no room for the padded region (or no fallocate here): a bare record, or none
+        os.ftruncate(fd, 0)
+        if data.strip():
+            os.pwrite(fd, data.rstrip(), 0)
+        return True
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        return False

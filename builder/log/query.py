@@ -1,8 +1,9 @@
-"""Read-only SQL over a build, live or not.
+"""Read-only SQL over a build, live or not (the client side; the guard itself is in `sandbox`).
 
 While a process owns the build (DuckDB lets no other process open the file, not even read-only), queries go
-to the owner over its Unix socket (mode 0600, so only the same user can ask). Otherwise the file is opened
-read-only. Either way only SELECT-like statements are accepted.
+to the owner over its Unix socket (mode 0600, so only the same user can ask), which runs them on a snapshot
+in a throwaway instance. Otherwise the file is opened read-only in a locked-down instance for the length of
+the query, which gives way (is interrupted and re-asked of the owner) as soon as an owner takes the build.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import json
+import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
@@ -20,12 +23,15 @@ import duckdb
 from builder.errors import BuildLockedError, QueryError, ReadOnlyQueryError
 from builder.layout import BuildLayout
 from builder.log.events import EventLog
-from builder.log.lock import inspect_lock
+from builder.log.lock import LockState, inspect_lock, socket_path_for
+from builder.log.sandbox import MAX_TIMEOUT_S, QUERY_TIMEOUT_S, QueryInterrupted, query_file
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+OWNER_WAIT_S = 10.0  # how long a client waits for an owner that holds the lock but does not answer yet
 
 
 def check_read_only(sql: str) -> None:
+    """Friendlier messages for statements that obviously write. Not the guard: see `sandbox`."""
     try:
         statements = duckdb.connect().extract_statements(sql)
     except duckdb.Error as e:
@@ -35,11 +41,24 @@ def check_read_only(sql: str) -> None:
     if len(statements) > 1:
         raise ReadOnlyQueryError("give one statement at a time")
     kind = statements[0].type
+    if kind == duckdb.StatementType.EXPLAIN:  # EXPLAIN ANALYZE runs its statement: name what that would be
+        inner = re.sub(r"^\s*EXPLAIN\s+(\([^)]*\)\s*)?(ANALY[SZ]E\s+)?", "", sql, flags=re.IGNORECASE)
+        try:
+            kind = duckdb.connect().extract_statements(inner)[0].type
+        except (duckdb.Error, IndexError):
+            pass  # the structural guard still holds
+        kind = duckdb.StatementType.SELECT if kind == duckdb.StatementType.EXPLAIN else kind
     if kind not in ALLOWED:
         name = getattr(kind, "name", str(kind))
         raise ReadOnlyQueryError(
             f"refused: {name} statements would change the build; `hsbuild sql` is read-only (SELECT only)"
         )
+
+
+def check_timeout(timeout: float) -> float:
+    if not 0 < timeout <= MAX_TIMEOUT_S:
+        raise QueryError(f"--timeout {timeout:g}: give seconds between 0 and {MAX_TIMEOUT_S:g}")
+    return float(timeout)
 
 
 def jsonable(v: object) -> object:
@@ -71,7 +90,10 @@ def ask_owner(sock_path: Path, request: dict, timeout: float = 2.0) -> dict:
     try:
         s.connect(str(sock_path))
         s.sendall(json.dumps(request).encode() + b"\n")
-        return json.loads(recv_line(s))
+        line = recv_line(s)
+        if not line:
+            raise ConnectionResetError("the owner closed the connection without answering")
+        return json.loads(line)
     finally:
         s.close()
 
@@ -87,53 +109,85 @@ def recv_line(s: socket.socket) -> bytes:
     return bytes(buf)
 
 
-def _live_socket(lay: BuildLayout) -> Path | None:
-    st = inspect_lock(lay)
-    if st.held and st.info and st.info.get("socket"):
-        return Path(st.info["socket"])
-    return None
+def _sockets(lay: BuildLayout, st: LockState) -> list[Path]:
+    """Where the owner may answer: the socket its lock record names, and the deterministic path (which still
+    works when the lock file was deleted or its record is missing)."""
+    out = []
+    if st.info and st.info.get("socket"):
+        out.append(Path(st.info["socket"]))
+    fixed = socket_path_for(lay)
+    if fixed not in out:
+        out.append(fixed)
+    return out
 
 
-def request(lay: BuildLayout, req: dict, wait: float = 3.0) -> dict | None:
-    """Ask the live owner, if any. Returns None when no process owns the build."""
+def request(lay: BuildLayout, req: dict, wait: float = OWNER_WAIT_S, timeout: float = 2.0) -> dict | None:
+    """Ask the live owner, if any. Returns None when no process owns the build.
+
+    A reply reached although the lock file is missing (or not held) carries `lock_file_missing` /
+    `lock_not_held`: something deleted or replaced hsbuild.lock under a live owner."""
     deadline = time.monotonic() + wait
     while True:
-        sock = _live_socket(lay)
-        if sock is None:
-            if not inspect_lock(lay).held:
-                return None
-        else:
+        st = inspect_lock(lay)
+        for sock in _sockets(lay, st):
+            if not st.held and not sock.exists():
+                continue
             try:
-                return ask_owner(sock, req)
-            except (FileNotFoundError, ConnectionRefusedError, TimeoutError, OSError):
-                pass
+                reply = ask_owner(sock, req, timeout)
+            except (ConnectionRefusedError, FileNotFoundError):
+                continue  # a stale socket file, or not listening yet
+            except (TimeoutError, OSError):
+                continue
+            if not st.held and not inspect_lock(lay).held:  # (not an owner that took the lock just now)
+                reply["lock_file_missing" if st.missing else "lock_not_held"] = True
+            return reply
+        if not st.held:
+            return None
         if time.monotonic() > deadline:
-            return {"ok": False, "error": "the process that owns this build does not answer queries; try again"}
+            who = st.info or {}
+            return {"ok": False, "error": f"the {who.get('purpose', 'process')} that owns this build (pid "
+                    f"{who.get('pid', '?')}) does not answer queries (still starting?); try again"}
         time.sleep(0.1)
 
 
-def _ask_or_read(lay: BuildLayout, req: dict, offline, timeout: float = 10.0):
-    """Ask the live owner; with none, read the file. Handles a run that starts between the two."""
+def _raise_reply(reply: dict) -> None:
+    if not reply.get("ok"):
+        msg = reply.get("error", "query failed")
+        raise ReadOnlyQueryError(msg) if reply.get("kind") == "ReadOnlyQueryError" else QueryError(msg)
+
+
+def _ask_or_read(lay: BuildLayout, req: dict, offline: Callable[[], object], timeout: float = 10.0,
+                 ask_timeout: float = 2.0) -> dict:
+    """Ask the live owner; with none, read the file. Handles a run that starts between the two, or during
+    the read (the read gives way and the owner is asked)."""
     deadline = time.monotonic() + timeout
     while True:
-        reply = request(lay, req)
+        reply = request(lay, req, timeout=ask_timeout)
         if reply is not None:
-            if not reply.get("ok"):
-                raise QueryError(reply.get("error", "query failed"))
+            _raise_reply(reply)
             return reply
         try:
-            with EventLog(lay.events, read_only=True) as log:
-                return {"offline": offline(log)}
+            return {"offline": offline()}
+        except QueryInterrupted as e:
+            if e.reason != "asked":
+                raise
         except BuildLockedError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
 
 
-def run_query(lay: BuildLayout, sql: str) -> tuple[list[str], list[list]]:
-    """Run one read-only statement against a build; returns (columns, rows) with JSON-able values."""
+def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S) -> tuple[list[str], list[list]]:
+    """Run one read-only statement against a build; returns (columns, rows) with JSON-able values. The
+    query is stopped after `timeout` seconds."""
     check_read_only(sql)
-    reply = _ask_or_read(lay, {"op": "sql", "sql": sql}, lambda log: log.query(sql))
+    timeout = check_timeout(timeout)
+
+    def offline() -> tuple[list[str], list[tuple]]:
+        return query_file(lay.events, sql, timeout, interrupt_if=lambda: inspect_lock(lay).held)
+
+    reply = _ask_or_read(lay, {"op": "sql", "sql": sql, "timeout": timeout}, offline, timeout=10.0,
+                         ask_timeout=timeout + 10.0)
     if "offline" in reply:
         cols, rows = reply["offline"]
         return cols, [[jsonable(v) for v in r] for r in rows]
@@ -142,7 +196,16 @@ def run_query(lay: BuildLayout, sql: str) -> tuple[list[str], list[list]]:
 
 def status_snapshot(lay: BuildLayout) -> dict:
     """Progress plus live state (paused, free space, ...) from the owner, or from the file when idle."""
-    reply = _ask_or_read(lay, {"op": "status"}, lambda log: log.progress())
+
+    def offline() -> dict:
+        with EventLog(lay.events, read_only=True) as log:
+            return log.progress()
+
+    reply = _ask_or_read(lay, {"op": "status"}, offline)
     if "offline" in reply:
         return {"running": False, **{k: jsonable(v) for k, v in reply["offline"].items()}}
-    return reply["status"]
+    st = dict(reply["status"])
+    for flag in ("lock_file_missing", "lock_not_held"):
+        if reply.get(flag):
+            st[flag] = True
+    return st

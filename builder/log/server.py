@@ -1,8 +1,9 @@
 """The owner's query server: answers `hsbuild status` / `hsbuild sql` from other shells during a run.
 
 A daemon thread accepts connections on a Unix socket (mode 0600). Each request is one JSON line; each reply
-one JSON line. Queries run on their own DuckDB cursor of the owner's connection, so they see every committed
-event (the owner commits at least once a second) and never block the writer for long.
+one JSON line. `status` runs the owner's own queries on a cursor of its connection. User SQL never touches
+that connection: it runs on a snapshot in a throwaway, locked-down instance (`sandbox.LiveReplica`), so it sees
+every committed event (the owner commits at least once a second) and can neither write nor block the writer.
 """
 
 from __future__ import annotations
@@ -16,27 +17,36 @@ from pathlib import Path
 
 from builder.errors import HsbuildError
 from builder.log.events import EventLog
-from builder.log.query import check_read_only, jsonable, recv_line
+from builder.log.query import check_read_only, check_timeout, jsonable, recv_line
+from builder.log.sandbox import QUERY_TIMEOUT_S, LiveReplica
 
 
 class QueryServer:
     def __init__(self, sock_path: Path, log: EventLog, status_fn: Callable[[], dict]):
         self.sock_path, self.log, self.status_fn = Path(sock_path), log, status_fn
+        self.replica = LiveReplica(log)
+        self.error: str | None = None  # why the socket could not be opened (the owner runs on without it)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
 
     def start(self) -> QueryServer:
-        self.sock_path.unlink(missing_ok=True)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
+        """Listen; on failure (e.g. no room for the socket's inode) the owner goes on without answering
+        queries, and `error` says why."""
         try:
-            s.bind(str(self.sock_path))
-        finally:
-            os.umask(old)
-        os.chmod(self.sock_path, 0o600)
-        s.listen(16)
-        s.settimeout(0.2)
+            self.sock_path.unlink(missing_ok=True)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o177)
+            try:
+                s.bind(str(self.sock_path))
+            finally:
+                os.umask(old)
+            os.chmod(self.sock_path, 0o600)
+            s.listen(16)
+            s.settimeout(0.2)
+        except OSError as e:
+            self.error = f"{self.sock_path}: {e.strerror or e}"
+            return self
         self._sock = s
         self._thread = threading.Thread(target=self._serve, name="hsbuild-query", daemon=True)
         self._thread.start()
@@ -48,11 +58,13 @@ class QueryServer:
             self._thread.join(timeout=2)
         if self._sock:
             self._sock.close()
-        self.sock_path.unlink(missing_ok=True)
+        if self._sock:
+            self.sock_path.unlink(missing_ok=True)
 
     def _serve(self) -> None:
         assert self._sock is not None
         while not self._stop.is_set():
+            self.replica.drop_if_idle()
             try:
                 conn, _ = self._sock.accept()
             except (TimeoutError, OSError):
@@ -60,7 +72,7 @@ class QueryServer:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(5)
+        conn.settimeout(QUERY_TIMEOUT_S + 5)
         try:
             reply = self.answer(json.loads(recv_line(conn)))
         except Exception as e:  # noqa: BLE001 - a bad request must not kill the server
@@ -77,10 +89,11 @@ class QueryServer:
         try:
             if op == "sql":
                 check_read_only(req.get("sql", ""))
-                cols, rows = self.log.query(req["sql"])
+                timeout = check_timeout(float(req.get("timeout") or QUERY_TIMEOUT_S))
+                cols, rows = self.replica.query(req["sql"], timeout)
                 return {"ok": True, "columns": cols, "rows": [[jsonable(v) for v in r] for r in rows]}
             if op == "status":
                 return {"ok": True, "status": jsonable(self.status_fn())}
             return {"ok": False, "error": f"unknown op {op!r}"}
         except HsbuildError as e:
-            return {"ok": False, "error": str(e)}
+            return {"ok": False, "error": str(e), "kind": type(e).__name__}

@@ -73,6 +73,7 @@ class RunOptions:
     # after Ctrl-C/SIGTERM, seconds the workers get to finish the sample in hand before they are killed (named,
     # their sample left for resume); None: $HSBUILD_STOP_GRACE, else 30
     stop_grace: float | None = None
+    take_over: bool = False  # take the lock over from an owner on another host (--take-over)
 
 
 @dataclass
@@ -142,7 +143,7 @@ class Coordinator:
 
     # -- the run ----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> RunReport:
-        lock = BuildLock(self.lay, "run", self.run_id).acquire()
+        lock = BuildLock(self.lay, "run", self.run_id, take_over=self.opts.take_over).acquire()
         try:
             # validate the source before the log is even opened: bad input changes nothing
             samples = load_source(self.cfg.source, _tokenizer_for(self.cfg))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.config import load_config
+from builder.errors import DiskFullError
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail, open_log
 from builder.log.lock import BuildLock
@@ -228,19 +229,23 @@ class GcReport:
     removed_files: int = 0
     removed_bytes: int = 0
     seconds: float = 0.0
+    record_error: str | None = None  # the `gc` event could not be committed (a full disk): why
 
     def as_dict(self) -> dict:
         return {"gc_id": self.gc_id, "dry_run": self.dry_run, "orphans": self.orphans.as_dict(with_items=True),
                 "removed_files": self.removed_files, "removed_bytes": self.removed_bytes,
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3), "recorded": not self.dry_run and self.record_error is None,
+                "record_error": self.record_error}
 
 
-def collect_garbage(build: str | Path, dry_run: bool = False) -> GcReport:
-    """`hsbuild gc`: under the build lock, find the orphans and (unless dry_run) remove them; record `gc`."""
+def collect_garbage(build: str | Path, dry_run: bool = False, take_over: bool = False) -> GcReport:
+    """`hsbuild gc`: under the build lock, find the orphans and (unless dry_run) remove them; record `gc`.
+    On a full disk the removal still happens (it is what frees space); a `gc` event that cannot be committed
+    is reported in `record_error` rather than raised."""
     lay = layout(build).require()
     gc_id = uuid.uuid4().hex
     t0 = time.monotonic()
-    with BuildLock(lay, "gc", gc_id) as lock:
+    with BuildLock(lay, "gc", gc_id, take_over=take_over) as lock:
         log = open_log(lay.events)
         report = GcReport(gc_id, dry_run, OrphanReport())
         server = QueryServer(lock.socket_path, log, lambda: {"running": True, "purpose": "gc", "run_id": gc_id,
@@ -251,9 +256,12 @@ def collect_garbage(build: str | Path, dry_run: bool = False) -> GcReport:
             if not dry_run:
                 report.removed_files, report.removed_bytes = remove_orphans(lay, report.orphans)
                 report.seconds = time.monotonic() - t0
-                log.append([Event("gc", run_id=gc_id, detail=detail(
-                    removed_files=report.removed_files, removed_bytes=report.removed_bytes,
-                    items=report.orphans.count, by_kind=report.orphans.by_kind(), pid=os.getpid()))])
+                try:
+                    log.append([Event("gc", run_id=gc_id, detail=detail(
+                        removed_files=report.removed_files, removed_bytes=report.removed_bytes,
+                        items=report.orphans.count, by_kind=report.orphans.by_kind(), pid=os.getpid()))])
+                except DiskFullError as e:
+                    report.record_error = str(e)
         finally:
             server.stop()
             log.close()

@@ -75,6 +75,7 @@ class SweepOptions:
     jobs: int | str | None = None
     resume: bool = False  # --continue
     progress: Progress | None = None  # where progress is reported (the CLI draws a bar); None: nowhere
+    take_over: bool = False  # take the lock over from an owner on another host (--take-over)
 
 
 def parse_subset(s: str) -> tuple[int, int]:
@@ -410,7 +411,7 @@ class Sweep:
 
     # -- entry ----------------------------------------------------------------------------------------
     def run(self) -> SweepSummary:
-        lock = BuildLock(self.lay, "verify", self.sweep_id).acquire()
+        lock = BuildLock(self.lay, "verify", self.sweep_id, take_over=self.opts.take_over).acquire()
         try:
             self.log = open_log(self.lay.events)
             self.batch = EventBatch(self.log, self.sweep_id)

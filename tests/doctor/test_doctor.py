@@ -274,6 +274,65 @@ def test_filesystem_type_by_longest_mount_prefix(make_build):
     assert doctor_checks.mount_of(Path("/a b/c"), "/dev/x /a\\040b xfs rw 0 0\n")["fstype"] == "xfs"
 
 
+MOUNTINFO = """\
+22 1 252:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw,errors=remount-ro
+30 22 0:27 / /dev/shm rw,nosuid,nodev shared:4 - tmpfs tmpfs rw,size=1024k
+40 22 0:50 / /mnt/nfs4 rw,relatime shared:10 - nfs4 srv:/export rw,vers=4.2,hard,proto=tcp,local_lock=none,addr=10.0.0.2
+41 22 0:51 / /mnt/nolock rw,relatime shared:11 - nfs srv:/export rw,vers=3,nolock,proto=tcp,local_lock=all,addr=10.0.0.2
+42 22 0:52 / /mnt/nfsflock rw,relatime shared:12 - nfs srv:/export rw,vers=3,proto=tcp,local_lock=flock,addr=10.0.0.2
+43 22 0:53 / /mnt/nfsplain rw,relatime shared:13 - nfs srv:/export rw,vers=3
+44 22 0:54 / /lustre/ok rw,relatime shared:14 - lustre 10.0.0.3@o2ib:/fs rw,flock,lazystatfs
+45 22 0:55 / /lustre/local rw,relatime shared:15 - lustre 10.0.0.3@o2ib:/fs rw,localflock,lazystatfs
+46 22 0:56 / /lustre/none rw,relatime shared:16 - lustre 10.0.0.3@o2ib:/fs rw,lazystatfs
+47 22 0:57 / /mnt/s3 rw,nosuid,nodev,relatime shared:17 - fuse.s3fs s3fs rw,user_id=0,group_id=0
+48 22 0:58 / /mnt/ceph rw,relatime shared:18 - ceph 10.0.0.4:6789:/ rw,name=admin,acl
+49 22 0:59 / /mnt/my\\040data rw,relatime shared:19 - xfs /dev/sdb rw,attr2
+50 22 0:60 / /mnt/btrfs rw shared:20 - btrfs /dev/sdc rw
+51 22 0:61 / /mnt/weird rw shared:21 - weirdfs none rw
+"""
+
+
+@pytest.mark.parametrize("path, status, fstype, words", [
+    ("/home/u/build", "ok", "ext4", "local"),
+    ("/dev/shm/build", "ok", "tmpfs", "local"),
+    ("/mnt/my data/build", "ok", "xfs", "local"),
+    ("/mnt/btrfs/b", "ok", "btrfs", "local"),
+    ("/mnt/nfs4/build", "ok", "nfs4", "forwarded to the server"),
+    ("/mnt/nolock/build", "fail", "nfs", "nolock"),
+    ("/mnt/nfsflock/build", "fail", "nfs", "local_lock=flock"),
+    ("/mnt/nfsplain/build", "warn", "nfs", "may be local"),
+    ("/lustre/ok/build", "ok", "lustre", "coherent"),
+    ("/lustre/local/build", "fail", "lustre", "localflock"),
+    ("/lustre/none/build", "fail", "lustre", "not supported"),
+    ("/mnt/s3/build", "warn", "fuse.s3fs", "FUSE"),
+    ("/mnt/ceph/build", "warn", "ceph", "CephFS"),
+    ("/mnt/weird/b", "warn", "weirdfs", "unknown"),
+])
+def test_lock_safety_by_filesystem_and_mount_options(make_build, tmp_path, path, status, fstype, words):
+    lay = layout(make_build(n=3))
+    ctx = doctor_checks.Context(layout(path), load_config(lay), "cpu", set(), for_run=False)
+    c = doctor_checks.check_locking(ctx, MOUNTINFO)
+    assert (c.name, c.status, c.data["fstype"]) == ("storage.locking", status, fstype)
+    assert words in c.summary, c.summary
+    assert (c.fix is None) == (status == "ok")
+
+
+def test_lock_safety_on_a_real_tmpfs_is_ok(make_build, tmp_path):
+    lay = layout(make_build(n=3))
+    mnt = tmp_path / "vol"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        ctx = doctor_checks.Context(layout(mnt / "build"), load_config(lay), "cpu", set(), for_run=False)
+        c = doctor_checks.check_locking(ctx)  # this machine's /proc/self/mountinfo
+        assert c.status == "ok" and c.data["fstype"] == "tmpfs" and c.data["mount_point"] == str(mnt), c
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+    report = run_doctor(lay, probe=False, record=False)  # part of every doctor report
+    assert by_name(report)["storage.locking"].data["fstype"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Build state
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,181 @@
+"""Where user SQL (`hsbuild sql`) runs: never on a DuckDB instance that can write the event log.
+
+A statement-type check cannot be the guard (`EXPLAIN ANALYZE DELETE ...` executes its DELETE; a read-only
+transaction ends with `COMMIT`), so the guard is structural:
+
+- No owner: the file is opened `read_only=True` in a fresh, locked-down instance (`LOCKDOWN`: no file or
+  network access, no extensions loaded or installed, configuration frozen), only for the query.
+- An owner: its one read-write instance never runs user SQL. The query runs in a throwaway in-memory
+  instance, locked down the same way (and unable to spill to disk), holding Arrow snapshots of `events`
+  (cached by the owner and topped up by `seq`), `meta` and `source_samples`, and the views of
+  schema/views.sql as TEMP views. One query at a time; the snapshot cache is dropped when unused.
+
+Every query runs under a watchdog that interrupts it after a timeout (or when asked, e.g. an owner appeared).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from builder.errors import BuildLockedError, QueryError, ReadOnlyQueryError
+from builder.log.events import EventLog, schema_dir
+
+QUERY_TIMEOUT_S = 30.0  # default limit of one `hsbuild sql` query
+MAX_TIMEOUT_S = 3600.0
+REPLICA_MEMORY = "1GB"  # DuckDB memory limit of the live replica (it cannot spill: temp_directory is off)
+REPLICA_THREADS = 2
+REPLICA_IDLE_DROP_S = 60.0  # the owner drops its cached snapshot after this long without a query
+
+LOCKDOWN = {  # order matters: lock_configuration last
+    "enable_external_access": False,
+    "autoload_known_extensions": False,
+    "autoinstall_known_extensions": False,
+    "allow_community_extensions": False,
+    "lock_configuration": True,
+}
+
+
+class QueryInterrupted(QueryError):
+    """The watchdog stopped the query (`reason`: 'timeout' or 'asked')."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def sql_error(e: duckdb.Error) -> QueryError:
+    """A DuckDB error as one line; writes and disabled features read as refusals."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    low = first.lower()
+    if isinstance(e, duckdb.PermissionException) or "read-only" in low or "read only" in low:
+        return ReadOnlyQueryError(f"refused: {first}; `hsbuild sql` is read-only")
+    return QueryError(f"SQL error: {first}")
+
+
+def run_guarded(con: duckdb.DuckDBPyConnection, sql: str, timeout: float,
+                interrupt_if: Callable[[], bool] | None = None) -> tuple[list[str], list[tuple]]:
+    """Run `sql` on `con` and fetch it, interrupting it after `timeout` s or once `interrupt_if()` is true."""
+    done = threading.Event()
+    why: list[str] = []
+
+    def watch() -> None:
+        end = time.monotonic() + timeout
+        while not done.wait(0.1):
+            if time.monotonic() >= end:
+                why.append("timeout")
+            elif interrupt_if is not None and interrupt_if():
+                why.append("asked")
+            else:
+                continue
+            con.interrupt()
+            return
+
+    watchdog = threading.Thread(target=watch, name="hsbuild-sql-watchdog", daemon=True)
+    watchdog.start()
+    try:
+        res = con.execute(sql)
+        if not res.description:
+            return [], []
+        return [d[0] for d in res.description], res.fetchall()
+    except duckdb.Error as e:
+        if why == ["timeout"]:
+            raise QueryInterrupted(f"query stopped after {timeout:g} s (pass --timeout SECONDS to allow more)",
+                                   "timeout") from None
+        if why == ["asked"]:
+            raise QueryInterrupted("query interrupted", "asked") from None
+        raise sql_error(e) from None
+    finally:
+        done.set()
+        watchdog.join()
+
+
+def _lock_down(con: duckdb.DuckDBPyConnection) -> None:
+    for key, value in LOCKDOWN.items():
+        con.execute(f"SET {key} = {str(value).lower()}")
+
+
+def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
+               interrupt_if: Callable[[], bool] | None = None) -> tuple[list[str], list[tuple]]:
+    """Run user SQL on the log file of a build no process owns: read-only, locked down, held only for the
+    query. Raises BuildLockedError when an owner holds the file."""
+    try:
+        con = duckdb.connect(str(path), read_only=True, config=dict(LOCKDOWN))
+    except duckdb.IOException as e:
+        if "lock" in str(e).lower():
+            raise BuildLockedError(f"{path}: held by the build's owner") from e
+        raise QueryError(f"{path}: cannot open the event log: {str(e).splitlines()[0]}") from e
+    except duckdb.Error as e:
+        raise QueryError(f"{path}: cannot open the event log: {str(e).splitlines()[0]}") from e
+    try:
+        return run_guarded(con, sql, timeout, interrupt_if)
+    finally:
+        con.close()
+
+
+def temp_views_sql() -> str:
+    views = (schema_dir() / "views.sql").read_text()
+    return re.sub(r"CREATE\s+OR\s+REPLACE\s+VIEW", "CREATE OR REPLACE TEMP VIEW", views, flags=re.IGNORECASE)
+
+
+class LiveReplica:
+    """The owner's side of live user SQL: snapshots of its log, queried in a throwaway locked-down instance."""
+
+    def __init__(self, log: EventLog):
+        self.log = log
+        self._lock = threading.Lock()  # one replica query at a time: bounded memory and CPU
+        self._events: pa.Table | None = None
+        self._last_seq = 0
+        self._used = time.monotonic()
+        self._views = temp_views_sql()
+
+    def _snapshot(self) -> dict[str, pa.Table]:
+        """One consistent snapshot of the three tables (owner-written SQL on the owner's connection only);
+        events are append-only with a strictly increasing seq, so only the new ones are read."""
+        cur = self.log.con.cursor()
+        try:
+            cur.execute("BEGIN TRANSACTION READ ONLY")
+            delta = cur.sql("SELECT * FROM events WHERE seq > ? ORDER BY seq", params=[self._last_seq]).to_arrow_table()
+            meta = cur.sql("SELECT * FROM meta").to_arrow_table()
+            source = cur.sql("SELECT * FROM source_samples").to_arrow_table()
+            cur.execute("COMMIT")
+        finally:
+            cur.close()
+        if self._events is None:
+            self._events = delta
+        elif delta.num_rows:
+            self._events = pa.concat_tables([self._events, delta])
+        if delta.num_rows:
+            self._last_seq = delta["seq"][-1].as_py()
+        return {"events": self._events, "meta": meta, "source_samples": source}
+
+    def query(self, sql: str, timeout: float = QUERY_TIMEOUT_S) -> tuple[list[str], list[tuple]]:
+        with self._lock:
+            self._used = time.monotonic()
+            tables = self._snapshot()
+            con = duckdb.connect(":memory:", config={"threads": REPLICA_THREADS, "memory_limit": REPLICA_MEMORY})
+            try:
+                con.execute("SET temp_directory = ''")  # no spilling; must precede the lockdown
+                _lock_down(con)
+                for name, table in tables.items():
+                    con.register(name, table)
+                con.execute(self._views)
+                return run_guarded(con, sql, timeout)
+            finally:
+                con.close()
+                self._used = time.monotonic()
+
+    def drop_if_idle(self, idle: float = REPLICA_IDLE_DROP_S) -> None:
+        """Free the cached snapshot when no query came for `idle` seconds."""
+        if self._events is not None and time.monotonic() - self._used > idle and self._lock.acquire(blocking=False):
+            try:
+                self._events, self._last_seq = None, 0
+            finally:
+                self._lock.release()

@@ -1,0 +1,61 @@
+"""The event log refuses a second writer loudly, and an existing log is upgraded to the unique `seq` index."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import pytest
+
+from builder.errors import LogConflictError
+from builder.layout import layout
+from builder.log.events import Event, EventLog
+
+
+def seqs(path) -> list[int]:
+    with EventLog(path, read_only=True) as log:
+        return [r[0] for r in log.query("SELECT seq FROM events ORDER BY seq")[1]]
+
+
+def test_a_second_writer_fails_loudly_instead_of_interleaving(make_build):
+    lay = layout(make_build(3))
+    a = EventLog(lay.events)
+    b = EventLog(lay.events)  # a second owner that opened the log at the same moment (its seq is now stale)
+    try:
+        a.append([Event("paused", run_id="a", reason="x")])
+        with pytest.raises(LogConflictError) as e:
+            b.append([Event("paused", run_id="b", reason="x")])
+        assert "another process appended" in str(e.value)
+        b._seq = 0  # even a writer that skips the check cannot reuse a seq: the unique index refuses it
+        with pytest.raises(LogConflictError):
+            b.append([Event("paused", run_id="b", reason="x")])
+        a.append([Event("resumed", run_id="a")])  # the rightful owner goes on
+    finally:
+        a.close()
+        b.close()
+    assert seqs(lay.events) == [1, 2, 3]
+
+
+def test_an_existing_log_gets_the_unique_seq_index(make_build):
+    lay = layout(make_build(3))
+    con = duckdb.connect(str(lay.events))  # a log as an older hsbuild left it: no index, older digest
+    con.execute("DROP INDEX IF EXISTS events_seq")
+    con.execute("UPDATE meta SET value = ? WHERE key = 'schema_digest'", [json.dumps("older")])
+    con.close()
+    with EventLog(lay.events) as log:
+        assert log.query("SELECT index_name FROM duckdb_indexes() WHERE table_name = 'events'")[1] == [("events_seq",)]
+        log.append([Event("paused", run_id="r", reason="x")])
+    assert seqs(lay.events) == [1, 2]
+
+
+def test_a_log_two_writers_already_interleaved_is_named_on_upgrade(make_build):
+    lay = layout(make_build(3))
+    con = duckdb.connect(str(lay.events))
+    con.execute("DROP INDEX IF EXISTS events_seq")
+    con.execute("INSERT INTO events (seq, ts, kind) VALUES (1, now()::timestamp, 'paused')")
+    con.execute("UPDATE meta SET value = ? WHERE key = 'schema_digest'", [json.dumps("older")])
+    con.close()
+    with pytest.raises(LogConflictError) as e:
+        EventLog(lay.events)
+    assert "share a seq number" in str(e.value)
+    assert seqs(lay.events) == [1, 1]  # read-only opening still works, and nothing was changed
