@@ -1,8 +1,9 @@
 """Extraction worker process: loads the model, extracts, writes samples into its own segment.
 
-Workers never touch the event log. They report to the coordinator over a queue; the coordinator commits
-`written` only after the worker has made the sample durable. A worker dies with its coordinator
-(PR_SET_PDEATHSIG), so a SIGKILLed run leaves no writer behind.
+Workers never touch the event log. They report to the coordinator over their own pipe, in the typed messages
+of builder.run.messages; the coordinator commits `written` only after the worker has made the sample durable.
+A worker dies with its coordinator (PR_SET_PDEATHSIG), so a SIGKILLed run leaves no writer behind, and ignores
+SIGINT/SIGTERM: the coordinator decides when it stops.
 """
 
 from __future__ import annotations
