@@ -63,6 +63,11 @@ class ForeignLockError(BuildLockedError):
     many network filesystems): refused unless the caller takes over explicitly (`--take-over`)."""
 
 
+class LogDamagedError(UsageError, OSError):
+    """The event log cannot be opened or read (garbage, truncated, a WAL that does not match): names the
+    recovery, `hsbuild rebuild-log BUILD`."""
+
+
 class LogConflictError(HsbuildError, RuntimeError):
     """Another process appended to the event log under its owner: two writers, which the lock should prevent
     (e.g. a network filesystem whose locks are local to each host)."""

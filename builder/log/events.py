@@ -27,7 +27,8 @@ from typing import Protocol
 import duckdb
 import pyarrow as pa
 
-from builder.errors import BuildLockedError, DiskFullError, LogConflictError, QueryError
+from builder.errors import BuildLockedError, DiskFullError, LogConflictError, LogDamagedError, QueryError
+from builder.fsutil import fsync_path
 
 
 def schema_dir() -> Path:
@@ -127,14 +128,39 @@ class EventLog:
             if is_no_space(e):
                 raise DiskFullError(f"{self.path}: cannot open the event log: the volume is full; free space "
                                     "and try again") from e
-            raise
+            raise LogDamagedError(
+                f"{self.path}: the event log is damaged or unreadable ({str(e).splitlines()[0][:160]}); rebuild it "
+                f"from the data with `hsbuild rebuild-log {self.path.parent}` (the damaged file is kept, renamed)"
+            ) from e
+        except duckdb.Error as e:  # not a database, truncated, a WAL that does not match: the log is damaged
+            raise LogDamagedError(
+                f"{self.path}: the event log is damaged ({str(e).splitlines()[0][:160]}); rebuild it from the "
+                f"data with `hsbuild rebuild-log {self.path.parent}` (the damaged file is kept, renamed)") from e
         try:
             if not read_only:
+                self._sync_dir()  # the log file may be new: its directory entry must be durable too
                 self._apply_schema()
             self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        except duckdb.Error as e:
+            self.con.close()
+            if isinstance(e, duckdb.IOException | duckdb.CatalogException | duckdb.SerializationException
+                          | duckdb.InternalException):
+                raise LogDamagedError(
+                    f"{self.path}: the event log is damaged ({str(e).splitlines()[0][:160]}); rebuild it from the "
+                    f"data with `hsbuild rebuild-log {self.path.parent}`") from e
+            raise
         except BaseException:
             self.con.close()
             raise
+
+    def _sync_dir(self) -> None:
+        """DuckDB never fsyncs a directory, yet creates `events.duckdb.wal` at the first commit after each
+        checkpoint and unlinks it at every checkpoint (explicit, automatic, on close). Under POSIX's worst case a
+        commit is durable only once those directory entries are: a WAL that vanishes loses acknowledged
+        commits; one that comes back two checkpoints stale makes the log unopenable. So the owner fsyncs the
+        log's directory after opening, after every commit and after closing (one directory fsync a batch)."""
+        if not self.read_only:
+            fsync_path(self.path.parent)
 
     def _locked_error(self, message: str) -> BuildLockedError:
         who = _holder(message)
@@ -182,6 +208,10 @@ class EventLog:
         except duckdb.Error as e:  # a checkpoint on a full disk: the committed events stay in the WAL
             if not is_no_space(e):
                 raise
+        try:
+            self._sync_dir()
+        except OSError:
+            pass
 
     def __enter__(self) -> EventLog:
         return self
@@ -229,6 +259,7 @@ class EventLog:
         finally:
             cur.unregister("_batch")
             cur.close()
+        self._sync_dir()
         self._seq = seq
 
     def _conflict(self, top: int | None) -> LogConflictError:
@@ -244,6 +275,7 @@ class EventLog:
         cur.register("_meta", rows)
         cur.execute("INSERT OR REPLACE INTO meta SELECT * FROM _meta")
         cur.close()
+        self._sync_dir()
 
     def meta(self) -> dict[str, object]:
         return {k: json.loads(v) for k, v in self.con.execute("SELECT key, value FROM meta").fetchall()}
@@ -264,6 +296,7 @@ class EventLog:
                     "WHERE sample_id NOT IN (SELECT sample_id FROM source_samples)")
         after = cur.execute("SELECT count(*) FROM source_samples").fetchone()[0]
         cur.close()
+        self._sync_dir()
         return after - before
 
     # -- reading ------------------------------------------------------------------------------------------

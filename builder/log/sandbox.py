@@ -24,7 +24,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from builder.errors import BuildLockedError, QueryError, ReadOnlyQueryError
+from builder.errors import BuildLockedError, LogDamagedError, QueryError, ReadOnlyQueryError
 from builder.log.events import EventLog, schema_dir
 
 QUERY_TIMEOUT_S = 30.0  # default limit of one `hsbuild sql` query
@@ -102,6 +102,11 @@ def _lock_down(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(f"SET {key} = {str(value).lower()}")
 
 
+def _damaged(path: Path, e: Exception) -> LogDamagedError:
+    return LogDamagedError(f"{path}: cannot open the event log ({str(e).splitlines()[0][:160]}); if it is damaged, "
+                           f"rebuild it from the data with `hsbuild rebuild-log {Path(path).parent}`")
+
+
 def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
                interrupt_if: Callable[[], bool] | None = None) -> tuple[list[str], list[tuple]]:
     """Run user SQL on the log file of a build no process owns: read-only, locked down, held only for the
@@ -111,9 +116,9 @@ def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
     except duckdb.IOException as e:
         if "lock" in str(e).lower():
             raise BuildLockedError(f"{path}: held by the build's owner") from e
-        raise QueryError(f"{path}: cannot open the event log: {str(e).splitlines()[0]}") from e
+        raise _damaged(path, e) from e
     except duckdb.Error as e:
-        raise QueryError(f"{path}: cannot open the event log: {str(e).splitlines()[0]}") from e
+        raise _damaged(path, e) from e
     try:
         return run_guarded(con, sql, timeout, interrupt_if)
     finally:

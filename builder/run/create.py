@@ -188,5 +188,5 @@ def recorded_meta(lay: BuildLayout) -> dict:
 def source_samples(lay: BuildLayout) -> list:
     """The build's source samples, tokenized as `init` did."""
     cfg = BuildConfig.from_toml(lay.config)
-    ex = Extractor(cfg.model, cfg.aux_layers, cfg.dtype, device="cpu", load_weights=False)
+    ex = Extractor(cfg.model, None, cfg.dtype, device="cpu", load_weights=False)  # the tokenizer only
     return load_source(cfg.source, ex.tokenizer)
