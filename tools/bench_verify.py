@@ -29,7 +29,15 @@ from builder.config import BuildConfig, Watermarks  # noqa: E402
 from builder.extract.source import Sample, fingerprint  # noqa: E402
 from builder.layout import layout  # noqa: E402
 from builder.log.events import Event, EventLog, detail  # noqa: E402
-from builder.store.segment import FIELDS, SegmentWriter, chunk_paths, init_data_group, new_segment_name  # noqa: E402
+from builder.store.segment import (  # noqa: E402
+    FIELDS,
+    SegmentWriter,
+    field_geometry,
+    init_data_group,
+    new_segment_name,
+    sample_files,
+)
+from builder.store.shard import read_index  # noqa: E402
 from builder.verify.sweep import SweepOptions, run_sweep  # noqa: E402
 
 MB = 1_000_000
@@ -84,7 +92,6 @@ def plain_loop(root: Path, codec: str) -> tuple[int, float, bool]:
     with EventLog(lay.events, read_only=True) as log:
         rows = log.query_dicts("SELECT segment, token_start, num_tokens, checksums FROM samples "
                                "WHERE state IN ('written', 'verified') ORDER BY segment, token_start")
-        chunk_tokens = int(log.meta()["chunk_tokens"])
     decode = _decoder(codec)
     widths = {f: json.loads((lay.data / rows[0]["segment"] / f / "zarr.json").read_text()) for f in FIELDS}
     row_bytes = {f: int(np.prod(w["chunk_grid"]["configuration"]["chunk_shape"][1:] or [1]))
@@ -96,12 +103,22 @@ def plain_loop(root: Path, codec: str) -> tuple[int, float, bool]:
         for f in FIELDS:
             remaining = r["num_tokens"] * row_bytes[f]
             crc = 0
-            for p in chunk_paths(lay.data / r["segment"], f, r["token_start"], r["num_tokens"], chunk_tokens):
-                buf = memoryview(decode(p.read_bytes()))
-                take = min(remaining, len(buf))
-                crc = crc32c.crc32c(buf[:take], crc)
-                remaining -= take
-                raw += take
+            seg = lay.data / r["segment"]
+            inner, shard_chunks = field_geometry(seg, f)
+            first = r["token_start"] // inner
+            for p in sample_files(seg, f, r["token_start"], r["num_tokens"]):  # its shard files, in order
+                shard = int(p.name.split(".")[1])
+                idx = read_index(p, shard_chunks)
+                data = p.read_bytes()
+                for k in range(max(first, shard * shard_chunks), (shard + 1) * shard_chunks):
+                    if remaining <= 0:
+                        break
+                    off, n = (int(x) for x in idx[k - shard * shard_chunks])
+                    buf = memoryview(decode(data[off : off + n]))
+                    take = min(remaining, len(buf))
+                    crc = crc32c.crc32c(buf[:take], crc)
+                    remaining -= take
+                    raw += take
             all_match &= f"crc32c:{crc:08x}" == sums[f]
     return raw, time.perf_counter() - t0, all_match
 
