@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from powercut_fixture import powercut  # noqa: F401 (the power-cut fixture: tests/durability)
 
 from builder.config import Watermarks
 from builder.run.create import init_build

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]  # this file lives in <repo>/tests/durability/
+REPO = Path(__file__).resolve().parents[1]  # this file lives in <repo>/tests/
 DEFAULT_TIMEOUT = 120
 
 
