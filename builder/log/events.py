@@ -114,6 +114,9 @@ def _holder(message: str) -> str:
     return describe_pid(int(m.group(1))) if m else "another process"
 
 
+CHECKPOINT_BYTES = 4 << 20  # DuckDB folds its WAL into the database file once the WAL holds this much
+
+
 class EventLog:
     """Owner's (or read-only) handle on `events.duckdb`."""
 
@@ -139,6 +142,8 @@ class EventLog:
         try:
             if not read_only:
                 self._sync_dir()  # the log file may be new: its directory entry must be durable too
+                # checkpoint as the log grows: the WAL (what a lost WAL file would take with it) stays small
+                self.con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_BYTES}B'")
                 self._apply_schema()
             self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
         except duckdb.Error as e:

@@ -99,3 +99,17 @@ def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli):
         wrote = log.query("SELECT count(*) FROM events WHERE kind = 'written' AND detail LIKE '%adopted%'")[1][0][0]
         assert wrote == adopted
     assert assert_bit_exact(build) == 60
+
+
+def test_a_damaged_log_is_one_line_naming_the_repair(make_build, cli):
+    """Emptied, garbage or truncated: every command says so in one line and names `hsbuild rebuild-log`."""
+    damages = {"empty": lambda p: p.write_bytes(b""), "garbage": lambda p: p.write_bytes(os.urandom(9000)),
+               "truncated": lambda p: os.truncate(p, 3000)}
+    for name, damage in damages.items():
+        build = make_build(n=3, name=name)
+        damage(layout(build).events)
+        for cmd in (["status"], ["sql", "SELECT 1"], ["resume", "--no-progress"], ["verify"]):
+            cp = cli(cmd[0], build, *cmd[1:])
+            assert cp.returncode == 2 and "Traceback" not in cp.stderr, (name, cmd, cp.stderr)
+            lines = cp.stderr.strip().splitlines()
+            assert len(lines) == 1 and "hsbuild rebuild-log" in lines[0], (name, cmd, cp.stderr)
