@@ -134,6 +134,7 @@ class LiveReplica:
     """The owner's side of live user SQL: snapshots of its log, queried in a throwaway locked-down instance."""
 
     def __init__(self, log: EventLog):
+        self.closing = False  # the owner is shutting down: running queries are interrupted
         self.log = log
         self._lock = threading.Lock()  # one replica query at a time: bounded memory and CPU
         self._events: pa.Table | None = None
@@ -172,7 +173,7 @@ class LiveReplica:
                 for name, table in tables.items():
                     con.register(name, table)
                 con.execute(self._views)
-                return run_guarded(con, sql, timeout)
+                return run_guarded(con, sql, timeout, interrupt_if=lambda: self.closing)
             finally:
                 con.close()
                 self._used = time.monotonic()

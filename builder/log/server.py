@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class QueryServer:
         self.error: str | None = None  # why the socket could not be opened (the owner runs on without it)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._handlers: list[threading.Thread] = []
         self._sock: socket.socket | None = None
 
     def start(self) -> QueryServer:
@@ -53,9 +55,15 @@ class QueryServer:
         return self
 
     def stop(self) -> None:
+        """Stop accepting, interrupt the queries running, and wait for their threads: none may still be inside
+        DuckDB when the owner closes the log or the process exits (that aborts the process)."""
         self._stop.set()
+        self.replica.closing = True
         if self._thread:
             self._thread.join(timeout=2)
+        deadline = time.monotonic() + 10
+        for t in list(self._handlers):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         if self._sock:
             self._sock.close()
         if self._sock:
@@ -69,7 +77,9 @@ class QueryServer:
                 conn, _ = self._sock.accept()
             except (TimeoutError, OSError):
                 continue
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            self._handlers = [h for h in self._handlers if h.is_alive()] + [t]
+            t.start()
 
     def _handle(self, conn: socket.socket) -> None:
         conn.settimeout(QUERY_TIMEOUT_S + 5)
