@@ -17,6 +17,11 @@ from builder.run.create import init_build
 
 # Builds in tests live on the machine's ordinary disk, whose fill level we do not control: unless a test is
 # about watermarks, give them watermarks near 100% so a fairly full CI disk does not pause or refuse them.
+# Workers make samples durable in groups (up to 3 s of them by default). Tests that stop, kill or watch a run
+# mid-way need a steady stream of `written` events, so in tests a group waits at most this long (the test of
+# grouping itself sets its own bound).
+os.environ.setdefault("HSBUILD_GROUP_SECONDS", "0.3")
+
 ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)
 
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import random_rows, write_jsonl
 
-from builder.errors import ModelError
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.query import run_query
@@ -273,18 +272,24 @@ def test_ctrl_c_while_the_progress_bar_draws_stops_cleanly_and_says_so_once(make
     assert {r["state"] for r in _events(build, "SELECT state FROM samples")} <= {"written", "pending"}
 
 
+class _FailingBar(_Terminal):
+    """A progress display that breaks once the first sample is written: the run loop ends in an error while
+    its workers are up."""
+
+    def update(self, done: int = 0, tokens: int = 0, nbytes: int = 0, note: str = "") -> None:
+        if done:
+            raise RuntimeError("the display broke")
+
+
 def test_a_run_that_ends_in_an_error_stops_its_idle_workers_at_once(make_build):
-    """The model changed since init: the first worker to load it reports a different fingerprint and the run
-    ends with that error. The other workers, idle, are told to stop and joined together, not waited for one
-    after another (10 s each) and then killed."""
+    """The run loop ends in an error (here its progress display breaks) with four workers up: they are told to
+    stop and joined together, not waited for one after another (10 s each) and then killed."""
     build = make_build(8, seed=26)
-    with EventLog(layout(build).events) as log:
-        log.set_meta({"model_fingerprint": "0123456789abcdef"})
-    term = _Terminal(interrupt_after=10**9)
-    with pytest.raises(ModelError, match="model fingerprint"):
-        run_build(build, RunOptions(workers=4, progress=term, force=True), echo=term.echo)  # past the preflight
+    term = _FailingBar(interrupt_after=10**9)
+    with pytest.raises(RuntimeError, match="the display broke"):
+        run_build(build, RunOptions(workers=4, progress=term), echo=term.echo)
     shutdown = time.monotonic() - term.closed_at
-    assert shutdown < 20, f"stopping 4 idle workers took {shutdown:.0f} s"
+    assert shutdown < 20, f"stopping 4 workers took {shutdown:.0f} s"
     assert not [c for c in _children(os.getpid()) if b"spawn_main" in _cmdline(c)]  # every worker is gone
 
 
