@@ -142,7 +142,7 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
 
 
 GROUP_BYTES = 32 << 20  # encoded bytes a worker stages before making them durable in one barrier
-GROUP_SAMPLES = 256  # ... or this many samples
+GROUP_SAMPLES = int(os.environ.get("HSBUILD_GROUP_SAMPLES", "256"))  # ... or this many samples
 GROUP_SECONDS = float(os.environ.get("HSBUILD_GROUP_SECONDS", "3"))  # ... or once its oldest staged sample
 # has waited this long (what a crash can cost: that much extraction, redone)
 
@@ -168,6 +168,7 @@ class _Group:
         self.writer: SegmentWriter | None = None
         self.items: list[_StagedSample] = []
         self.first_staged = 0.0
+        self.byte_limit = GROUP_BYTES  # lowered on a small volume: a group never holds more than 1% of it
 
     @property
     def staged(self) -> int:
@@ -175,7 +176,7 @@ class _Group:
 
     def full(self) -> bool:
         w = self.writer
-        return w is not None and (w.staged_bytes >= GROUP_BYTES or w.staged >= GROUP_SAMPLES
+        return w is not None and (w.staged_bytes >= self.byte_limit or w.staged >= GROUP_SAMPLES
                                   or time.monotonic() - self.first_staged >= GROUP_SECONDS)
 
     def wait_seconds(self) -> float:
@@ -208,6 +209,7 @@ class _Group:
                             + final.numel() * final.element_size()) + self.writer.staged_bytes
             st = os.statvfs(s.data_root)
             total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+            self.byte_limit = max(1, min(GROUP_BYTES, total // 100))
             over_flood = s.flood < 1.0 and (total - free + projected) / total >= s.flood
             under_min_free = s.min_free > 0 and free - projected < s.min_free
             if over_flood or under_min_free:  # would cross flood: not staged; what is staged is written first

@@ -104,7 +104,9 @@ def test_pauses_at_high_and_resumes_when_the_volume_grows(tmp_path, tmpfs, cli):
             return st if st.get("paused") else None
 
         st = wait_for(paused, 180, "the pause", p)
-        assert st["running"] and st["pause_reason"] == "high_watermark" and st["usage"] >= 0.90
+        # paused on reaching high; while paused the log's checkpoint (WAL folded into the database file) may give
+        # back a little, and the pause holds until usage falls below low
+        assert st["running"] and st["pause_reason"] == "high_watermark" and st["usage"] >= 0.88
         done_at_pause = st["done"]
         assert 0 < done_at_pause < 120
         time.sleep(2.0)  # stays paused, alive, and writes nothing more
@@ -130,8 +132,8 @@ def test_pauses_at_high_and_resumes_when_the_volume_grows(tmp_path, tmpfs, cli):
 
 
 def test_volume_filled_from_outside_while_writing(tmp_path, tmpfs, cli):
-    build = make_big_build(tmp_path, tmpfs, cli, n=120)  # about 40 MB: fits the 64 MB volume on its own
-    resize(tmpfs, "64m")
+    build = make_big_build(tmp_path, tmpfs, cli, n=120)  # about 40 MB: fits the volume on its own (the
+    resize(tmpfs, "80m")  # projection, an upper bound with each sample's padding and per-file costs, says 64.4 MB)
     # watermarks off (high=1.0, flood=1.0): only the real ENOSPC path can stop the writes
     p = start_run(build, "--high", "1.0", "--low", "0.9", "--flood", "1.0")
     filler = tmpfs / "filler.bin"

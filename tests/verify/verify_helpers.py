@@ -29,8 +29,17 @@ def make_template(root: Path) -> Path:
     """24 samples: s0000..s0007 in one segment (a run with --limit 8), the other 16 in a second one."""
     src = write_jsonl(root / "source.jsonl", random_rows(N_SAMPLES, seed=3, lo=20, hi=150))
     lay = init_build(root / "template", src, watermarks=ROOMY, model=TINY)
-    run_build(lay.root, RunOptions(limit=FIRST_RUN), echo=lambda m: None)
-    run_build(lay.root, RunOptions(), echo=lambda m: None)
+    # one sample a group: each sample has shard files of its own, so a fault planted in one damages only it
+    old = os.environ.get("HSBUILD_GROUP_SAMPLES")
+    os.environ["HSBUILD_GROUP_SAMPLES"] = "1"
+    try:
+        run_build(lay.root, RunOptions(limit=FIRST_RUN), echo=lambda m: None)
+        run_build(lay.root, RunOptions(), echo=lambda m: None)
+    finally:
+        if old is None:
+            del os.environ["HSBUILD_GROUP_SAMPLES"]
+        else:
+            os.environ["HSBUILD_GROUP_SAMPLES"] = old
     return lay.root
 
 
