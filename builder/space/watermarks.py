@@ -76,6 +76,7 @@ class SpaceMonitor:
         self._usage: list[Usage] = [disk_usage(p) for p in self.paths]
         self._full_at: float | None = None
         self._free_at_full = 0
+        self._data_free_at_full = 0
         self._flood_need = 0
         self.bytes_written = 0
         self.tokens_written = 0
@@ -133,7 +134,9 @@ class SpaceMonitor:
                 clear = (u.used + self._flood_need) / u.total < self.wm.flood
             if self._paused == "disk_full" and clear:
                 # the filesystem said "full" although figures looked fine: wait for visible new space
-                clear = now - (self._full_at or 0) > 2.0 and usages[0].free > self._free_at_full
+                # (on the build's volume, or on data/'s when that is a mount of its own)
+                clear = now - (self._full_at or 0) > 2.0 and (usages[0].free > self._free_at_full
+                                                              or self._data_free() > self._data_free_at_full)
             if clear:
                 self._paused = None
                 self._full_at = None
@@ -145,7 +148,14 @@ class SpaceMonitor:
         self._paused = "disk_full"
         self._full_at = time.monotonic()
         self._free_at_full = self._usage[0].free
+        self._data_free_at_full = self._data_free()
         self.release_ballast()
+
+    def _data_free(self) -> int:
+        try:
+            return disk_usage(self.lay.data).free
+        except OSError:
+            return 0
 
     def flood_block(self, projected: int) -> None:
         """A worker did not start a write that would have crossed `flood`: pause until it fits again."""
