@@ -80,7 +80,8 @@ def test_sigkill_at_random_moments_then_resume(make_build):
         per_sample = dict(log.query("SELECT sample_id, count(*) FROM events WHERE kind='written' GROUP BY 1")[1])
         runs = log.count("run_started")
     assert runs >= mid_run_kills + 1
-    assert len(rows) == N and {r["state"] for r in rows} == {"written"}
+    # written, or verified: adopted after a kill (durable in a segment, its event lost), read back first
+    assert len(rows) == N and {r["state"] for r in rows} <= {"written", "verified"}
     assert set(per_sample.values()) == {1}, "a sample was committed twice"
     ranges: dict[str, list[tuple[int, int]]] = {}
     for r in rows:
