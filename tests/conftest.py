@@ -72,3 +72,17 @@ def hsbuild(*args: str, check: bool = False, timeout: float = 300, **kw) -> subp
 @pytest.fixture
 def cli():
     return hsbuild
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real 24 MB tmpfs mounted at tmp_path/vol (root only; skipped with the reason where it cannot mount)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; tests on a small volume skipped")
+    mnt = tmp_path / "vol"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); tests on a small volume skipped")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

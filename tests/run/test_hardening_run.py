@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_rows, write_jsonl
+from test_run import _children
 
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
@@ -23,18 +24,6 @@ from builder.run.coordinator import RunOptions, run_build
 from builder.run.messages import Stop
 from builder.store import segment as segment_mod
 from builder.store.segment import SegmentWriter, init_data_group, sample_files
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def _cmdline(pid: int) -> bytes:

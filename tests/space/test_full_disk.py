@@ -28,19 +28,6 @@ from builder.run.create import init_build
 MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root; full-disk tests skipped")
-    mnt = tmp_path / "vol"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); full-disk tests skipped")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 def fill(path: Path) -> None:
     """Another process takes every free byte of the volume."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)

@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from conftest import random_rows, write_jsonl
 
 from builder.layout import layout
@@ -25,19 +24,6 @@ from builder.log.query import status_snapshot
 from builder.verify.checks import check_location
 
 MODEL = "builtin:hidden=256,layers=4,vocab=1024,heads=4,kv_heads=2,intermediate=256"
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root; storage tests skipped")
-    mnt = tmp_path / "vol"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); storage tests skipped")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def resize(mnt: Path, size: str) -> None:
