@@ -9,7 +9,6 @@ SIGINT/SIGTERM: the coordinator decides when it stops.
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import signal
 import time
@@ -38,7 +37,7 @@ from builder.run.messages import (
     Task,
     Written,
 )
-from builder.store.segment import Location, SegmentWriter, new_segment_name
+from builder.store.segment import Location, SegmentWriter, is_disk_full, new_segment_name
 
 
 @dataclass
@@ -93,10 +92,6 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def _is_nospace(e: OSError) -> bool:
-    return e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def worker_main(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma: no cover - subprocess
@@ -200,7 +195,7 @@ class _Group:
                                                 self.ex.hidden_size, len(self.ex.aux_layers), s.chunk_tokens,
                                                 s.codec, s.dtype).create()
                 except OSError as e:
-                    if _is_nospace(e):  # like a full disk during a write: pause, retry once space returns
+                    if is_disk_full(e):  # like a full disk during a write: pause, retry once space returns
                         self.conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint,
                                                f"creating a segment: {e}"))
                         return
@@ -248,7 +243,7 @@ class _Group:
         except OSError as e:
             for it in items:
                 t = it.task
-                if _is_nospace(e):
+                if is_disk_full(e):
                     self.conn.send(NoSpace(wid, t.sample_id, t.attempt, t.fingerprint, str(e)))
                 else:
                     self._fail(t, "error", f"writing its group: {type(e).__name__}: {e}")
