@@ -39,8 +39,9 @@ class Watermarks:
 
 # The keys that decide what a stored sample looks like. A build holds one format: `init` records them (meta
 # `format`), and a config whose format keys differ is refused by every run, with or without --force.
-FORMAT_KEYS = ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tokens")
-POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "workers")
+FORMAT_KEYS = ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tokens", "backend", "final_state")
+POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "workers", "inflight")
+BACKENDS = ("inprocess", "vllm")
 UNKNOWN = object()  # a value at init that an old build did not record
 
 
@@ -58,6 +59,13 @@ class BuildConfig:
     device: str = "auto"
     staging: str | None = None
     verify_after_write: bool = False
+    backend: str = "inprocess"  # inprocess: the workers load the model; vllm: a vLLM server runs it
+    server: str | None = None  # vllm: the server's URL (http://127.0.0.1:8000)
+    inflight: int | None = None  # vllm: requests in flight (default 16)
+    final_state: str = "post_norm"  # what `hidden_state` holds: the final norm's output, or its input
+    engine_connector: str = "ExampleHiddenStatesConnector"  # the server's KV connector (serve-command, --launch)
+    engine_connector_module: str | None = None  # its module, when not vLLM's own (kv_connector_module_path)
+    engine_args: list[str] = field(default_factory=list)  # appended to the server command (--tensor-parallel-size 8)
     watermarks: Watermarks = field(default_factory=Watermarks)
 
     # -- serialisation -------------------------------------------------------------------------
@@ -105,8 +113,12 @@ class BuildConfig:
             v = getattr(cfg, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise UsageError(f"{path}: {k} = {v!r}: must be an integer >= 1")
+        if not isinstance(cfg.engine_args, list) or not all(isinstance(a, str) for a in cfg.engine_args):
+            raise UsageError(f"{path}: engine_args = {cfg.engine_args!r}: must be a list of strings")
         if not isinstance(cfg.aux_layers, list) or not all(isinstance(i, int) for i in cfg.aux_layers):
             raise UsageError(f"{path}: aux_layers = {cfg.aux_layers!r}: must be a list of integers")
+        if cfg.backend not in BACKENDS:
+            raise UsageError(f"{path}: backend = {cfg.backend!r}: use one of {', '.join(BACKENDS)}")
         cfg.watermarks.validate()
         return cfg
 
@@ -114,8 +126,10 @@ class BuildConfig:
         atomic_write_bytes(path, self.to_toml().encode())
 
     def format_fields(self) -> dict:
-        """The values of the format keys: everything that changes the bytes a sample produces."""
-        return {k: getattr(self, k) for k in FORMAT_KEYS}
+        """The values of the format keys: everything that changes the bytes a sample produces. Keys added
+        after the first release appear only when not at their default, so older builds keep their fingerprint."""
+        later = {"backend": "inprocess", "final_state": "post_norm"}
+        return {k: getattr(self, k) for k in FORMAT_KEYS if later.get(k, object()) != getattr(self, k)}
 
     def fingerprint(self) -> str:
         """Fingerprint of the format keys."""
@@ -128,8 +142,10 @@ class BuildConfig:
         model, aux_layers, dtype, codec and chunk_tokens in meta and the config fingerprint, so a fingerprint
         that differs while those agree means max_tokens changed (its old value UNKNOWN)."""
         recorded = meta.get("format")
-        if isinstance(recorded, dict):
-            return {k: (recorded.get(k), getattr(self, k)) for k in FORMAT_KEYS if recorded.get(k) != getattr(self, k)}
+        if isinstance(recorded, dict):  # a key an older build did not record had its default value
+            defaults = {f.name: f.default for f in fields(self)}
+            was = {k: recorded.get(k, defaults.get(k)) for k in FORMAT_KEYS}  # noqa: B023
+            return {k: (was[k], getattr(self, k)) for k in FORMAT_KEYS if was[k] != getattr(self, k)}
         if meta.get("config_fingerprint") in (None, self.fingerprint()):
             return {}
         changed = {k: (meta[k], getattr(self, k)) for k in FORMAT_KEYS if k in meta and meta[k] != getattr(self, k)}

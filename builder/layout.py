@@ -35,6 +35,11 @@ class BuildLayout:
         return self.root / LOCK_NAME
 
     @property
+    def final_norm(self) -> Path:
+        """The model's final norm (weight, epsilon): the other final-state convention, derived."""
+        return self.root / "final_norm.safetensors"
+
+    @property
     def ballast(self) -> Path:
         return self.root / BALLAST_NAME
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from powercut_fixture import powercut  # noqa: F401 (the power-cut fixture: tests/durability)
+from vllm_fixture import tiny_llama, vllm_server  # noqa: F401 (a real vLLM server: tests/engines)
 
 from builder.config import Watermarks
 from builder.run.create import init_build

@@ -44,6 +44,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--take-over", action="store_true",
                    help="take the build over from an owner on another host that never released it (make sure it "
                         "no longer runs there first)")
+    p.add_argument("--launch", action="store_true",
+                   help="engine backends: start the server (`hsbuild serve-command BUILD`) as a child, restart it "
+                        "if it dies, stop it at the end; without it hsbuild waits for a server you run")
+    p.add_argument("--inflight", type=positive_int, help="engine backends: requests in flight (default: config, 16)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", default="zstd:1", help="zstd:LEVEL (default zstd:1), blosc-lz4:L, blosc-zstd:L, none")
     p.add_argument("--chunk-tokens", type=positive_int, help="chunk length along the token axis (default: measured)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--staging", help="an existing staging directory to watch as well (e.g. /dev/shm)")
+    p.add_argument("--staging", help="an existing staging directory: where an engine writes states (--backend "
+                   "vllm), watched by the disk watermarks too (e.g. /dev/shm/NAME)")
+    p.add_argument("--backend", default="inprocess", choices=["inprocess", "vllm"],
+                   help="inprocess: the workers load --model; vllm: a vLLM server serving --model runs the passes")
+    p.add_argument("--server", help="the inference server's URL, e.g. http://127.0.0.1:8000 (--backend vllm)")
+    p.add_argument("--inflight", type=positive_int, help="requests in flight to the server (default 16)")
+    p.add_argument("--final-state", default="post_norm", choices=["post_norm", "pre_norm"],
+                   help="hidden_state: the final norm's output (HF hidden_states[L], SpecForge) or its input "
+                   "(vLLM's layer L, speculators); the norm is kept in the build so the other can be derived")
     p.add_argument("--low", type=fraction, default=0.85)
     p.add_argument("--high", type=fraction, default=0.90)
     p.add_argument("--flood", type=fraction, default=0.95)
@@ -97,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "manifests (the old log is kept, renamed). Then run `hsbuild verify BUILD`.")
     p.add_argument("build")
 
+    p = sub.add_parser("serve-command", help="print the exact inference-server command for this build",
+                       description="Prints the vLLM server command that returns this build's layers into its "
+                                   "staging folder (prefix caching and chunked prefill off). Add engine flags such "
+                                   "as --tensor-parallel-size 8 with `engine_args` in hsbuild.toml.")
+    p.add_argument("build")
+
     p = sub.add_parser("demo", help="init + run on the built-in model and sample set, then print status")
     p.add_argument("build", nargs="?", default="hsbuild-demo")
     p.add_argument("--samples", type=positive_int, default=300)
@@ -121,7 +139,8 @@ def cmd_init(args: argparse.Namespace) -> int:
     lay = init_build(args.build, args.source, model=args.model, aux_layers=args.aux_layers, max_tokens=args.max_tokens,
                      force=args.force, codec=args.codec, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
                      max_attempts=args.max_attempts, device=args.device, staging=args.staging,
-                     watermarks=Watermarks(args.low, args.high, args.flood, args.min_free))
+                     watermarks=Watermarks(args.low, args.high, args.flood, args.min_free), backend=args.backend,
+                     server=args.server, inflight=args.inflight, final_state=args.final_state)
     print(f"created build {lay.root}")
     for line in describe_capacity(lay):
         print(line)
@@ -134,7 +153,8 @@ def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
     opts = RunOptions(workers=args.workers, limit=args.limit, max_attempts=args.max_attempts, device=args.device,
                       verify_after_write=args.verify_after_write, allow_overcommit=args.allow_overcommit,
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
-                      flood=args.flood, min_free=args.min_free, take_over=args.take_over)
+                      flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
+                      inflight=args.inflight)
     report = run_build(args.build, opts, resume=resume, echo=lambda m: print(m, file=sys.stderr))
     print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}"
           + (f", paused {report.pauses}x" if report.pauses else ""))
@@ -254,7 +274,28 @@ def cmd_rebuild_log(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"init": cmd_init, "rebuild-log": cmd_rebuild_log, "run": cmd_run, "resume": lambda a: cmd_run(a, resume=True), "status": cmd_status,
+def cmd_serve_command(args: argparse.Namespace) -> int:
+    import shlex  # noqa: PLC0415
+
+    from builder.config import load_config  # noqa: PLC0415
+    from builder.errors import UsageError  # noqa: PLC0415
+    from builder.extract.backends.vllm_server import serve_command  # noqa: PLC0415
+    from builder.layout import layout  # noqa: PLC0415
+    from builder.run.create import recorded_meta  # noqa: PLC0415
+    from builder.run.engine import engine_spec  # noqa: PLC0415
+
+    lay = layout(args.build).require()
+    cfg = load_config(lay)
+    if cfg.backend == "inprocess":
+        raise UsageError(f"{lay.root}: its backend is inprocess (the workers load the model), no server to start; "
+                         "make a build with --backend vllm --server URL --staging DIR")
+    cmd = serve_command(engine_spec(cfg, recorded_meta(lay)))
+    env = "VLLM_HOST_IP=127.0.0.1 " if "127.0.0.1" in (cfg.server or "") else ""
+    print(env + shlex.join(cmd))
+    return EXIT_OK
+
+
+COMMANDS = {"serve-command": cmd_serve_command, "init": cmd_init, "rebuild-log": cmd_rebuild_log, "run": cmd_run, "resume": lambda a: cmd_run(a, resume=True), "status": cmd_status,
             "sql": cmd_sql, "demo": cmd_demo}
 
 

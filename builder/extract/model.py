@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from builder.errors import ModelError, SampleError
+from builder.extract.final_norm import FINAL_STATES, FinalNorm, read_final_norm
 from builder.extract.weights import directory_fingerprint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -238,9 +239,13 @@ class Extractor:
     """Loads a model and extracts the EAGLE-3 auxiliary hidden states plus the final hidden state."""
 
     def __init__(self, spec: str, aux_layers: list[int] | None = None, dtype: str = "bfloat16",
-                 device: str = "auto", load_weights: bool = True):
+                 device: str = "auto", load_weights: bool = True, final_state: str = "post_norm"):
         if dtype not in DTYPES:
             raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPES)}")
+        if final_state not in FINAL_STATES:
+            raise ModelError(f"--final-state '{final_state}': use one of {', '.join(FINAL_STATES)}")
+        self.final_state = final_state
+        self._pre: list[torch.Tensor] = []
         self.spec, self.dtype_name, self.dtype = spec, dtype, DTYPES[dtype]
         self.device = pick_device(device)
         self.tokenizer = None
@@ -259,6 +264,28 @@ class Extractor:
             self._load_hf(spec, load_weights)
         self.aux_layers = check_aux_layers(list(aux_layers) if aux_layers else default_aux_layers(self.num_layers),
                                            self.num_layers)
+        if self._model is not None and final_state == "pre_norm":  # the last decoder layer's own output
+            self._last_layer().register_forward_hook(lambda _m, _i, out: self._pre.append(
+                out[0] if isinstance(out, tuple) else out))
+
+    def _last_layer(self) -> nn.Module:
+        model = self._model
+        for path in ("layers", "model.layers", "model.language_model.layers", "language_model.model.layers"):
+            obj = model
+            try:
+                for part in path.split("."):
+                    obj = getattr(obj, part)
+            except AttributeError:
+                continue
+            return obj[-1]
+        raise ModelError(f"--model '{self.spec}': cannot find its decoder layers for --final-state pre_norm")
+
+    def final_norm(self) -> FinalNorm:
+        """The final RMSNorm (weight in the model dtype, epsilon), to be kept in the build."""
+        if not self._hf:
+            norm = self._model.norm
+            return FinalNorm(norm.weight.detach().to(self.dtype).cpu().clone(), float(norm.eps))
+        return read_final_norm(Path(self.spec), self.dtype)
 
     def check_max_tokens(self, max_tokens: int | None) -> None:
         """`--max-tokens` above the model's positions would let over-long samples through: refuse it."""
@@ -332,6 +359,7 @@ class Extractor:
             "aux_layers": self.aux_layers,
             "final_layer": self.num_layers,
             "convention": CONVENTION,
+            "final_state": self.final_state,
             "dtype": self.dtype_name,
         }
 
@@ -364,7 +392,11 @@ class Extractor:
         else:
             states = self._model(ids)
         aux = torch.cat([states[i][0] for i in self.aux_layers], dim=-1)
-        final = states[self.num_layers][0]
+        if self.final_state == "pre_norm":
+            final = self._pre.pop()[0]
+            self._pre.clear()
+        else:
+            final = states[self.num_layers][0]
         for name, t in (("aux_hidden_state", aux), ("hidden_state", final)):
             if not torch.isfinite(t).all():
                 bad = int((~torch.isfinite(t)).any(dim=-1).nonzero()[0, 0])

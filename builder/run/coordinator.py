@@ -31,6 +31,7 @@ from builder.log.lock import BuildLock
 from builder.log.server import QueryServer
 from builder.progress import NoProgress, Progress
 from builder.run.create import code_fingerprint
+from builder.run.engine import Engine, EngineOptions, vllm_settings
 from builder.run.messages import (
     Abandoned,
     Deferred,
@@ -47,6 +48,7 @@ from builder.run.messages import (
     Started,
     Stop,
     Task,
+    Unreachable,
     Written,
 )
 from builder.run.plan import INTERRUPTED_EXTRA, Plan, check_source, make_plan
@@ -74,6 +76,8 @@ class RunOptions:
     # their sample left for resume); None: $HSBUILD_STOP_GRACE, else 30
     stop_grace: float | None = None
     take_over: bool = False  # take the lock over from an owner on another host (--take-over)
+    launch: bool = False  # engine backends: start the server as a child (`serve-command`), stop it at the end
+    inflight: int | None = None  # engine backends: requests in flight (overrides hsbuild.toml)
 
 
 @dataclass
@@ -116,8 +120,18 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
         self.aborted: str | None = None  # a worker died: stop at a safe point, `resume` continues
+        if self.opts.inflight is not None:
+            if self.opts.inflight < 1:
+                raise UsageError(f"--inflight {self.opts.inflight}: must be at least 1")
+            self.cfg.inflight = self.opts.inflight
+        if self.opts.launch and self.cfg.backend == "inprocess":
+            raise UsageError("--launch: this build's backend is inprocess (the workers load the model); --launch "
+                             "starts an inference server for builds made with --backend vllm")
         self.space = SpaceMonitor(self.lay, self.cfg)
         self.paused_reason: str | None = None
+        self.engine: Engine | None = None
+        self.engine_down: float | None = None  # since when the server has been unavailable
+        self.engine_checked = 0.0
 
     # -- signals ------------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
@@ -139,7 +153,26 @@ class Coordinator:
         prog = self.log.progress()
         return {"running": True, "run_id": self.run_id, "pid": os.getpid(), "workers": self.workers,
                 **prog, **project(self.log, self.cfg, self.space, self.meta), **self.space.snapshot(),
-                "paused": self.paused_reason is not None, "pause_reason": self.paused_reason}
+                "paused": self.paused_reason is not None or self.engine_down is not None,
+                "pause_reason": self.paused_reason or ("server_unavailable" if self.engine_down is not None else None),
+                **self._engine_status()}
+
+    def _engine_status(self) -> dict:
+        if self.engine is None:
+            return {}
+        staging = Path(self.engine.spec.staging)
+        files = sizes = 0
+        for p in staging.glob("*.safetensors"):
+            try:
+                sizes += p.stat().st_size
+                files += 1
+            except FileNotFoundError:
+                pass
+        st = getattr(self, "_st", None)
+        return {"backend": self.cfg.backend, "server": self.engine.spec.server,
+                "server_healthy": self.engine_down is None, "server_restarts": self.engine.restarts,
+                "in_flight": len(st.in_flight) if st is not None else 0,
+                "staging_files": files, "staging_bytes": sizes}
 
     # -- the run ----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> RunReport:
@@ -174,7 +207,9 @@ class Coordinator:
             )
         if plan.todo:
             doc = preflight_for_run(self.lay, self.cfg, self.log, self.opts.force, {os.getpid()},
-                                    device=self.opts.device or self.cfg.device, run_id=self.run_id,
+                                    # an engine backend's GPUs are the server's, not hsbuild's
+                                    device=("cpu" if self.cfg.backend != "inprocess"
+                                            else self.opts.device or self.cfg.device), run_id=self.run_id,
                                     previous_owner=lock.previous)
             self.gpu_build = doc.gpu_build
             for line in warning_lines(doc):
@@ -185,7 +220,8 @@ class Coordinator:
         by_id = {s.sample_id: s for s in plan.todo}
         self._give_up_interrupted(plan)
         self.emit(Event("run_started", detail=detail(
-            workers=self.workers, resume=resume, plan=plan.summary(), config=self.cfg.to_toml(),
+            workers=self.workers, threads=self._threads(), resume=resume, plan=plan.summary(),
+            config=self.cfg.to_toml(),
             config_fingerprint=self.cfg.fingerprint(), model_fingerprint=meta.get("model_fingerprint"),
             code_fingerprint=code_fingerprint(), pid=os.getpid(), previous_owner=lock.previous)))
         self.flush(force=True)
@@ -193,6 +229,8 @@ class Coordinator:
         old_int = signal.signal(signal.SIGINT, self._on_signal)
         old_term = signal.signal(signal.SIGTERM, self._on_signal)
         try:
+            if plan.todo and self.cfg.backend != "inprocess":
+                self._start_engine(meta)
             if plan.todo:
                 self._extract(plan, by_id, meta, report)
         except BaseException as e:
@@ -203,6 +241,8 @@ class Coordinator:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)
             server.stop()
+            if self.engine is not None:
+                self.engine.stop()
         report.failed_in_build = self.log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
         if self.stop_requested:
             report.outcome, report.exit_code = "interrupted", EXIT_INTERRUPTED
@@ -216,6 +256,42 @@ class Coordinator:
             failed_in_build=report.failed_in_build)))
         self.flush(force=True)
         return report
+
+    def _start_engine(self, meta: dict) -> None:
+        """Wait for the server (launch it with --launch), probe it, record the probe. The first probe of a build
+        is its reference: a later server returning other states for the same prompt is another model."""
+        self.engine = Engine(self.lay, self.cfg, meta, EngineOptions(launch=self.opts.launch), self.echo)
+        self.engine.start(lambda: bool(self.stop_requested))
+        first = self.log.query("SELECT detail FROM events WHERE kind = 'engine_probe' ORDER BY seq LIMIT 1")[1]
+        recorded = json.loads(first[0][0]) if first and first[0][0] else None
+        found = self.engine.check(recorded)
+        self.emit(Event("engine_probe", detail=detail(server=self.engine.spec.server, launched=self.opts.launch,
+                                                      **found)))
+        self.flush(force=True)
+
+    def _engine_watch(self, report: RunReport) -> None:
+        """While the server is unavailable: restart it (launch mode), and lift the pause once it is healthy."""
+        now = time.monotonic()
+        if self.engine is None or self.engine_down is None or now - self.engine_checked < 1.0:
+            return
+        self.engine_checked = now
+        self.engine.restart_if_dead()
+        if self.engine.healthy():
+            down = now - self.engine_down
+            self.engine_down = None
+            self.emit(Event("resumed", reason="server_unavailable", detail=detail(down_seconds=round(down, 1))))
+            self.flush(force=True)
+            self.echo(f"\nresumed: {self.engine.spec.server} is healthy again after {down:.0f} s")
+
+    def _engine_unavailable(self, message: str, report: RunReport) -> None:
+        if self.engine_down is not None:
+            return
+        self.engine_down = time.monotonic()
+        report.pauses += 1
+        self.emit(Event("paused", reason="server_unavailable", detail=detail(message=message)))
+        self.flush(force=True)
+        self.echo(f"\nPAUSED (server_unavailable): {message}; in-flight samples go back to pending; "
+                  + ("restarting the server" if self.opts.launch else "waiting for the server to be healthy"))
 
     def _adopt_unlogged(self) -> None:
         """Samples durable in a segment (its manifest says so) whose `written` event the log lacks: a crash
@@ -249,10 +325,16 @@ class Coordinator:
                       f"{', '.join(plan.interrupted_final[:3])}): started {limit} times or more, left in flight by "
                       "runs that ended abruptly; recorded as failed (interrupted_too_often)")
 
+    def _threads(self) -> int:
+        """Intra-op threads of each worker. Recorded in `run_started`: on the CPU, a forward pass's last bits can
+        depend on how its reductions were split, so the same sample extracted with another thread count may
+        differ by an ulp (both are the model's output; a bit-exact comparison must use the same count)."""
+        return max(1, (os.cpu_count() or 1) // self.workers)
+
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
         ctx = mp.get_context("spawn")
         flags = Flags(ctx)
-        threads = max(1, (os.cpu_count() or 1) // self.workers)
+        threads = self._threads()
         procs: dict[int, mp.process.BaseProcess] = {}
         conns: dict[int, Connection] = {}
         for w in range(self.workers):
@@ -261,14 +343,18 @@ class Coordinator:
                 model=self.cfg.model, aux_layers=self.cfg.aux_layers, dtype=self.cfg.dtype,
                 device=self.opts.device or self.cfg.device, codec=self.cfg.codec, chunk_tokens=self.cfg.chunk_tokens,
                 max_tokens=self.cfg.max_tokens, threads=threads, verify_after_write=self.cfg.verify_after_write,
-                flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free, coordinator_pid=os.getpid())
+                flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free, coordinator_pid=os.getpid(),
+                final_state=self.cfg.final_state,
+                vllm=(vllm_settings(self.cfg, meta, self.engine.model_name or self.cfg.model)
+                      if self.engine is not None else None),
+                final_norm=str(self.lay.final_norm) if self.lay.final_norm.exists() else None)
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=worker_main, args=(settings, theirs, flags), daemon=True, name=f"hsbuild-worker-{w}")
             _start_ignoring_stop_signals(p)
             theirs.close()  # so a dead worker's pipe reads as EOF here
             procs[w], conns[w] = p, mine
-        st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
-                       assigned={w: [] for w in procs}, alive=set(procs))
+        st = self._st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
+                                  assigned={w: [] for w in procs}, alive=set(procs))
         bar = self.opts.progress or NoProgress()
         bar.start(len(plan.todo), "extract")
         gpus = GpuSampler(interval=5.0) if getattr(self, "gpu_build", False) else None
@@ -288,7 +374,8 @@ class Coordinator:
                 pause = self.space.poll()
                 if pause != self.paused_reason:
                     self._set_paused(pause, flags, report)
-                if not stopping and self.paused_reason is None:
+                self._engine_watch(report)
+                if not stopping and self.paused_reason is None and self.engine_down is None:
                     self._dispatch(st, conns, by_id, flags, report)
                 for w in sorted(st.alive - st.told_to_stop):  # a sentinel once a worker has nothing more to do
                     if stopping or (not st.pending and not st.assigned[w]):  # its staged group: flushed on Stop
@@ -329,7 +416,7 @@ class Coordinator:
         (up to QUEUE_SAMPLES and QUEUE_TOKENS queued), so a worker always has its next sample at hand and can
         group many small ones into one durable write."""
         for w in sorted(st.ready & st.alive - st.told_to_stop, key=lambda k: len(st.assigned[k])):
-            while st.pending and (len(st.assigned[w]) < PER_WORKER or (
+            while st.pending and (len(st.assigned[w]) < st.window.get(w, PER_WORKER) or (
                     len(st.assigned[w]) < QUEUE_SAMPLES
                     and sum(by_id[x].num_tokens for x in st.assigned[w]) + by_id[st.pending[0]].num_tokens
                     <= QUEUE_TOKENS)):
@@ -361,6 +448,7 @@ class Coordinator:
         match msg:
             case Ready(fingerprint=fp):
                 st.ready.add(wid)
+                st.window[wid] = max(PER_WORKER, msg.capacity + 1)  # all its requests in flight, one waiting
                 if meta.get("model_fingerprint") and fp != meta["model_fingerprint"]:
                     self.stop_requested = max(self.stop_requested, 1)
                     raise ModelError(
@@ -371,10 +459,17 @@ class Coordinator:
                 raise ModelError(f"worker {wid} could not start: {error}")
             case Started(sample_id=sid, attempt=attempt, fingerprint=fp):
                 st.current[wid] = sid
+                st.in_flight.add(sid)
                 st.attempts[sid] = attempt
                 self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
             case Staged(sample_id=sid):
                 st.stage(wid, sid)
+            case Unreachable(sample_id=sid, attempt=attempt, fingerprint=fp, message=message):
+                # the engine's failure, not the sample's: back to pending, not counted against --max-attempts
+                self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+                                reason="server_unavailable", detail=detail(message=message)))
+                st.done(wid, sid, requeue=True)
+                self._engine_unavailable(message, report)
             case Written(sample_id=sid, attempt=attempt, fingerprint=fp, location=loc):
                 self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
@@ -517,6 +612,8 @@ class _Dispatch:
     current: dict[int, str] = field(default_factory=dict)  # the sample a worker announced `started`
     told_to_stop: set[int] = field(default_factory=set)
     staged: dict[int, list[str]] = field(default_factory=dict)  # extracted, in the worker's unflushed group
+    window: dict[int, int] = field(default_factory=dict)  # samples a worker may hold (its backend's capacity + 1)
+    in_flight: set[str] = field(default_factory=set)  # started, not yet staged or done
 
     def stage(self, w: int, sid: str) -> None:
         """The worker holds `sid` in its group (not durable): it no longer counts against PER_WORKER."""
@@ -525,6 +622,7 @@ class _Dispatch:
         if self.current.get(w) == sid:
             del self.current[w]
         self.staged.setdefault(w, []).append(sid)
+        self.in_flight.discard(sid)
 
     def done(self, w: int, sid: str, requeue: bool = False) -> None:
         if sid in self.assigned.get(w, []):
@@ -533,6 +631,7 @@ class _Dispatch:
             self.staged[w].remove(sid)
         if self.current.get(w) == sid:
             del self.current[w]
+        self.in_flight.discard(sid)
         if requeue:
             self.pending.appendleft(sid)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import duckdb
 
 from builder import __version__
-from builder.config import BuildConfig, Watermarks
-from builder.errors import BuildExistsError, BuildReadOnlyError, UsageError
+from builder.config import BACKENDS, BuildConfig, Watermarks
+from builder.errors import BuildExistsError, BuildReadOnlyError, ModelError, UsageError
 from builder.extract.model import Extractor, check_device_spec, suggest_chunk_tokens
 from builder.extract.source import load_source
 from builder.fsutil import fsync_path, make_dirs_durable
@@ -50,6 +50,10 @@ def init_build(
     watermarks: Watermarks | None = None,
     device: str = "auto",
     staging: str | None = None,
+    backend: str = "inprocess",
+    server: str | None = None,
+    inflight: int | None = None,
+    final_state: str = "post_norm",
 ) -> BuildLayout:
     """Create a build. Validates everything first: on any error nothing on disk changes.
 
@@ -75,8 +79,16 @@ def init_build(
     parse_codec(codec)
     check_device_spec(device)
     wm = (watermarks or Watermarks()).validate()
-    ex = Extractor(model, aux_layers, dtype, device="cpu", load_weights=False)  # metadata; no HF weights
+    ex = Extractor(model, aux_layers, dtype, device="cpu", load_weights=False,  # metadata; no HF weights
+                   final_state=final_state)
     ex.check_max_tokens(max_tokens)
+    engine = check_backend(backend, server, staging, inflight, ex)
+    try:
+        norm = ex.final_norm()  # one tensor of the checkpoint
+    except ModelError:
+        if backend != "inprocess" and final_state == "post_norm":
+            raise  # the engine returns pre-norm states: post-norm needs the norm
+        norm = None
     source = Path(source).absolute()
     samples = load_source(source, ex.tokenizer, vocab_size=ex.vocab_size)
     median = int(statistics.median(s.num_tokens for s in samples)) if samples else 128
@@ -84,7 +96,8 @@ def init_build(
         chunk_tokens = suggest_chunk_tokens(ex.hidden_size, len(ex.aux_layers), median)
     cfg = BuildConfig(source=str(source), model=model, aux_layers=ex.aux_layers, max_tokens=max_tokens,
                       max_attempts=max_attempts, dtype=dtype, codec=codec, chunk_tokens=chunk_tokens, device=device,
-                      staging=staging, watermarks=wm)
+                      staging=staging, watermarks=wm, backend=backend, server=server, inflight=inflight,
+                      final_state=final_state)
 
     try:
         make_dirs_durable(lay.root)
@@ -105,7 +118,11 @@ def init_build(
             "codec": codec,
             "storage_dtype": STORAGE_DTYPES[dtype],
             **ex.metadata(),
+            **engine,
+            "final_norm": None if norm is None else {"file": lay.final_norm.name, "eps": norm.eps},
         }
+        if norm is not None:
+            norm.save(lay.final_norm)
         # the data describes itself: the whole metadata is in data/zarr.json too (a lost log is rebuilt from it)
         init_data_group(lay.data, {**{k: meta[k] for k in ("model", "aux_layers", "convention", "dtype",
                                                            "storage_dtype", "hidden_size", "num_layers",
@@ -118,6 +135,41 @@ def init_build(
                                                                               "aux_layers", "config_fingerprint")}))])
         cfg.save(lay.config)  # last: a build "exists" once its config is there
     return lay
+
+
+def check_backend(backend: str, server: str | None, staging: str | None, inflight: int | None,
+                  ex: Extractor) -> dict:
+    """Validate the backend flags; returns what the build records about its engine."""
+    if backend not in BACKENDS:
+        raise UsageError(f"--backend {backend}: use one of {', '.join(BACKENDS)}")
+    if inflight is not None and inflight < 1:
+        raise UsageError(f"--inflight {inflight}: must be at least 1")
+    if backend == "inprocess":
+        if server is not None:
+            raise UsageError("--server: only for an inference-server backend; add --backend vllm")
+        return {"backend": backend}
+    if not server:
+        raise UsageError(f"--backend {backend}: needs --server http://HOST:PORT (the server's URL)")
+    if not server.startswith(("http://", "https://")):
+        raise UsageError(f"--server {server}: not an http:// or https:// URL")
+    if not staging:
+        raise UsageError(f"--backend {backend}: needs --staging DIR, the folder the server writes states to "
+                         "(the connector's shared_storage_path; /dev/shm/NAME on one node)")
+    if ex.spec == "builtin" or ex.spec.startswith("builtin:"):
+        raise UsageError(f"--backend {backend}: --model must be the local Hugging Face directory the server "
+                         "serves (its config, tokenizer and final norm are read here)")
+    bad = [i for i in ex.aux_layers if i >= ex.num_layers]
+    if bad:
+        raise UsageError(f"--aux-layers {bad}: the engine's layer id {ex.num_layers} is the final state before "
+                         f"the norm, not Hugging Face's hidden_states[{ex.num_layers}]; use ids below "
+                         f"{ex.num_layers} (the final state is always kept)")
+    from builder.extract.backends.vllm import engine_layer_ids  # noqa: PLC0415
+
+    ids = engine_layer_ids(ex.aux_layers, ex.num_layers)
+    return {"backend": backend, "server": server, "engine_layer_ids": ids,
+            "layer_ids": {"hf_hidden_states": ex.aux_layers + [ex.num_layers],
+                          "vllm_eagle_aux_hidden_state_layer_ids": ids,
+                          "decoder_layer_output": [i - 1 for i in ex.aux_layers] + [ex.num_layers - 1]}}
 
 
 def _remove_previous_build(lay: BuildLayout) -> None:
@@ -133,7 +185,7 @@ def _remove_previous_build(lay: BuildLayout) -> None:
         if p.is_dir():
             raise UsageError(f"{p}: is a directory, not hsbuild's; move it away, then run init again")
     # the config last: until the new one is written the directory is no build, whatever happens here
-    for p in (lay.events, wal, lay.ballast, sock, lay.config):
+    for p in (lay.events, wal, lay.ballast, sock, lay.final_norm, lay.config):
         p.unlink(missing_ok=True)
     if lay.data.exists():
         shutil.rmtree(lay.data)

@@ -35,6 +35,7 @@ class Ready:
     worker: int
     fingerprint: str
     metadata: dict
+    capacity: int = 1  # requests its backend keeps in flight (the coordinator hands it that many and more)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,18 @@ class Deferred:
 
 
 @dataclass(frozen=True)
+class Unreachable:
+    """The engine could not serve it (connection refused, timed out, died mid-write): back to pending, not
+    counted against --max-attempts; the run pauses (`server_unavailable`) until the engine is healthy."""
+
+    worker: int
+    sample_id: str
+    attempt: int
+    fingerprint: str
+    message: str
+
+
+@dataclass(frozen=True)
 class Skipped:
     """Not started: the run is stopping."""
 
@@ -148,5 +161,5 @@ class Exit:
 
 
 ToWorker = Task | Stop
-FromWorker = (Ready | Fatal | Started | Staged | Written | Failed | NoSpace | Deferred | Skipped | Abandoned | Sealed | SealFailed
+FromWorker = (Ready | Fatal | Started | Staged | Written | Failed | NoSpace | Deferred | Unreachable | Skipped | Abandoned | Sealed | SealFailed
               | Exit)

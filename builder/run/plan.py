@@ -11,7 +11,7 @@ from builder.log.events import EventLog
 # Failure reasons that say the stored bytes were damaged (verify); such samples are always re-extracted.
 DAMAGE_REASONS = {"checksum_mismatch", "missing_data", "unreadable"}
 # Failures of the environment, not of the sample; retried without counting against --max-attempts.
-TRANSIENT_REASONS = {"no_space"}
+TRANSIENT_REASONS = {"no_space", "server_unavailable"}
 # A sample left `started` by runs that ended abruptly (crash, OOM kill, kill -9) is started again, until it
 # has been started max_attempts + INTERRUPTED_EXTRA times (default 3 + 2 = 5): then it is given up
 # (`failed`, reason `interrupted_too_often`), so a sample that takes the whole run down is not retried forever.

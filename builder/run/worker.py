@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from builder.errors import SampleError
+from builder.extract.backends.base import Backend, Failure, Request, States, Unavailable
 from builder.extract.model import Extractor
 from builder.run.messages import (
     Abandoned,
@@ -35,6 +36,7 @@ from builder.run.messages import (
     Started,
     Stop,
     Task,
+    Unreachable,
     Written,
 )
 from builder.store.segment import Location, SegmentWriter, is_disk_full, new_segment_name
@@ -58,6 +60,9 @@ class WorkerSettings:
     flood: float = 0.95
     coordinator_pid: int = 0
     min_free: int = 0
+    final_state: str = "post_norm"
+    vllm: object | None = None  # extract.backends.vllm.VllmSettings: the vLLM backend; None: in-process
+    final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
 
 
 class Flags:
@@ -114,26 +119,63 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
     wid = settings.worker
     try:
         torch.set_num_threads(max(1, settings.threads))
-        ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, settings.device)
+        ex, backend = _open_backend(settings)
     except Exception as e:  # noqa: BLE001
         conn.send(Fatal(wid, f"{type(e).__name__}: {e}"))
         return
-    conn.send(Ready(wid, ex.fingerprint, ex.metadata()))
-    group = _Group(settings, conn, flags, ex)
-    while True:
-        if group.staged and (group.full() or flags.stop or not conn.poll(group.wait_seconds())):
-            group.flush()  # nothing more to stage right now (or the group is full): make it durable
-            continue
-        task: Task | Stop = conn.recv()
-        if isinstance(task, Stop):
-            group.flush()
-            break
-        if flags.stop:
-            conn.send(Skipped(wid, task.sample_id))
-            continue
-        group.extract_and_stage(task)
-    group.seal()
+    conn.send(Ready(wid, ex.fingerprint, ex.metadata(), backend.capacity))
+    group = _Group(settings, conn, flags, ex, backend)
+    stopping = False
+    try:
+        while True:
+            for outcome in backend.collect(0.0):
+                group.take(outcome)
+            if group.staged and (group.full() or flags.stop):
+                group.flush()
+                continue
+            busy = backend.in_flight() > 0
+            if not stopping and backend.in_flight() < backend.capacity:
+                # idle: block for the next task; busy: only look; staged: wait at most the group's time bound
+                timeout = 0.0 if busy else (group.wait_seconds() if group.staged else None)
+                if conn.poll(timeout):
+                    task: Task | Stop = conn.recv()
+                    if isinstance(task, Stop):
+                        stopping = True
+                    elif flags.stop:
+                        conn.send(Skipped(wid, task.sample_id))
+                    else:
+                        group.submit(task)
+                    continue
+                if not busy:  # no task within the group's time bound: make what is staged durable
+                    group.flush()
+                    continue
+            if busy:  # the engine has them all: wait for the next outcome
+                for outcome in backend.collect(0.05):
+                    group.take(outcome)
+                continue
+            if stopping:
+                break
+        group.flush()
+        group.seal()
+    finally:
+        backend.close()
     conn.send(Exit(settings.worker))
+
+
+def _open_backend(settings: WorkerSettings) -> tuple[Extractor, Backend]:
+    """The extractor (model metadata and token checks) and the backend that runs the forward passes."""
+    if settings.vllm is None:
+        from builder.extract.backends.inprocess import InProcessBackend  # noqa: PLC0415
+
+        ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, settings.device,
+                       final_state=settings.final_state)
+        return ex, InProcessBackend(ex)
+    from builder.extract.backends.vllm import VllmBackend  # noqa: PLC0415
+    from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
+
+    ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, "cpu", load_weights=False)
+    norm = FinalNorm.load(Path(settings.final_norm)) if settings.final_norm else None
+    return ex, VllmBackend(settings.vllm, norm)
 
 
 GROUP_BYTES = 32 << 20  # encoded bytes a worker stages before making them durable in one barrier
@@ -157,8 +199,9 @@ class _Group:
     one barrier) and only then reported `Written`, so the engine is not held up by one fsync per sample and
     small samples share files. Memory: at most about GROUP_BYTES of encoded data plus the sample in hand."""
 
-    def __init__(self, settings: WorkerSettings, conn, flags: Flags, ex: Extractor):
-        self.settings, self.conn, self.flags, self.ex = settings, conn, flags, ex
+    def __init__(self, settings: WorkerSettings, conn, flags: Flags, ex: Extractor, backend: Backend):
+        self.settings, self.conn, self.flags, self.ex, self.backend = settings, conn, flags, ex, backend
+        self.in_flight: dict[str, tuple[Task, object, object, float]] = {}  # key -> task, ids, mask, t0
         self.wid = settings.worker
         self.writer: SegmentWriter | None = None
         self.items: list[_StagedSample] = []
@@ -181,14 +224,34 @@ class _Group:
     def _fail(self, task: Task, reason: str, message: str) -> None:
         self.conn.send(Failed(self.wid, task.sample_id, task.attempt, task.fingerprint, reason, message))
 
-    def extract_and_stage(self, task: Task) -> None:
-        s, wid = self.settings, self.wid
-        self.conn.send(Started(wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
+    def submit(self, task: Task) -> None:
+        """Check the sample's tokens and hand it to the backend (`Started`); its outcome comes via `take`."""
+        self.conn.send(Started(self.wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
         t0 = time.perf_counter()
         try:
-            ids = self.ex.check(task.input_ids, s.max_tokens)
-            mask = task.loss_mask[: ids.shape[0]]
-            aux, final = self.ex.extract(ids)
+            ids = self.ex.check(task.input_ids, self.settings.max_tokens)
+        except SampleError as e:
+            self._fail(task, e.reason, str(e))
+            return
+        self.in_flight[task.sample_id] = (task, ids, task.loss_mask[: ids.shape[0]], t0)
+        self.backend.submit(Request(task.sample_id, ids))
+
+    def take(self, outcome) -> None:
+        entry = self.in_flight.pop(outcome.key, None)
+        if entry is None:
+            return
+        task, ids, mask, t0 = entry
+        match outcome:
+            case States(aux=aux, final=final):
+                self.stage(task, ids, mask, aux, final, t0)
+            case Failure(reason=reason, message=message):
+                self._fail(task, reason, message)
+            case Unavailable(message=message):
+                self.conn.send(Unreachable(self.wid, task.sample_id, task.attempt, task.fingerprint, message))
+
+    def stage(self, task: Task, ids, mask, aux, final, t0: float) -> None:
+        s, wid = self.settings, self.wid
+        try:
             if self.writer is None:
                 try:
                     self.writer = SegmentWriter(Path(s.data_root), new_segment_name(s.run_id, wid),

@@ -54,13 +54,18 @@ def _init(tmp_path: Path, b: Path) -> dict[str, list[list[str]]]:
            ["--max-tokens", "999999"], ["--low", "2"], ["--high", "0"], ["--flood", "-0.5"],
            ["--low", "0.95", "--high", "0.9"], ["--min-free=-5G"], ["--dtype", "int8"], ["--device", "tpu"],
            ["--aux-layers", "x"], ["--aux-layers", "1,1"], ["--aux-layers", "1,2,99"],
-           ["--model", "builtin:layers=0"], ["--model", "/nonexistent-model"]]
+           ["--model", "builtin:layers=0"], ["--model", "/nonexistent-model"], ["--backend", "sglang-next"],
+           ["--inflight", "0"], ["--server", "http://127.0.0.1:1"], ["--backend", "vllm"],
+           ["--backend", "vllm", "--server", "127.0.0.1:8000", "--staging", str(tmp_path)],
+           ["--backend", "vllm", "--server", "http://127.0.0.1:8000"],
+           ["--backend", "vllm", "--server", "http://127.0.0.1:8000", "--staging", str(tmp_path)],
+           ["--final-state", "middle"]]
     return {"new": [new + f for f in bad], "force": [force + f for f in bad[:12]]}
 
 
 RUN_BAD = [["--workers", "0"], ["--workers", "-1"], ["--workers", "x"], ["--limit", "-5"], ["--max-attempts", "0"],
            ["--low", "2"], ["--high", "1.5"], ["--flood", "0"], ["--low", "0.95", "--high", "0.9"],
-           ["--min-free=-1G"], ["--device", "tpu"]]
+           ["--min-free=-1G"], ["--device", "tpu"], ["--inflight", "0"], ["--launch"]]
 VERIFY_BAD = [["--max-rate", "-1"], ["--max-rate", "0"], ["--max-rate", "fast"], ["--jobs", "0"], ["--jobs", "1000"],
               ["--subset", "5/3"], ["--subset", "0/3"], ["--subset", "x"], ["--fraction", "2"], ["--fraction", "0"],
               ["--fraction", "0.5", "--seed", "x"], ["--seed", "3"], ["--not-verified-since", "yesterday"],
@@ -88,10 +93,15 @@ def cases(cmd: str, tmp_path: Path, b: Path) -> list[list[str]]:
     if cmd == "demo":
         return [["demo", str(tmp_path / "demo"), *f] for f in (["--samples", "0"], ["--samples", "-3"],
                                                                ["--workers", "0"], ["--samples", "many"])]
+
+
+    if cmd == "serve-command":
+        return [["serve-command", str(b)], ["serve-command", str(tmp_path / "nope")]]
     raise AssertionError(cmd)
 
 
-@pytest.mark.parametrize("cmd", ["init", "run", "resume", "status", "sql", "verify", "gc", "doctor", "demo"])
+@pytest.mark.parametrize("cmd", ["init", "run", "resume", "status", "sql", "verify", "gc", "doctor", "demo",
+                                 "serve-command"])
 def test_out_of_range_flags_exit_2_in_one_line_and_change_nothing(tmp_path, build, cmd):
     before = digest(build)
     problems = []

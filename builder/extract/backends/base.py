@@ -1,0 +1,79 @@
+"""The backend interface: what a worker needs from whatever runs the forward passes.
+
+A worker `submit`s up to `capacity` requests and `collect`s their outcomes, in any order. An in-process model
+has capacity 1 and computes in `collect`; an inference server keeps `capacity` requests in flight so that the
+engine batches them while the worker writes. Outcomes are typed: states, a per-sample failure (counts as an
+attempt), or `Unavailable` (the engine is gone: the sample goes back to pending, not counted against
+--max-attempts). Adding an engine (SGLang next) means a new module here, nothing in the run loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Request:
+    key: str  # the sample id
+    input_ids: np.ndarray  # int64 [n], already checked against the model (vocabulary, positions)
+
+
+@dataclass(frozen=True)
+class States:
+    key: str
+    aux: torch.Tensor  # [n, n_aux * H], the model dtype, CPU
+    final: torch.Tensor  # [n, H], the build's final-state convention (pre_norm or post_norm)
+
+
+@dataclass(frozen=True)
+class Failure:
+    key: str
+    reason: str  # nonfinite, token_mismatch, bad_states, error, ...
+    message: str
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    key: str
+    message: str  # why the engine could not serve it (connection refused, timeout, server died)
+
+
+Outcome = States | Failure | Unavailable
+
+
+@dataclass
+class BackendStats:
+    in_flight: int = 0
+    staging_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    """What the worker loop uses. Implementations never print and never touch the build."""
+
+    name: str
+    capacity: int  # requests that may be in flight at once
+
+    def submit(self, request: Request) -> None: ...
+
+    def collect(self, timeout: float) -> list[Outcome]:
+        """Outcomes ready now, waiting up to `timeout` seconds for the first one."""
+        ...
+
+    def in_flight(self) -> int: ...
+
+    def stats(self) -> BackendStats: ...
+
+    def close(self) -> None: ...
+
+
+def check_finite(key: str, aux: torch.Tensor, final: torch.Tensor) -> Failure | None:
+    for name, t in (("aux_hidden_state", aux), ("hidden_state", final)):
+        if not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).any(dim=-1).nonzero()[0, 0])
+            return Failure(key, "nonfinite", f"{name} holds NaN/Inf (first at token {bad})")
+    return None

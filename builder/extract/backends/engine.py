@@ -1,0 +1,71 @@
+"""Talking to an inference server over HTTP (stdlib only): health, the served model, one completion.
+
+Errors are typed: `EngineUnavailable` (cannot connect, timed out, 5xx: the engine is gone or busy, the sample
+goes back to pending) and `EngineRejected` (4xx: this request is wrong, the sample fails)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+class EngineUnavailable(ConnectionError):
+    """The server cannot be reached, timed out, or answered 5xx."""
+
+
+class EngineRejected(ValueError):
+    """The server refused this request (4xx)."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    id: str  # the name requests use
+    root: str  # the path or repo it was loaded from
+    max_model_len: int | None
+
+
+def _call(url: str, body: dict | None, timeout: float) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")[:300]
+        if e.code >= 500:
+            raise EngineUnavailable(f"{url}: HTTP {e.code}: {text}") from None
+        raise EngineRejected(f"{url}: HTTP {e.code}: {text}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise EngineUnavailable(f"{url}: {reason}") from None
+    try:
+        return json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        raise EngineUnavailable(f"{url}: answered something that is not JSON") from None
+
+
+def healthy(server: str, timeout: float = 2.0) -> bool:
+    try:
+        _call(server.rstrip("/") + "/health", None, timeout)
+        return True
+    except (EngineUnavailable, EngineRejected):
+        return False
+
+
+def served_model(server: str, timeout: float = 10.0) -> ServedModel:
+    doc = _call(server.rstrip("/") + "/v1/models", None, timeout)
+    models = doc.get("data") or []
+    if not models:
+        raise EngineUnavailable(f"{server}/v1/models: the server lists no model")
+    m = models[0]
+    return ServedModel(str(m.get("id")), str(m.get("root") or m.get("id")), m.get("max_model_len"))
+
+
+def complete(server: str, model: str, token_ids: list[int], timeout: float) -> dict:
+    """One prefill: `max_tokens` 1, the prompt given as token ids. Returns the response document."""
+    return _call(server.rstrip("/") + "/v1/completions",
+                 {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+                  "return_token_ids": True}, timeout)

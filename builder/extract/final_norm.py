@@ -1,0 +1,76 @@
+"""The model's final norm, kept in the build so that either final-state convention can be derived.
+
+Engines return the last decoder layer's output BEFORE the final norm (vLLM's layer id L); Hugging Face's
+`hidden_states[L]` and SpecForge's `hidden_state` are AFTER it. A build records which one it stores
+(`final_state`: pre_norm | post_norm) and keeps the norm's weight and epsilon in `final_norm.safetensors`, so
+the other one is one call away (`FinalNorm.apply`), computed exactly as transformers' LlamaRMSNorm computes it
+(float32 statistics, then the weight in the model dtype): bit-exact to the model's own output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from builder.errors import ModelError
+from builder.fsutil import atomic_write_bytes
+
+FINAL_STATES = ("post_norm", "pre_norm")
+NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
+             "transformer.norm.weight", "norm.weight")
+
+
+@dataclass(frozen=True)
+class FinalNorm:
+    weight: torch.Tensor  # [H], the model dtype
+    eps: float
+
+    def apply(self, pre: torch.Tensor) -> torch.Tensor:
+        """pre-norm states [n, H] -> post-norm, as LlamaRMSNorm.forward computes them."""
+        dtype = pre.dtype
+        h = pre.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight.to(dtype) * h.to(dtype)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save  # noqa: PLC0415
+
+        atomic_write_bytes(path, save({"weight": self.weight.contiguous()}, metadata={"eps": repr(self.eps)}))
+
+    @classmethod
+    def load(cls, path: Path) -> FinalNorm:
+        from safetensors import safe_open  # noqa: PLC0415
+
+        with safe_open(str(path), framework="pt") as f:
+            return cls(f.get_tensor("weight"), float(f.metadata()["eps"]))
+
+
+def read_final_norm(model_dir: Path, dtype: torch.dtype) -> FinalNorm:
+    """The final RMSNorm of a local Hugging Face directory: only its one tensor is read (the shard that holds it,
+    via model.safetensors.index.json), never the whole checkpoint."""
+    try:
+        from safetensors import safe_open  # noqa: PLC0415
+    except ImportError:
+        raise ModelError(f"--model '{model_dir}': reading its final norm needs `pip install hsbuild[hf]`") from None
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    eps = text.get("rms_norm_eps", text.get("layer_norm_epsilon"))
+    if eps is None:
+        raise ModelError(f"{model_dir}/config.json: no rms_norm_eps; hsbuild derives post-norm states for RMSNorm "
+                         "models only: use --final-state pre_norm")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        candidates = [(k, model_dir / weight_map[k]) for k in NORM_KEYS if k in weight_map]
+    else:
+        candidates = [(k, p) for p in sorted(model_dir.glob("*.safetensors")) for k in NORM_KEYS]
+    for key, path in candidates:
+        with safe_open(str(path), framework="pt") as f:
+            if key in f.keys():
+                return FinalNorm(f.get_tensor(key).to(dtype), float(eps))
+    raise ModelError(f"--model '{model_dir}': no final norm weight ({', '.join(NORM_KEYS)}) in its safetensors "
+                     "files; use --final-state pre_norm")

