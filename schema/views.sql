@@ -53,7 +53,8 @@ LEFT JOIN agg a USING (sample_id);
 CREATE OR REPLACE VIEW progress AS
 WITH st AS (SELECT * FROM samples),
 recent AS (
-    SELECT count(*) AS n, epoch(max(ts)) - epoch(min(ts)) AS span
+    SELECT count(*) AS n, epoch(max(ts)) - epoch(min(ts)) AS span,
+           coalesce(sum(num_tokens) - arg_min(num_tokens, ts), 0) AS tokens
     FROM events
     WHERE kind = 'written'
       AND ts >= (SELECT max(ts) FROM events WHERE kind = 'written') - INTERVAL 60 SECOND
@@ -76,6 +77,7 @@ SELECT
     c.written + c.verified AS done,
     c.total - c.written - c.verified - c.failed AS remaining,
     CASE WHEN r.n > 1 AND r.span > 0 THEN (r.n - 1) / r.span END AS recent_samples_per_s,
+    CASE WHEN r.n > 1 AND r.span > 0 THEN r.tokens / r.span END AS recent_tokens_per_s,
     CASE WHEN r.n > 1 AND r.span > 0
          THEN (c.total - c.written - c.verified - c.failed) / ((r.n - 1) / r.span) END AS eta_seconds,
     (SELECT max(ts) FROM events) AS last_event_at

@@ -89,8 +89,8 @@ class Server:
     log: Path
 
 
-def start_server(root: Path, model: Path, staging: Path, timeout: float = 900) -> Server:
-    url = f"http://127.0.0.1:{free_port()}"
+def start_server(root: Path, model: Path, staging: Path, timeout: float = 900, port: int | None = None) -> Server:
+    url = f"http://127.0.0.1:{port or free_port()}"
     log = root / "server.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(serve_command(engine_spec(model, url, staging)), stdout=out, stderr=subprocess.STDOUT,

@@ -191,7 +191,15 @@ def status_lines(st: dict) -> list[str]:
                      "WHERE state = 'failed')")
     rate = st.get("recent_samples_per_s")
     if st.get("running") and rate:
-        lines.append(f"rate:    {rate:.2f} samples/s | ETA {human_seconds(st.get('eta_seconds'))}")
+        tps = st.get("recent_tokens_per_s")
+        lines.append(f"rate:    {rate:.2f} samples/s" + (f", {tps:,.0f} tokens/s" if tps else "")
+                     + f" | ETA {human_seconds(st.get('eta_seconds'))}")
+    if st.get("running") and st.get("backend"):
+        health = "healthy" if st.get("server_healthy") else "UNAVAILABLE (run paused)"
+        lines.append(f"engine:  {st['backend']} {st.get('server')} {health}"
+                     + (f", restarted {st['server_restarts']}x" if st.get("server_restarts") else "")
+                     + f" | {st.get('in_flight', 0)} request(s) in flight | staging {st.get('staging_files', 0)} "
+                     f"file(s), {human_bytes(st.get('staging_bytes', 0))}")
     if "usage" in st:
         disk = f"disk:    {st['usage']:.1%} used, {human_bytes(st['free_bytes'])} free"
         if st.get("paused"):

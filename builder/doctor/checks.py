@@ -691,3 +691,80 @@ def check_fingerprints(ctx: Context) -> Check:
                      "`hsbuild init NEWDIR --source ...` (--force does not override this)", data)
     how = "config and model match the build" if fp else "config matches the build (model checked when loaded)"
     return Check("build.fingerprint", OK, how, data=data)
+
+
+def check_server(ctx: Context) -> Check | None:
+    """Engine backends: the server is reachable, serves the build's model, and returns its layers (one probe
+    request with a fixed prompt). A run waits for an unreachable server, so that is a warning, not a failure."""
+    if ctx.cfg.backend == "inprocess":
+        return None
+    from builder.extract.backends.engine import EngineRejected, EngineUnavailable, healthy, served_model  # noqa: PLC0415
+    from builder.extract.backends.vllm import engine_layer_ids, read_when_ready  # noqa: PLC0415
+    from builder.extract.backends.vllm_server import probe  # noqa: PLC0415
+
+    url = ctx.cfg.server or "?"
+    fix = f"start it with the command `hsbuild serve-command {ctx.lay.root}` prints, or run with --launch"
+    if not healthy(url):
+        return Check("env.server", WARN, f"{ctx.cfg.backend} server {url} is not reachable (a run waits for it)",
+                     fix, {"server": url, "healthy": False})
+    try:
+        m = served_model(url)
+    except (EngineUnavailable, EngineRejected) as e:
+        return Check("env.server", WARN, f"{url}: cannot list its model ({e})", fix, {"server": url})
+    data = {"server": url, "healthy": True, "model_id": m.id, "root": m.root, "max_model_len": m.max_model_len}
+    if ctx.live:  # a run is using it: no probe request of ours in its staging folder
+        return Check("env.server", OK, f"{url} serves {m.root} (a run is using it; not probed)", data=data)
+
+    def read(path: str) -> dict:
+        try:
+            return read_when_ready(path, 60.0)
+        finally:
+            for q in (Path(path), Path(path + ".lock")):
+                q.unlink(missing_ok=True)
+
+    from builder.extract.model import Extractor  # noqa: PLC0415
+
+    ex = Extractor(ctx.cfg.model, ctx.cfg.aux_layers or None, ctx.cfg.dtype, device="cpu", load_weights=False)
+    want = engine_layer_ids(ex.aux_layers, ex.num_layers)
+    try:
+        p = probe(url, ex.vocab_size, read)
+    except (EngineUnavailable, EngineRejected, HsbuildError, KeyError) as e:
+        return Check("env.server", FAIL, f"{url} serves {m.root}, but the probe request failed: {e}", fix, data)
+    data.update(layers=p.layers, hidden=p.hidden, dtype=p.dtype, want_layer_ids=want)
+    problems = []
+    if p.layers != len(want):
+        problems.append(f"returns {p.layers} layer slots, the build needs {len(want)} (ids {want})")
+    if p.hidden != ex.hidden_size:
+        problems.append(f"hidden size {p.hidden}, the build's model has {ex.hidden_size}")
+    if p.dtype != ctx.cfg.dtype:
+        problems.append(f"returns {p.dtype}, the build stores {ctx.cfg.dtype}")
+    if problems:
+        return Check("env.server", FAIL, f"{url} serves {m.root} but " + "; ".join(problems), fix, data)
+    summary = f"{url} serves {m.root}: {p.layers} layer slots (ids {want}), hidden {p.hidden}, {p.dtype}"
+    others = _other_gpu_holders(ctx, url)
+    data["foreign"] = [o.as_dict() for o in others]
+    if others:  # the incident's rogue second server: GPUs held by something that is not this build's server
+        return Check("env.server", WARN, summary + f"; but {plural(len(others), 'other process', 'es')} hold GPUs "
+                     f"too (e.g. pid {others[0].pid}: {others[0].command or others[0].name})",
+                     "; ".join(dict.fromkeys(o.stop_command() for o in others)), data,
+                     [f"pid {o.pid}: {o.command or o.name}" for o in others])
+    return Check("env.server", OK, summary, data=data)
+
+
+def _other_gpu_holders(ctx: Context, url: str) -> list:
+    """GPU processes that are neither the server (the process listening on its port, and its children) nor
+    this process."""
+    from urllib.parse import urlparse  # noqa: PLC0415
+
+    inv = gpu.inventory()
+    if not inv.available:
+        return []
+    port = urlparse(url).port
+    server = procinfo.listening_pids(port) if port else set()
+    mine = server | ctx.own_pids
+    seen: dict[int, procinfo.ProcInfo] = {}
+    for d in inv.devices:
+        for p in d.processes:
+            if p.pid not in seen and not procinfo.is_ours(p.pid, mine):
+                seen[p.pid] = procinfo.describe(p.pid, (), ctx.cgroup_reader, p.name)
+    return list(seen.values())

@@ -7,6 +7,7 @@ tests substitute with a cgroup fixture.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -131,3 +132,32 @@ def describe(pid: int, own_pids: Iterable[int] = (), cgroup_reader: Callable[[in
     unit = systemd_unit_from_cgroup(text) if text else None
     return ProcInfo(pid=pid, visible=exists(pid), name=name or process_name(pid), cmdline=cmdline(pid), unit=unit,
                     ours=is_ours(pid, own_pids))
+
+
+def listening_pids(port: int) -> set[int]:
+    """The processes holding a listening TCP socket on `port` (from /proc/net/tcp{,6} and /proc/PID/fd)."""
+    inodes: set[str] = set()
+    for name in ("tcp", "tcp6"):
+        raw = _read(PROC / "net" / name)
+        for line in (raw or b"").decode(errors="replace").splitlines()[1:]:
+            parts = line.split()
+            if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(parts[9])
+    if not inodes:
+        return set()
+    wanted = {f"socket:[{i}]" for i in inodes}
+    pids: set[int] = set()
+    for d in PROC.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            for fd in (d / "fd").iterdir():
+                try:
+                    if os.readlink(fd) in wanted:
+                        pids.add(int(d.name))
+                        break
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return pids

@@ -102,6 +102,8 @@ def _system_checks(ctx: Context, probe: bool) -> list[Check]:
     checks += _guard("storage.staging", lambda: dc.check_staging(ctx))
     if probe:
         checks += _guard("storage.probe", lambda: dc.check_probe(ctx))
+    if not ctx.for_run:  # a run probes the server itself, after waiting for it
+        checks += _guard("env.server", lambda: dc.check_server(ctx))
     _guard("build.fingerprint", lambda: dc.prepare_model_fingerprint(ctx) and None)
     return checks
 
@@ -179,6 +181,8 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
     cfg = load_config(lay)
     dev = device or cfg.device
     check_device_spec(dev)  # a bad --device is a usage error, not a finding to record
+    if cfg.backend != "inprocess":  # the engine's GPUs are the server's; hsbuild computes on none (env.server)
+        dev = "cpu"
     report = DoctorReport(str(lay.root), "doctor", dev, run_id=uuid.uuid4().hex)
     first = inspect_lock(lay)
     own = {os.getpid()}

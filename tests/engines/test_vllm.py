@@ -163,3 +163,65 @@ def test_a_response_for_other_tokens_fails_token_mismatch(tmp_path, vllm_server)
         assert not isinstance(ok, Failure)
     finally:
         backend.close()
+
+
+def test_doctor_checks_the_server(tmp_path, vllm_server):
+    good = _init(tmp_path, vllm_server, 2, name="good")
+    bad = _init(tmp_path, vllm_server, 2, name="bad", aux_layers=[0, 1, 2, 3])
+    checks = {}
+    for name, b in (("good", good), ("bad", bad)):
+        cp = hsbuild("doctor", b, "--json")
+        doc = json.loads(cp.stdout)
+        checks[name] = next(c for c in doc["checks"] if c["name"] == "env.server")
+    assert checks["good"]["status"] == "ok" and checks["good"]["data"]["layers"] == 4
+    assert str(vllm_server.model) in checks["good"]["summary"]
+    assert checks["bad"]["status"] == "fail" and "5 (ids [0, 1, 2, 3, 4])" in checks["bad"]["summary"]
+    assert not list(vllm_server.staging.glob("*.safetensors")), "the probe left its staging file"
+
+
+def test_doctor_names_another_process_holding_the_gpus(tmp_path, vllm_server, monkeypatch):
+    """No GPU here: NVML is faked at its boundary (tests/doctor/fake_nvml.py) and reports the real server's
+    processes plus a real foreign process on the GPUs; /proc (who listens on the server's port, parents,
+    command lines) is real. Only the foreign one is named, with the command that stops it."""
+    import importlib.util
+    import sys
+
+    from builder.doctor import gpu, procinfo
+
+    spec = importlib.util.spec_from_file_location("fake_nvml", Path(__file__).parent.parent / "doctor" / "fake_nvml.py")
+    fake = importlib.util.module_from_spec(spec)
+    sys.modules["fake_nvml_engines"] = fake
+    spec.loader.exec_module(fake)
+    port = int(vllm_server.url.rsplit(":", 1)[1])
+    server_pids = procinfo.listening_pids(port)
+    assert server_pids, "the server's listening process was not found"
+    engine_children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                       and procinfo.is_ours(int(p.name), server_pids) and int(p.name) not in server_pids]
+    rogue = subprocess.Popen(["sleep", "300"])
+    try:
+        held = [fake.FakeGpu(used=70 * fake.GiB, procs=[(pid, 60 * fake.GiB, "python3")])
+                for pid in [*server_pids, *engine_children][:2]]
+        monkeypatch.setattr(gpu, "_nvml", lambda: fake.FakeNVML(held))
+        build = _init(tmp_path, vllm_server, 2)
+        server = _doctor_in_process(build)
+        assert server["status"] == "ok", server  # the server's own processes are not "another process"
+        held.append(fake.FakeGpu(used=40 * fake.GiB, procs=[(rogue.pid, 40 * fake.GiB, "/usr/bin/sleep")]))
+        server = _doctor_in_process(build)
+        assert server["status"] == "warn" and f"pid {rogue.pid}" in server["summary"], server
+        assert server["fix"] == f"kill {rogue.pid}"
+    finally:
+        rogue.kill()
+        rogue.wait()
+
+
+def _doctor_in_process(build: Path) -> dict:
+    """`hsbuild doctor BUILD --json` through the CLI's main in this process (where NVML is faked)."""
+    import contextlib
+    import io
+
+    from builder.cli.app import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        main(["doctor", str(build), "--json"])
+    return next(c for c in json.loads(out.getvalue())["checks"] if c["name"] == "env.server")

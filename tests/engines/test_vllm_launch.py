@@ -1,0 +1,162 @@
+"""`hsbuild run --launch`: hsbuild starts the exact serve-command as its child, and when that server is killed
+with -9 mid-run the run pauses (`server_unavailable`), in-flight samples go back to pending (not failed for
+good, not counted against --max-attempts), the server is restarted, and the run finishes by itself. The
+staging folder is a small real tmpfs: it never holds more than the in-flight window."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import random_rows, write_jsonl
+from test_vllm import _check_against_transformers, _one_written_each
+from vllm_fixture import VOCAB, free_port, hsbuild_cmd, needs_vllm, server_env
+
+from builder.config import BuildConfig
+from builder.layout import layout
+from builder.log.events import EventLog
+from builder.run.create import init_build
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+
+
+def _server_pids(port: int) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmd and str(port).encode() in cmd:
+            pids.append(int(p.name))
+    return pids
+
+
+def _written(build: Path) -> int:
+    try:
+        with EventLog(layout(build).events, read_only=True) as log:
+            return log.count("written")
+    except Exception:  # noqa: BLE001 - the run holds the log: ask through the CLI instead
+        cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT count(*) FROM events WHERE kind='written'", "--csv"),
+                            capture_output=True, text=True)
+        lines = cp.stdout.strip().splitlines()
+        return int(lines[-1]) if cp.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+
+def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path, tiny_llama, tmpfs):
+    n, inflight = 80, 4
+    staging = tmpfs
+    port = free_port()
+    src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 21, vocab=VOCAB, hi=300))
+    build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=f"http://127.0.0.1:{port}",
+                       staging=str(staging), inflight=inflight).root
+    path = layout(build).config  # the CPU connector shim, as a user sets a connector in hsbuild.toml
+    cfg = BuildConfig.from_toml(path)
+    cfg.engine_connector, cfg.engine_connector_module = "CpuHiddenStatesConnector", "vllm_cpu_connector"
+    cfg.engine_args = ["--max-model-len", "2048"]
+    cfg.save(path)
+
+    peak = {"files": 0, "bytes": 0}
+    done = threading.Event()
+
+    def watch() -> None:  # the staging folder's high-water mark, sampled throughout the run
+        while not done.is_set():
+            files = list(staging.glob("*.safetensors"))
+            size = 0
+            for f in files:
+                try:
+                    size += f.stat().st_size
+                except FileNotFoundError:
+                    pass
+            peak["files"], peak["bytes"] = max(peak["files"], len(files)), max(peak["bytes"], size)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress", "--launch"), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=server_env())
+    try:
+        deadline = time.monotonic() + 900
+        while _written(build) < 10 and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert run.poll() is None, "the run ended before the server could be killed: " + run.stderr.read()
+        pids = _server_pids(port)
+        assert pids, "no launched server found"
+        for pid in pids:
+            os.killpg(pid, signal.SIGKILL)  # the server and its engine process, as a crash would
+        out, err = run.communicate(timeout=1200)
+    finally:
+        done.set()
+        if run.poll() is None:
+            run.kill()
+        for pid in _server_pids(port):
+            os.killpg(pid, signal.SIGKILL)
+    assert run.returncode == 0, err
+    assert "PAUSED (server_unavailable)" in err and "restarting it" in err and "healthy again" in err
+    assert not _server_pids(port), "the launched server outlived the run"
+    _one_written_each(build, n)
+    with EventLog(layout(build).events, read_only=True) as log:
+        paused = log.query("SELECT count(*) FROM events WHERE kind='paused' AND reason='server_unavailable'")[1][0][0]
+        resumed = log.query("SELECT count(*) FROM events WHERE kind='resumed' AND reason='server_unavailable'")[1][0][0]
+        final_failed = log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
+    assert paused >= 1 and resumed >= 1 and final_failed == 0
+    # bounded staging: never more files than requests in flight, nor more bytes than that many of the largest
+    largest = 300 * 4 * 128 * 2 + 300 * 8 + 4096
+    assert peak["files"] <= inflight + 1 and peak["bytes"] <= (inflight + 1) * largest, peak
+    assert not list(staging.glob("*.safetensors"))
+    assert _check_against_transformers(build, tiny_llama, "post_norm") == n
+
+
+def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_back(tmp_path, tiny_llama):
+    """The server someone else runs is killed with -9 mid-run: the run pauses (not fails), waits, and finishes
+    once a server is back on the same address; nothing lost, nothing duplicated."""
+    from vllm_fixture import start_server, stop_server
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    first = start_server(tmp_path, tiny_llama, staging)
+    n = 60
+    src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 8, vocab=VOCAB, hi=300))
+    build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=first.url,
+                       staging=str(staging), inflight=4).root
+    run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    second = None
+    try:
+        deadline = time.monotonic() + 600
+        while _written(build) < 10 and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert run.poll() is None, "the run ended before the server could be killed"
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        first.proc.wait()
+        time.sleep(8)
+        assert run.poll() is None, "the run gave up while the server was gone"
+        cp = subprocess.run(hsbuild_cmd("status", build, "--json"), capture_output=True, text=True)
+        st = json.loads(cp.stdout)
+        assert st["paused"] and st["pause_reason"] == "server_unavailable" and st["server_healthy"] is False, st
+        assert "engine:  vllm" in subprocess.run(hsbuild_cmd("status", build), capture_output=True,
+                                                 text=True).stdout
+        # bring a server back on the same address (the user restarting it)
+        second = start_server(tmp_path, tiny_llama, staging, port=int(first.url.rsplit(":", 1)[1]))
+        out, err = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for s in (first, second):
+            if s is not None:
+                stop_server(s.proc)
+    assert run.returncode == 0, err
+    assert "PAUSED (server_unavailable)" in err and "healthy again" in err
+    _one_written_each(build, n)
+    with EventLog(layout(build).events, read_only=True) as log:
+        assert log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0] == 0
+        unavailable = log.query("SELECT count(*) FROM events WHERE reason = 'server_unavailable' AND kind = 'failed'")
+    assert unavailable[1][0][0] >= 1  # in flight when it died: back to pending, then written
