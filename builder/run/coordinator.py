@@ -265,20 +265,33 @@ class Coordinator:
         first = self.log.query("SELECT detail FROM events WHERE kind = 'engine_probe' ORDER BY seq LIMIT 1")[1]
         recorded = json.loads(first[0][0]) if first and first[0][0] else None
         found = self.engine.check(recorded)
+        self.engine.watch()
         self.emit(Event("engine_probe", detail=detail(server=self.engine.spec.server, launched=self.opts.launch,
                                                       **found)))
         self.flush(force=True)
 
     def _engine_watch(self, report: RunReport) -> None:
-        """While the server is unavailable: restart it (launch mode), and lift the pause once it is healthy."""
+        """Every few seconds: is the server still healthy? (A dead one fails its requests at once; a hung one
+        would hold them until their timeout.) While it is unavailable: restart it (launch mode), and lift the
+        pause once it answers again."""
         now = time.monotonic()
-        if self.engine is None or self.engine_down is None or now - self.engine_checked < 1.0:
+        if self.engine is None:
+            return
+        if self.engine_down is None:
+            silent = self.engine.unresponsive_for()
+            if silent > HUNG_SECONDS:  # alive (its requests do not fail) but not answering: hung
+                self._engine_unavailable(f"{self.engine.spec.server}/health has not answered for {silent:.0f} s",
+                                         report)
+                self.engine.kill_hung()
+            return
+        if now - self.engine_checked < 1.0:
             return
         self.engine_checked = now
         self.engine.restart_if_dead()
         if self.engine.healthy():
             down = now - self.engine_down
             self.engine_down = None
+            self.engine.watch()  # silence counts from now
             self.emit(Event("resumed", reason="server_unavailable", detail=detail(down_seconds=round(down, 1))))
             self.flush(force=True)
             self.echo(f"\nresumed: {self.engine.spec.server} is healthy again after {down:.0f} s")
@@ -574,6 +587,7 @@ class Coordinator:
         self.echo("stopping the run at a safe point; `hsbuild resume` continues")
 
 
+HUNG_SECONDS = float(os.environ.get("HSBUILD_SERVER_HUNG", "60"))  # an engine's server silent this long is hung
 PER_WORKER = 2  # samples handed to a worker at once: one in hand, one waiting ...
 QUEUE_SAMPLES = 64  # ... or more, while small: up to this many
 QUEUE_TOKENS = 8192  # ... holding at most this many tokens

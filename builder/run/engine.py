@@ -12,6 +12,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,7 @@ class Engine:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        self.unwatch()
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
@@ -142,6 +144,38 @@ class Engine:
             self.launch()
             return True
         return False
+
+    # -- the health watch: a thread, so a slow /health never stalls the run loop ------------------------------
+    def watch(self, every: float = 5.0, timeout: float = 10.0) -> None:
+        self._last_ok = time.monotonic()
+        if getattr(self, "_watching", False):
+            return
+        self._watching = True
+
+        def loop() -> None:
+            while self._watching:
+                if healthy(self.spec.server, timeout=timeout):
+                    self._last_ok = time.monotonic()
+                time.sleep(every)
+
+        threading.Thread(target=loop, name="hsbuild-health", daemon=True).start()
+
+    def unresponsive_for(self) -> float:
+        """Seconds since /health last answered (0 when the watch is off)."""
+        return time.monotonic() - self._last_ok if getattr(self, "_watching", False) else 0.0
+
+    def unwatch(self) -> None:
+        self._watching = False
+
+    def kill_hung(self) -> None:
+        """Launch mode: a server that is alive but does not answer /health is killed (then restarted)."""
+        if self.opts.launch and self.proc is not None and self.proc.poll() is None:
+            self.echo(f"the server (pid {self.proc.pid}) stopped answering /health; killing it to restart it")
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
 
     def healthy(self) -> bool:
         return healthy(self.spec.server)

@@ -188,16 +188,20 @@ def test_doctor_names_another_process_holding_the_gpus(tmp_path, vllm_server, mo
 
     from builder.doctor import gpu, procinfo
 
-    spec = importlib.util.spec_from_file_location("fake_nvml", Path(__file__).parent.parent / "doctor" / "fake_nvml.py")
-    fake = importlib.util.module_from_spec(spec)
-    sys.modules["fake_nvml_engines"] = fake
-    spec.loader.exec_module(fake)
+    fake = sys.modules.get("fake_nvml")
+    if fake is None:
+        spec = importlib.util.spec_from_file_location("fake_nvml", Path(__file__).parent.parent / "doctor" / "fake_nvml.py")
+        fake = importlib.util.module_from_spec(spec)
+        sys.modules["fake_nvml"] = fake
+        spec.loader.exec_module(fake)
     port = int(vllm_server.url.rsplit(":", 1)[1])
     server_pids = procinfo.listening_pids(port)
     assert server_pids, "the server's listening process was not found"
     engine_children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
                        and procinfo.is_ours(int(p.name), server_pids) and int(p.name) not in server_pids]
-    rogue = subprocess.Popen(["sleep", "300"])
+    # the rogue must not descend from this process (doctor runs in it here, and its descendants are "ours")
+    rogue_pid = int(subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], capture_output=True,
+                                   text=True, check=True).stdout)
     try:
         held = [fake.FakeGpu(used=70 * fake.GiB, procs=[(pid, 60 * fake.GiB, "python3")])
                 for pid in [*server_pids, *engine_children][:2]]
@@ -205,13 +209,12 @@ def test_doctor_names_another_process_holding_the_gpus(tmp_path, vllm_server, mo
         build = _init(tmp_path, vllm_server, 2)
         server = _doctor_in_process(build)
         assert server["status"] == "ok", server  # the server's own processes are not "another process"
-        held.append(fake.FakeGpu(used=40 * fake.GiB, procs=[(rogue.pid, 40 * fake.GiB, "/usr/bin/sleep")]))
+        held.append(fake.FakeGpu(used=40 * fake.GiB, procs=[(rogue_pid, 40 * fake.GiB, "/usr/bin/sleep")]))
         server = _doctor_in_process(build)
-        assert server["status"] == "warn" and f"pid {rogue.pid}" in server["summary"], server
-        assert server["fix"] == f"kill {rogue.pid}"
+        assert server["status"] == "warn" and f"pid {rogue_pid}" in server["summary"], server
+        assert server["fix"] == f"kill {rogue_pid}"
     finally:
-        rogue.kill()
-        rogue.wait()
+        os.kill(rogue_pid, signal.SIGKILL)
 
 
 def _doctor_in_process(build: Path) -> dict:
@@ -225,3 +228,35 @@ def _doctor_in_process(build: Path) -> dict:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         main(["doctor", str(build), "--json"])
     return next(c for c in json.loads(out.getvalue())["checks"] if c["name"] == "env.server")
+
+
+def _transformers_signature(model_dir: Path, vocab: int) -> list[list[float]]:
+    """The probe signature (per token, per returned layer id: the state's L2 norm) computed by transformers."""
+    from builder.extract.backends.vllm_server import probe_ids
+
+    forward = _reference(model_dir)
+    hs, pre = forward(torch.tensor(probe_ids(vocab)))
+    slots = [hs[1], hs[2], hs[3], pre]  # engine ids 1, 2, 3 and 4 (pre-norm)
+    return torch.stack([torch.linalg.vector_norm(s.float(), dim=-1) for s in slots], dim=1).tolist()
+
+
+def test_a_server_serving_another_model_is_refused(tmp_path, vllm_server, tiny_llama):
+    """The probe against the build's first probe: the same model (computed by transformers here) passes, another
+    model with the same shape (other weights) is refused in one line naming serve-command."""
+    from builder.config import load_config
+    from builder.run.engine import Engine, EngineError, EngineOptions
+
+    build = _init(tmp_path, vllm_server, 2)
+    with EventLog(layout(build).events, read_only=True) as log:
+        meta = log.meta()
+    engine = Engine(layout(build), load_config(layout(build)), meta, EngineOptions(), lambda _m: None)
+    same = engine.check({"signature": _transformers_signature(tiny_llama, VOCAB)})
+    assert same["layers"] == 4
+    import transformers
+
+    other_dir = tmp_path / "other"
+    torch.manual_seed(123)
+    cfg = transformers.AutoConfig.from_pretrained(str(tiny_llama))
+    transformers.LlamaForCausalLM(cfg).save_pretrained(other_dir)
+    with pytest.raises(EngineError, match="another model or other layers.*serve-command"):
+        engine.check({"signature": _transformers_signature(other_dir, VOCAB)})

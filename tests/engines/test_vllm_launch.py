@@ -1,5 +1,5 @@
 """`hsbuild run --launch`: hsbuild starts the exact serve-command as its child, and when that server is killed
-with -9 mid-run the run pauses (`server_unavailable`), in-flight samples go back to pending (not failed for
+with -9 mid-run (or hangs: SIGSTOP) the run pauses (`server_unavailable`), in-flight samples go back to pending (not failed for
 good, not counted against --max-attempts), the server is restarted, and the run finishes by itself. The
 staging folder is a small real tmpfs: it never holds more than the in-flight window."""
 
@@ -82,7 +82,7 @@ def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_pa
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress", "--launch"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=server_env())
+                           stderr=subprocess.PIPE, text=True, env={**server_env(), "HSBUILD_SERVER_HUNG": "15"})
     try:
         deadline = time.monotonic() + 900
         while _written(build) < 10 and run.poll() is None and time.monotonic() < deadline:
@@ -92,6 +92,14 @@ def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_pa
         assert pids, "no launched server found"
         for pid in pids:
             os.killpg(pid, signal.SIGKILL)  # the server and its engine process, as a crash would
+        # then the restarted one hangs (SIGSTOP: alive, silent): killed after HSBUILD_SERVER_HUNG, restarted again
+        before = _written(build)
+        while (_written(build) < before + 10 or not _server_pids(port)) and run.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert run.poll() is None, "the run ended before the restarted server could be stopped"
+        for pid in _server_pids(port):
+            os.killpg(pid, signal.SIGSTOP)
         out, err = run.communicate(timeout=1200)
     finally:
         done.set()
@@ -101,13 +109,14 @@ def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_pa
             os.killpg(pid, signal.SIGKILL)
     assert run.returncode == 0, err
     assert "PAUSED (server_unavailable)" in err and "restarting it" in err and "healthy again" in err
+    assert "stopped answering /health" in err and "restart 2" in err, err
     assert not _server_pids(port), "the launched server outlived the run"
     _one_written_each(build, n)
     with EventLog(layout(build).events, read_only=True) as log:
         paused = log.query("SELECT count(*) FROM events WHERE kind='paused' AND reason='server_unavailable'")[1][0][0]
         resumed = log.query("SELECT count(*) FROM events WHERE kind='resumed' AND reason='server_unavailable'")[1][0][0]
         final_failed = log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
-    assert paused >= 1 and resumed >= 1 and final_failed == 0
+    assert paused >= 2 and resumed >= 2 and final_failed == 0
     # bounded staging: never more files than requests in flight, nor more bytes than that many of the largest
     largest = 300 * 4 * 128 * 2 + 300 * 8 + 4096
     assert peak["files"] <= inflight + 1 and peak["bytes"] <= (inflight + 1) * largest, peak
