@@ -69,6 +69,7 @@ class Engine:
         self.lay, self.cfg, self.meta, self.opts, self.echo = lay, cfg, meta, opts, echo
         self.spec = engine_spec(cfg, meta)
         self.proc: subprocess.Popen | None = None
+        self.launched_at = 0.0
         self.model_name: str | None = None
         self.restarts = 0
         t = opts.health_timeout if opts.health_timeout is not None else float(
@@ -100,6 +101,7 @@ class Engine:
         self.echo(f"launching the server ({len(cmd)} args; log: {log_dir / 'server.log'}): {' '.join(cmd[:6])} ...")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      preexec_fn=_die_with_parent, env=env)
+        self.launched_at = time.monotonic()
         out.close()
 
     def wait_healthy(self, should_stop=lambda: False) -> None:
@@ -137,7 +139,12 @@ class Engine:
             self.proc.wait(timeout=10)
 
     def restart_if_dead(self) -> bool:
-        """Launch mode: start the server again if it died. Returns whether it did."""
+        """Launch mode: start the server again if it died, or if a restarted one is still not healthy after the
+        health timeout (hung while loading). Returns whether it did."""
+        if (self.opts.launch and self.proc is not None and self.proc.poll() is None
+                and time.monotonic() - self.launched_at > self.health_timeout):
+            self.echo(f"the restarted server (pid {self.proc.pid}) is not healthy after {self.health_timeout:g} s")
+            self.kill_hung()
         if self.opts.launch and self.proc is not None and self.proc.poll() is not None:
             self.restarts += 1
             self.echo(f"the server exited (code {self.proc.returncode}); restarting it (restart {self.restarts})")

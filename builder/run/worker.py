@@ -150,6 +150,8 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
                     group.flush()
                     continue
             if busy:  # the engine has them all: wait for the next outcome
+                if flags.stop:
+                    backend.abandon_waiting()
                 for outcome in backend.collect(0.05):
                     group.take(outcome)
                 continue

@@ -19,6 +19,7 @@ from test_vllm import _check_against_transformers, _one_written_each
 from vllm_fixture import VOCAB, free_port, hsbuild_cmd, needs_vllm, server_env
 
 from builder.config import BuildConfig
+from builder.extract.backends.engine import healthy
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.create import init_build
@@ -52,7 +53,7 @@ def _written(build: Path) -> int:
 
 
 def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path, tiny_llama, tmpfs):
-    n, inflight = 80, 4
+    n, inflight = 240, 4
     staging = tmpfs
     port = free_port()
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 21, vocab=VOCAB, hi=300))
@@ -94,7 +95,7 @@ def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_pa
             os.killpg(pid, signal.SIGKILL)  # the server and its engine process, as a crash would
         # then the restarted one hangs (SIGSTOP: alive, silent): killed after HSBUILD_SERVER_HUNG, restarted again
         before = _written(build)
-        while (_written(build) < before + 10 or not _server_pids(port)) and run.poll() is None \
+        while (_written(build) < before + 5 or not healthy(f"http://127.0.0.1:{port}")) and run.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert run.poll() is None, "the run ended before the restarted server could be stopped"

@@ -68,6 +68,10 @@ class Backend(Protocol):
 
     def stats(self) -> BackendStats: ...
 
+    def abandon_waiting(self) -> None:
+        """The run is stopping: give up requests that wait for an unavailable engine."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -40,5 +40,8 @@ class InProcessBackend:
     def stats(self) -> BackendStats:
         return BackendStats(in_flight=len(self._pending))
 
+    def abandon_waiting(self) -> None:
+        pass  # nothing waits: collect computes
+
     def close(self) -> None:
         self._pending.clear()

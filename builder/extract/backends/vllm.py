@@ -41,7 +41,7 @@ from builder.extract.backends.base import (
     Unavailable,
     check_finite,
 )
-from builder.extract.backends.engine import EngineRejected, EngineUnavailable, complete
+from builder.extract.backends.engine import EngineRejected, EngineUnavailable, complete, healthy
 from builder.extract.final_norm import FinalNorm
 
 STAGING_SUFFIX = ".safetensors"
@@ -194,8 +194,9 @@ class VllmBackend:
         self.results: queue.Queue[Outcome] = queue.Queue()
         self._in_flight = 0
         self._lock = threading.Lock()
-        self._staged_bytes = 0
         self._closed = False
+        self._up = threading.Event()  # the server answered last time; cleared by a failure, set by /health
+        self._up.set()
 
     # -- Backend --------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -229,8 +230,13 @@ class VllmBackend:
                 pass
         return BackendStats(in_flight=self.in_flight(), staging_bytes=size, extra={"staging_files": len(files)})
 
-    def close(self) -> None:
+    def abandon_waiting(self) -> None:
+        """The run is stopping: requests waiting for the server to come back give up (`Unavailable`)."""
         self._closed = True
+        self._up.set()
+
+    def close(self) -> None:
+        self.abandon_waiting()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.wake.stop()
 
@@ -241,11 +247,24 @@ class VllmBackend:
         except Exception as e:  # noqa: BLE001 - a thread must always answer
             self.results.put(Failure(r.key, "error", f"{type(e).__name__}: {e}"))
 
+    def _wait_until_up(self) -> bool:
+        """After a failure, requests wait for /health instead of failing one after another while the server is
+        down (the samples in flight when it died went back to pending; these wait). False: stopping."""
+        while not self._up.is_set():
+            if healthy(self.s.server):
+                self._up.set()
+            else:
+                self._up.wait(1.0)
+        return not self._closed
+
     def _one(self, r: Request) -> Outcome:
         ids = [int(x) for x in np.asarray(r.input_ids).tolist()]
+        if not self._wait_until_up():
+            return Unavailable(r.key, "the run is stopping while the server is unavailable")
         try:
             doc = complete(self.s.server, self.s.model_name, ids, self.s.request_timeout)
         except EngineUnavailable as e:
+            self._up.clear()
             return Unavailable(r.key, str(e))
         except EngineRejected as e:
             return Failure(r.key, "rejected", str(e))
@@ -259,6 +278,7 @@ class VllmBackend:
         try:
             data = read_when_ready(path, self.s.file_timeout, self.wake.wait)
         except EngineUnavailable as e:
+            self._up.clear()
             return Unavailable(r.key, str(e))
         finally:
             for q in (path, Path(str(path) + ".lock")):
