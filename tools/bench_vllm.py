@@ -61,7 +61,7 @@ def run_speculators(work: Path, data: list[dict], python: str, server: str, conc
     pre = work / "spec-data"
     script = ("import json,sys\nfrom datasets import Dataset\nrows=json.load(open(sys.argv[1]))\n"
               "Dataset.from_dict({'input_ids':[r['input_ids'] for r in rows],"
-              "'loss_mask':[r['loss_mask'] for r in rows]}).save_to_disk(sys.argv[2])\n")
+              "'loss_mask':[r['loss_mask'] for r in rows]}).with_format('torch').save_to_disk(sys.argv[2])\n")
     (work / "rows.json").write_text(json.dumps(data))
     subprocess.run([python, "-c", script, str(work / "rows.json"), str(pre)], check=True, capture_output=True)
     out = work / "spec-out"
@@ -71,7 +71,7 @@ def run_speculators(work: Path, data: list[dict], python: str, server: str, conc
                         capture_output=True, text=True)
     dt = time.perf_counter() - t0
     if cp.returncode:
-        raise SystemExit(f"speculators failed: {cp.stderr[-2000:]}")
+        raise SystemExit(f"speculators failed: {(cp.stdout + cp.stderr)[-3000:]}")
     made = len(list(out.glob("hs_*.safetensors")))
     if made != len(data):
         raise SystemExit(f"speculators wrote {made} of {len(data)} samples")

@@ -13,6 +13,7 @@ L-3, plus the final hidden state (index L).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -235,6 +236,27 @@ def pick_device(device: str) -> torch.device:
     return dev
 
 
+class HfTokenizer:
+    """A Hugging Face directory's tokenizer, loaded at its first use: importing transformers costs seconds, and
+    sources of input_ids (and the engine backends' workers) never need it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._encode = None
+
+    def __call__(self, text: str) -> list[int]:
+        if self._encode is None:
+            try:
+                import transformers  # noqa: PLC0415
+
+                tok = transformers.AutoTokenizer.from_pretrained(str(self.path))
+            except Exception as e:  # noqa: BLE001 - any loader failure is the model directory's
+                raise ModelError(f"--model '{self.path}': its tokenizer cannot be loaded ({type(e).__name__}: "
+                                 f"{e}); a source with 'text' rows needs one (or give input_ids)") from None
+            self._encode = lambda t: tok(t)["input_ids"]
+        return self._encode(text)
+
+
 class Extractor:
     """Loads a model and extracts the EAGLE-3 auxiliary hidden states plus the final hidden state."""
 
@@ -328,17 +350,13 @@ class Extractor:
             self.fingerprint = directory_fingerprint(path)
         except OSError as e:
             raise ModelError(f"--model '{spec}': cannot read its files to fingerprint them ({e})") from e
-        try:
-            import transformers  # noqa: PLC0415
-        except ImportError:
-            raise ModelError(f"--model '{spec}': Hugging Face models need `pip install hsbuild[hf]`") from None
-        try:
-            tok = transformers.AutoTokenizer.from_pretrained(str(path))
-            self.tokenizer = lambda text: tok(text)["input_ids"]
-        except Exception:  # noqa: BLE001 - a model without a tokenizer can still take input_ids
-            self.tokenizer = None
+        if importlib.util.find_spec("transformers") is None:  # (not imported here: that costs seconds)
+            raise ModelError(f"--model '{spec}': Hugging Face models need `pip install hsbuild[hf]`")
+        self.tokenizer = HfTokenizer(path)
         if not load_weights:
             return
+        import transformers  # noqa: PLC0415
+
         try:
             try:
                 model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)

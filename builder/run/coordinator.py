@@ -693,13 +693,9 @@ def _tokenizer_for(cfg):
         from builder.extract.model import BuiltinSpec, builtin_tokenizer  # noqa: PLC0415
 
         return builtin_tokenizer(BuiltinSpec.parse(cfg.model).vocab)
-    try:
-        import transformers  # noqa: PLC0415
+    from builder.extract.model import HfTokenizer  # noqa: PLC0415
 
-        tok = transformers.AutoTokenizer.from_pretrained(cfg.model)
-        return lambda text: tok(text)["input_ids"]
-    except Exception:  # noqa: BLE001 - sources with input_ids need no tokenizer
-        return None
+    return HfTokenizer(Path(cfg.model))  # loaded at its first use: sources of input_ids never need it
 
 
 def run_build(build: str | Path, opts: RunOptions | None = None, resume: bool = False, echo=print) -> RunReport:
