@@ -126,6 +126,10 @@ class Engine:
 
     def stop(self) -> None:
         self.unwatch()
+        try:  # what killed runs' requests finished writing after this run began: nothing trusts it
+            clear_staging(Path(self.spec.staging))
+        except OSError:
+            pass
         if self.proc is None or self.proc.poll() is not None:
             return
         try:

@@ -121,22 +121,39 @@ def test_resume_against_another_layer_set_is_refused(tmp_path, vllm_server):
         assert log.count("written") == 0
 
 
+def _written_live(build: Path) -> int:
+    """`written` events so far, asked through the CLI (a run may own the log)."""
+    cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT count(*) FROM events WHERE kind='written'", "--csv"),
+                        capture_output=True, text=True)
+    last = cp.stdout.strip().splitlines()[-1:] if cp.returncode == 0 else []
+    return int(last[0]) if last and last[0].isdigit() else -1
+
+
 def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server):
-    n = 120
+    n = 300
     build = _init(tmp_path, vllm_server, n, seed=11)
     rng = random.Random(5)
-    kills = 0
-    for _ in range(6):
+    kills = mid_run = 0
+    for i in range(8):
+        before = _written_live(build)
         p = subprocess.Popen(hsbuild_cmd("resume", build, "--no-progress", "--inflight", "8"),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(2.0, 8.0))
+        if i % 3 == 0:  # any moment, start-up and probe included
+            time.sleep(rng.uniform(0.5, 6.0))
+        else:  # once this run is writing, a random moment later
+            deadline = time.monotonic() + 120
+            while p.poll() is None and time.monotonic() < deadline and _written_live(build) <= max(before, 0):
+                time.sleep(0.2)
+            time.sleep(rng.uniform(0.0, 1.5))
         if p.poll() is not None:
             assert p.returncode == 0
             break
+        during = _written_live(build)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         kills += 1
-    assert kills >= 2, "the run finished before the kills: make the workload bigger"
+        mid_run += during > max(before, 0)
+    assert kills >= 3 and mid_run >= 2, f"{kills} kills, {mid_run} mid-run: make the workload bigger"
     cp = hsbuild("resume", build, "--no-progress", timeout=900)
     assert cp.returncode == 0, cp.stderr
     _one_written_each(build, n)
