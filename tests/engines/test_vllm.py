@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hsbuild, random_rows, write_jsonl
-from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd
+from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm
 
 from builder.extract.backends.base import Failure, Request
 from builder.extract.backends.engine import complete, served_model
@@ -27,7 +27,7 @@ from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.create import init_build
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_vllm]
 
 
 def _init(tmp_path: Path, server, n: int, seed: int = 0, name: str = "b", **kw) -> Path:
