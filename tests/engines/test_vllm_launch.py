@@ -133,7 +133,7 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
     staging = tmp_path / "staging"
     staging.mkdir()
     first = start_server(tmp_path, tiny_llama, staging)
-    n = 60
+    n = 240
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 8, vocab=VOCAB, hi=300))
     build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=first.url,
                        staging=str(staging), inflight=4).root
