@@ -699,8 +699,8 @@ def check_server(ctx: Context) -> Check | None:
     if ctx.cfg.backend == "inprocess":
         return None
     from builder.extract.backends.engine import EngineRejected, EngineUnavailable, healthy, served_model  # noqa: PLC0415
-    from builder.extract.backends.vllm import engine_layer_ids, read_when_ready  # noqa: PLC0415
-    from builder.extract.backends.vllm_server import probe  # noqa: PLC0415
+    from builder.extract.backends.vllm import engine_layer_ids  # noqa: PLC0415
+    from builder.extract.backends.vllm_server import probe, probe_problems  # noqa: PLC0415
 
     url = ctx.cfg.server or "?"
     fix = f"start it with the command `hsbuild serve-command {ctx.lay.root}` prints, or run with --launch"
@@ -715,29 +715,16 @@ def check_server(ctx: Context) -> Check | None:
     if ctx.live:  # a run is using it: no probe request of ours in its staging folder
         return Check("env.server", OK, f"{url} serves {m.root} (a run is using it; not probed)", data=data)
 
-    def read(path: str) -> dict:
-        try:
-            return read_when_ready(path, 60.0)
-        finally:
-            for q in (Path(path), Path(path + ".lock")):
-                q.unlink(missing_ok=True)
-
     from builder.extract.model import Extractor  # noqa: PLC0415
 
     ex = Extractor(ctx.cfg.model, ctx.cfg.aux_layers or None, ctx.cfg.dtype, device="cpu", load_weights=False)
     want = engine_layer_ids(ex.aux_layers, ex.num_layers)
     try:
-        p = probe(url, ex.vocab_size, read)
+        p = probe(url, ex.vocab_size, 60.0)
     except (EngineUnavailable, EngineRejected, HsbuildError, KeyError) as e:
         return Check("env.server", FAIL, f"{url} serves {m.root}, but the probe request failed: {e}", fix, data)
     data.update(layers=p.layers, hidden=p.hidden, dtype=p.dtype, want_layer_ids=want)
-    problems = []
-    if p.layers != len(want):
-        problems.append(f"returns {p.layers} layer slots, the build needs {len(want)} (ids {want})")
-    if p.hidden != ex.hidden_size:
-        problems.append(f"hidden size {p.hidden}, the build's model has {ex.hidden_size}")
-    if p.dtype != ctx.cfg.dtype:
-        problems.append(f"returns {p.dtype}, the build stores {ctx.cfg.dtype}")
+    problems = probe_problems(p, want, ex.hidden_size, ctx.cfg.dtype)
     if problems:
         return Check("env.server", FAIL, f"{url} serves {m.root} but " + "; ".join(problems), fix, data)
     summary = f"{url} serves {m.root}: {p.layers} layer slots (ids {want}), hidden {p.hidden}, {p.dtype}"

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from builder.errors import ModelError, SampleError
+from builder.extract.backends.base import check_finite
 from builder.extract.final_norm import FINAL_STATES, FinalNorm, read_final_norm
 from builder.extract.weights import directory_fingerprint
 
@@ -415,10 +416,9 @@ class Extractor:
             self._pre.clear()
         else:
             final = states[self.num_layers][0]
-        for name, t in (("aux_hidden_state", aux), ("hidden_state", final)):
-            if not torch.isfinite(t).all():
-                bad = int((~torch.isfinite(t)).any(dim=-1).nonzero()[0, 0])
-                raise SampleError("nonfinite", f"{name} holds NaN/Inf (first at token {bad})")
+        bad = check_finite("", aux, final)
+        if bad is not None:
+            raise SampleError(bad.reason, bad.message)
         return aux.to("cpu"), final.to("cpu")
 
 

@@ -22,6 +22,7 @@ from builder.config import load_config, require_same_format
 from builder.doctor.gpu import GpuSampler
 from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
+from builder.extract.backends.vllm import staging_usage
 from builder.extract.model import check_device_spec
 from builder.extract.source import Sample, load_source
 from builder.humanize import human_bytes, pct
@@ -160,14 +161,7 @@ class Coordinator:
     def _engine_status(self) -> dict:
         if self.engine is None:
             return {}
-        staging = Path(self.engine.spec.staging)
-        files = sizes = 0
-        for p in staging.glob("*.safetensors"):
-            try:
-                sizes += p.stat().st_size
-                files += 1
-            except FileNotFoundError:
-                pass
+        files, sizes = staging_usage(Path(self.engine.spec.staging))
         st = getattr(self, "_st", None)
         return {"backend": self.cfg.backend, "server": self.engine.spec.server,
                 "server_healthy": self.engine_down is None, "server_restarts": self.engine.restarts,

@@ -19,10 +19,16 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from builder.config import BuildConfig
-from builder.errors import HsbuildError, UsageError
+from builder.errors import EXIT_PREFLIGHT, HsbuildError, UsageError
 from builder.extract.backends.engine import EngineUnavailable, healthy
-from builder.extract.backends.vllm import VllmSettings, clear_staging, read_when_ready
-from builder.extract.backends.vllm_server import EngineSpec, probe, serve_command, signature_differs
+from builder.extract.backends.vllm import VllmSettings, clear_staging
+from builder.extract.backends.vllm_server import (
+    EngineSpec,
+    probe,
+    probe_problems,
+    serve_command,
+    signature_differs,
+)
 from builder.layout import BuildLayout
 
 DEFAULT_INFLIGHT = 16
@@ -32,7 +38,7 @@ HEALTH_TIMEOUT = 1800.0  # a large checkpoint can take many minutes to load (the
 class EngineError(HsbuildError, ConnectionError):
     """The server never became healthy, or serves something other than this build needs."""
 
-    exit_code = 4  # like a blocking preflight problem
+    exit_code = EXIT_PREFLIGHT
 
 
 @dataclass
@@ -196,19 +202,11 @@ class Engine:
         """Probe: the server returns this build's layer count, hidden size and dtype, and (after the first run)
         the same states for the fixed probe prompt as the server the build began with."""
         try:
-            p = probe(self.spec.server, int(self.meta["vocab_size"]), lambda path: _read_and_remove(path))
+            p = probe(self.spec.server, int(self.meta["vocab_size"]))
         except EngineUnavailable as e:
             raise EngineError(f"{self.spec.server}: the probe request failed ({e})") from None
         self.model_name = p.model_id
-        want_layers, want_hidden = len(self.spec.layer_ids), int(self.meta["hidden_size"])
-        problems = []
-        if p.layers != want_layers:
-            problems.append(f"returns {p.layers} layer slots, the build needs {want_layers} (ids "
-                            f"{self.spec.layer_ids})")
-        if p.hidden != want_hidden:
-            problems.append(f"returns hidden size {p.hidden}, the build's model has {want_hidden}")
-        if p.dtype != self.cfg.dtype:
-            problems.append(f"returns {p.dtype} states, the build stores {self.cfg.dtype}")
+        problems = probe_problems(p, self.spec.layer_ids, int(self.meta["hidden_size"]), self.cfg.dtype)
         if not problems and recorded and recorded.get("signature"):
             rel = signature_differs(p.signature, recorded["signature"])
             if rel is not None:
@@ -220,10 +218,3 @@ class Engine:
         return {"model_id": p.model_id, "root": p.root, "layers": p.layers, "hidden": p.hidden, "dtype": p.dtype,
                 "signature": p.signature}
 
-
-def _read_and_remove(path: str) -> dict:
-    try:
-        return read_when_ready(path, 120.0)
-    finally:
-        for q in (Path(path), Path(path + ".lock")):
-            q.unlink(missing_ok=True)

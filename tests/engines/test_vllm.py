@@ -20,7 +20,7 @@ from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm
 
 from builder.extract.backends.base import Failure, Request
 from builder.extract.backends.engine import complete, served_model
-from builder.extract.backends.vllm import VllmBackend, VllmSettings, read_when_ready
+from builder.extract.backends.vllm import VllmBackend, VllmSettings, read_and_remove
 from builder.extract.final_norm import FinalNorm
 from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
@@ -171,9 +171,7 @@ def test_a_response_for_other_tokens_fails_token_mismatch(tmp_path, vllm_server)
     try:
         doc = complete(vllm_server.url, model_id, [5, 6, 7, 8], 120)
         path = doc["kv_transfer_params"]["hidden_states_path"]
-        data = read_when_ready(path, 60)
-        Path(path).unlink()
-        Path(path + ".lock").unlink(missing_ok=True)
+        data = read_and_remove(path, 60)
         out = backend._validate(Request("x", np.array([5, 6, 9, 8])), [5, 6, 9, 8], data)
         assert isinstance(out, Failure) and out.reason == "token_mismatch" and "position 2" in out.message
         ok = backend._validate(Request("x", np.array([5, 6, 7, 8])), [5, 6, 7, 8], data)

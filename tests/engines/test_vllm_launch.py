@@ -20,6 +20,7 @@ from vllm_fixture import VOCAB, free_port, hsbuild_cmd, needs_vllm, server_env
 
 from builder.config import BuildConfig
 from builder.extract.backends.engine import healthy
+from builder.extract.backends.vllm import staging_usage
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.create import init_build
@@ -70,14 +71,8 @@ def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_pa
 
     def watch() -> None:  # the staging folder's high-water mark, sampled throughout the run
         while not done.is_set():
-            files = list(staging.glob("*.safetensors"))
-            size = 0
-            for f in files:
-                try:
-                    size += f.stat().st_size
-                except FileNotFoundError:
-                    pass
-            peak["files"], peak["bytes"] = max(peak["files"], len(files)), max(peak["bytes"], size)
+            files, size = staging_usage(staging)
+            peak["files"], peak["bytes"] = max(peak["files"], files), max(peak["bytes"], size)
             time.sleep(0.02)
 
     t = threading.Thread(target=watch, daemon=True)

@@ -9,7 +9,7 @@ attempt), or `Unavailable` (the engine is gone: the sample goes back to pending,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -45,13 +45,6 @@ class Unavailable:
 Outcome = States | Failure | Unavailable
 
 
-@dataclass
-class BackendStats:
-    in_flight: int = 0
-    staging_bytes: int = 0
-    extra: dict = field(default_factory=dict)
-
-
 class Backend(Protocol):
     """What the worker loop uses. Implementations never print and never touch the build."""
 
@@ -65,8 +58,6 @@ class Backend(Protocol):
         ...
 
     def in_flight(self) -> int: ...
-
-    def stats(self) -> BackendStats: ...
 
     def abandon_waiting(self) -> None:
         """The run is stopping: give up requests that wait for an unavailable engine."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import traceback
 
 from builder.errors import SampleError
-from builder.extract.backends.base import BackendStats, Failure, Outcome, Request, States
+from builder.extract.backends.base import Failure, Outcome, Request, States
 from builder.extract.model import Extractor
 
 
@@ -36,9 +36,6 @@ class InProcessBackend:
 
     def in_flight(self) -> int:
         return len(self._pending)
-
-    def stats(self) -> BackendStats:
-        return BackendStats(in_flight=len(self._pending))
 
     def abandon_waiting(self) -> None:
         pass  # nothing waits: collect computes

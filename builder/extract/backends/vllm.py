@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from builder.extract.backends.base import (
-    BackendStats,
     Failure,
     Outcome,
     Request,
@@ -105,6 +104,24 @@ class _Wakeup:
             self.observer.join(timeout=5)
 
 
+def remove_staged(path: Path | str) -> None:
+    """Delete a staging file and its lock (either may be gone already)."""
+    for q in (Path(path), Path(str(path) + ".lock")):
+        q.unlink(missing_ok=True)
+
+
+def staging_usage(staging: Path) -> tuple[int, int]:
+    """(files, bytes) in the staging folder now."""
+    files = size = 0
+    for p in staging.glob("*" + STAGING_SUFFIX):
+        try:
+            size += p.stat().st_size
+            files += 1
+        except FileNotFoundError:
+            pass
+    return files, size
+
+
 def clear_staging(staging: Path) -> int:
     """Remove staging files no server is writing (their lock can be taken): what crashed runs left. Returns
     how many were removed. Files whose lock is held belong to a request still being written; left alone."""
@@ -121,11 +138,7 @@ def clear_staging(staging: Path) -> int:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue
-            for q in (p, lock):
-                try:
-                    q.unlink()
-                except FileNotFoundError:
-                    pass
+            remove_staged(p)
             removed += 1
         finally:
             if fd is not None:
@@ -176,6 +189,14 @@ def read_when_ready(path: Path | str, timeout: float, wait=lambda s: time.sleep(
                                     "short") from None
 
 
+def read_and_remove(path: Path | str, timeout: float, wait=lambda s: time.sleep(min(s, 0.05))) -> dict:
+    """`read_when_ready`, then the staging file and its lock are deleted (also when reading failed)."""
+    try:
+        return read_when_ready(path, timeout, wait)
+    finally:
+        remove_staged(path)
+
+
 class VllmBackend:
     name = "vllm"
 
@@ -219,16 +240,6 @@ class VllmBackend:
     def in_flight(self) -> int:
         with self._lock:
             return self._in_flight
-
-    def stats(self) -> BackendStats:
-        files = list(self.staging.glob("*" + STAGING_SUFFIX))
-        size = 0
-        for p in files:
-            try:
-                size += p.stat().st_size
-            except FileNotFoundError:
-                pass
-        return BackendStats(in_flight=self.in_flight(), staging_bytes=size, extra={"staging_files": len(files)})
 
     def abandon_waiting(self) -> None:
         """The run is stopping: requests waiting for the server to come back give up (`Unavailable`)."""
@@ -276,16 +287,10 @@ class VllmBackend:
                            "(`hsbuild serve-command BUILD`)")
         path = Path(path)
         try:
-            data = read_when_ready(path, self.s.file_timeout, self.wake.wait)
+            data = read_and_remove(path, self.s.file_timeout, self.wake.wait)
         except EngineUnavailable as e:
             self._up.clear()
             return Unavailable(r.key, str(e))
-        finally:
-            for q in (path, Path(str(path) + ".lock")):
-                try:
-                    q.unlink()
-                except FileNotFoundError:
-                    pass
         return self._validate(r, ids, data)
 
     def _validate(self, r: Request, ids: list[int], data: dict[str, torch.Tensor]) -> Outcome:

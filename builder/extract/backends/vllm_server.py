@@ -11,6 +11,7 @@ import numpy as np
 
 from builder.errors import UsageError
 from builder.extract.backends.engine import complete, served_model
+from builder.extract.backends.vllm import read_and_remove
 
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 
@@ -69,9 +70,9 @@ def probe_ids(vocab_size: int) -> list[int]:
     return [(7 + 31 * i) % vocab_size for i in range(PROBE_TOKENS)]
 
 
-def probe(server: str, vocab_size: int, read_states, timeout: float = 120.0) -> ProbeResult:
-    """One request with a fixed prompt: which model, which layers, which dtype the server returns.
-    `read_states(path) -> dict` waits for and reads the staging file (the backend's reader)."""
+def probe(server: str, vocab_size: int, timeout: float = 120.0) -> ProbeResult:
+    """One request with a fixed prompt: which model, which layers, which dtype the server returns (its staging
+    file is read, then deleted)."""
     import torch  # noqa: PLC0415
 
     m = served_model(server)
@@ -80,11 +81,23 @@ def probe(server: str, vocab_size: int, read_states, timeout: float = 120.0) -> 
     if not path:
         raise UsageError(f"{server}: answers without a hidden_states_path: it does not run the extract_hidden_states "
                          "method with the hidden-states connector; start it with `hsbuild serve-command BUILD`")
-    data = read_states(path)
+    data = read_and_remove(path, timeout)
     hs = data["hidden_states"]
     norms = torch.linalg.vector_norm(hs.to(torch.float32), dim=-1)  # [T, slots]
     return ProbeResult(m.id, m.root, int(hs.shape[1]), int(hs.shape[2]), str(hs.dtype).replace("torch.", ""),
                        np.round(norms.numpy().astype(np.float64), 4).tolist())
+
+
+def probe_problems(p: ProbeResult, layer_ids: list[int], hidden: int, dtype: str) -> list[str]:
+    """What in a probe's answer does not fit a build: its layer slots, hidden size, dtype."""
+    problems = []
+    if p.layers != len(layer_ids):
+        problems.append(f"returns {p.layers} layer slots, the build needs {len(layer_ids)} (ids {layer_ids})")
+    if p.hidden != hidden:
+        problems.append(f"returns hidden size {p.hidden}, the build's model has {hidden}")
+    if p.dtype != dtype:
+        problems.append(f"returns {p.dtype} states, the build stores {dtype}")
+    return problems
 
 
 def signature_differs(a: list[list[float]], b: list[list[float]], rtol: float = 0.05) -> float | None:
