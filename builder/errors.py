@@ -92,6 +92,10 @@ class ModelError(UsageError):
     """The model spec or model directory is unusable."""
 
 
+class FormatError(UsageError):
+    """A trainer format cannot be produced from (or imported into) this build, or a flag of export/import is wrong."""
+
+
 class SampleError(HsbuildError, ValueError):
     """A per-sample problem (bad tokens, non-finite states, ...): becomes a `failed` event with `reason`, and the
     run goes on."""

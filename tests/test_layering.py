@@ -15,7 +15,7 @@ PKG = Path(builder.__file__).resolve().parent
 
 LAYERS = [
     {"errors", "layout", "fsutil", "humanize", "progress", "config"},  # foundation: plain modules
-    {"log", "store"},
+    {"log", "store", "trainers"},
     {"extract", "space"},
     {"verify", "doctor"},
     {"run", "formats"},

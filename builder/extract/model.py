@@ -25,6 +25,7 @@ from torch import nn
 
 from builder.errors import ModelError, SampleError
 from builder.extract.backends.base import check_finite
+from builder.extract.chat import ConversationError, hf_chat
 from builder.extract.final_norm import FINAL_STATES, FinalNorm, read_final_norm
 from builder.extract.weights import directory_fingerprint
 
@@ -167,13 +168,26 @@ class BuiltinLlama(nn.Module):
         return states
 
 
-def builtin_tokenizer(vocab: int):
-    """Byte-level tokenizer of the built-in model: BOS=1, then UTF-8 bytes shifted by 3."""
+class BuiltinTokenizer:
+    """Byte-level tokenizer of the built-in model: BOS=1, then UTF-8 bytes shifted by 3. It has no chat template.
 
-    def tokenize(text: str) -> list[int]:
-        return [1] + [(b + 3) % vocab for b in text.encode("utf-8")]
+    A `Tokenizer` (extract/chat.py); calling it is `encode`."""
 
-    return tokenize
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [1] + [(b + 3) % self.vocab for b in text.encode("utf-8")]
+
+    __call__ = encode
+
+    def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        raise ConversationError("the built-in model has no chat template; conversation rows need a model with one "
+                                "(--model HF_DIR)")
+
+
+def builtin_tokenizer(vocab: int) -> BuiltinTokenizer:
+    return BuiltinTokenizer(vocab)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -239,23 +253,34 @@ def pick_device(device: str) -> torch.device:
 
 class HfTokenizer:
     """A Hugging Face directory's tokenizer, loaded at its first use: importing transformers costs seconds, and
-    sources of input_ids (and the engine backends' workers) never need it."""
+    sources of input_ids (and the engine backends' workers) never need it.
+
+    A `Tokenizer` (extract/chat.py): `encode(text)` for `text` rows (calling it is `encode`), `chat(messages)` for
+    conversation rows, with the tokenizer's chat template."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._encode = None
+        self._tok = None
 
-    def __call__(self, text: str) -> list[int]:
-        if self._encode is None:
+    def _load(self):
+        if self._tok is None:
             try:
                 import transformers  # noqa: PLC0415
 
-                tok = transformers.AutoTokenizer.from_pretrained(str(self.path))
+                self._tok = transformers.AutoTokenizer.from_pretrained(str(self.path))
             except Exception as e:  # noqa: BLE001 - any loader failure is the model directory's
                 raise ModelError(f"--model '{self.path}': its tokenizer cannot be loaded ({type(e).__name__}: "
-                                 f"{e}); a source with 'text' rows needs one (or give input_ids)") from None
-            self._encode = lambda t: tok(t)["input_ids"]
-        return self._encode(text)
+                                 f"{e}); a source with 'text' or conversation rows needs one (or give "
+                                 "input_ids)") from None
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        return self._load()(text)["input_ids"]
+
+    __call__ = encode
+
+    def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        return hf_chat(self._load(), messages, f"the tokenizer of --model '{self.path}'")
 
 
 class Extractor:

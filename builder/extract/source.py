@@ -1,8 +1,11 @@
-"""Reading the sample source: JSONL or Parquet through DuckDB, one sample a row.
+"""Reading the sample source: JSONL or Parquet through DuckDB, one sample a row; or a `datasets` save_to_disk
+directory (speculators' preprocessed data) through pyarrow (extract/arrow_source.py).
 
-A row has `input_ids` (list of ints) with optional `loss_mask` (same length) and optional `id`, or `text`,
-tokenized with the model's tokenizer. A sample's identity is its id (default: the row number) plus a
-fingerprint of its tokens.
+A row has `input_ids` (list of ints) with optional `loss_mask` (same length) and optional `id`; or a
+conversation, `messages` (OpenAI) or `conversations` (ShareGPT), tokenized with the model's chat template, its
+loss mask 1 on the assistant's tokens (extract/chat.py); or `text`, tokenized with the model's tokenizer.
+`input_ids` win over a conversation, a conversation over `text`. A sample's identity is its id (default: the row
+number; in a dataset directory always the row number) plus a fingerprint of its tokens and loss mask.
 
 DuckDB reads the bulk; when DuckDB rejects the file or types a column wrongly, a line-by-line Python scan
 finds the exact line and field for the error message.
@@ -21,11 +24,15 @@ import numpy as np
 import pyarrow as pa
 
 from builder.errors import SourceError
+from builder.extract import arrow_source, chat
+from builder.extract.chat import CONVERSATION_FIELDS, ConversationError
 
 JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
 
-Tokenizer = Callable[[str], list[int]]
+# a chat.Tokenizer (`encode` for text rows, `chat` for conversation rows), or a plain `text -> ids` function,
+# which takes text rows only
+Tokenizer = chat.Tokenizer | Callable[[str], list[int]]
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
@@ -59,14 +66,17 @@ def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size
     if not path.exists():
         raise SourceError(path, "file not found; pass an existing .jsonl or .parquet file with --source")
     if path.is_dir():
-        raise SourceError(path, "is a directory; pass a .jsonl or .parquet file with --source")
+        if not arrow_source.is_dataset_dir(path):
+            arrow_source.refuse_other_dir(path)
+        return _samples_from_table(path, "arrow", arrow_source.read_dataset_dir(path), {}, tokenizer, vocab_size)
     suffix = path.suffix.lower()
     if suffix in JSON_SUFFIXES:
         kind = "json"
     elif suffix in PARQUET_SUFFIXES:
         kind = "parquet"
     else:
-        raise SourceError(path, f"unknown source type '{suffix}'; use a .jsonl or .parquet file")
+        raise SourceError(path, f"unknown source type '{suffix}'; use a .jsonl or .parquet file, or a `datasets` "
+                                "save_to_disk directory")
     table, types = _read_with_duckdb(path, kind)
     return _samples_from_table(path, kind, table, types, tokenizer, vocab_size)
 
@@ -166,15 +176,43 @@ def _check_record(path: Path, line: int, obj: object) -> None:
                 raise SourceError(
                     path, f"has {len(mask)} entries but input_ids has {len(ids)}", line=line, field="loss_mask"
                 )
+    elif any(obj.get(c) is not None for c in CONVERSATION_FIELDS):
+        try:
+            _conversation(obj)
+        except _FieldError as e:
+            raise SourceError(path, e.message, line=line, field=e.field) from None
     elif "text" in obj:
         if not isinstance(obj["text"], str):
             raise SourceError(path, "must be a string", line=line, field="text")
     else:
-        raise SourceError(path, "missing; each row needs 'input_ids' (list of ints) or 'text'", line=line,
-                          field="input_ids")
+        raise SourceError(path, MISSING, line=line, field="input_ids")
     if obj.get("id") is not None and not (isinstance(obj["id"], str) or _is_int(obj["id"])):
         raise SourceError(path, f"must be a string or an integer, not {json.dumps(obj['id'])}", line=line,
                           field="id")
+
+
+MISSING = "missing; each row needs 'input_ids' (list of ints), 'messages', 'conversations' or 'text'"
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+def _conversation(obj: dict) -> tuple[str, list[dict]]:
+    """The conversation field of a row without input_ids and its messages, normalized (extract/chat.py)."""
+    given = [c for c in CONVERSATION_FIELDS if obj.get(c) is not None]
+    if len(given) > 1:
+        raise _FieldError(given[1], "a row holds 'messages' or 'conversations', not both")
+    column = given[0]
+    if obj.get("loss_mask") is not None:
+        raise _FieldError("loss_mask", f"a '{column}' row's loss mask comes from the chat template (its assistant "
+                                       "tokens); drop 'loss_mask', or give 'input_ids' with it")
+    try:
+        return column, chat.normalize(column, obj[column])
+    except ConversationError as e:
+        raise _FieldError(chat.field_name(column, e.index, e.key), e.message) from None
 
 
 ID_TYPES = ("VARCHAR", "BIGINT", "INTEGER", "SMALLINT", "TINYINT", "UBIGINT", "UINTEGER", "USMALLINT", "UTINYINT",
@@ -219,12 +257,15 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
     def fail(row: int, field: str, msg: str) -> SourceError:
         if kind == "json":
             return SourceError(path, msg, line=_row_label(kind, row, lines), field=field)
+        if kind == "arrow":  # rows counted from 0, as the sample ids (and speculators' hs_{i} files) count
+            return SourceError(path, f"{msg} (row index {row})", field=field)
         return SourceError(path, f"{msg} (row {row + 1})", field=field)
 
     if table.num_rows == 0:
         raise SourceError(path, "has no rows")
-    if "input_ids" not in names and "text" not in names:
-        raise SourceError(path, f"has neither 'input_ids' nor 'text' (columns: {sorted(names)})", field="input_ids")
+    if not names & {"input_ids", "text", *CONVERSATION_FIELDS}:
+        raise SourceError(path, f"has none of 'input_ids', 'messages', 'conversations' or 'text' (columns: "
+                                f"{sorted(names)})", field="input_ids")
 
     n = table.num_rows
 
@@ -258,27 +299,37 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
         nulls = col.is_null().to_numpy(zero_copy_only=False)
         return [None if nulls[i] else values[offsets[i] : offsets[i + 1]] for i in range(n)]
 
-    raw_ids = _id_column(path, kind, table, types, fail) if "id" in names else None
+    # a dataset directory's sample i is row i, whatever its columns: speculators names its files hs_{i}
+    raw_ids = _id_column(path, kind, table, types, fail) if "id" in names and kind != "arrow" else None
 
     ids_list = list_column("input_ids", pa.types.is_integer, "integers")
     masks = list_column("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t), "0/1 integers")
     texts = table.column("text").to_pylist() if "text" in names else [None] * n
+    seq_lens = table.column("seq_len").to_pylist() if kind == "arrow" and "seq_len" in names else None
+    convs = _conversation_rows(path, kind, table, names)
+    tok = chat.as_tokenizer(tokenizer)
 
     samples: list[Sample] = []
     seen: dict[str, int] = {}
     for i in range(n):
         ids = ids_list[i]
-        if ids is None:
+        mask = masks[i]
+        tokens_field = "input_ids"
+        if ids is None and convs is not None and any(convs[i].get(c) is not None for c in CONVERSATION_FIELDS):
+            ids, mask, tokens_field = _tokenize_conversation(i, convs[i], masks[i] is not None, tok, fail)
+        elif ids is None:
             text = texts[i]
             if text is None:
-                raise fail(i, "input_ids", "missing; each row needs 'input_ids' (list of ints) or 'text'")
+                raise fail(i, "input_ids", MISSING)
             if not isinstance(text, str):
                 raise fail(i, "text", "must be a string")
-            if tokenizer is None:
+            if tok is None:
                 raise fail(i, "text", "needs a tokenizer, but the model has none")
-            ids = np.asarray(tokenizer(text), dtype=np.int64)
+            ids = np.asarray(tok.encode(text), dtype=np.int64)
+            tokens_field = "text"
         ids = np.asarray(ids)
-        tokens_field = "input_ids" if ids_list[i] is not None else "text"
+        if seq_lens is not None and seq_lens[i] is not None and seq_lens[i] != ids.shape[0]:
+            raise fail(i, "seq_len", f"is {seq_lens[i]} but input_ids has {ids.shape[0]} tokens")
         if ids.size and (ids.min() < INT32_MIN or ids.max() > INT32_MAX):
             raise fail(i, tokens_field, "holds a value outside the 32-bit integer range")
         ids32 = ids.astype(np.int32)
@@ -289,7 +340,6 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
             if bad.size:
                 raise fail(i, tokens_field, f"token id {int(bad[0])} is outside the model's vocabulary "
                                             f"0..{vocab_size - 1}")
-        mask = masks[i]
         if mask is None:
             mask8 = np.ones(ids32.shape[0], dtype=np.uint8)
         else:
@@ -308,3 +358,37 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
         seen[sid] = i
         samples.append(Sample(sid, i, ids32, mask8, fingerprint(ids32, mask8)))
     return samples
+
+
+def _conversation_rows(path: Path, kind: str, table: pa.Table, names: set[str]) -> list[dict] | None:
+    """Per row, its conversation fields as Python values; None when the source has no conversation column.
+
+    A JSONL file's come from its own lines: DuckDB unifies the messages of all rows into one struct type (or
+    JSON text), while the line says exactly what the row holds (a missing key, a number for a string)."""
+    present = [c for c in CONVERSATION_FIELDS if c in names]
+    if not present:
+        return None
+    if kind == "json":
+        return [{c: obj.get(c) for c in present} if isinstance(obj, dict) else {}
+                for _, obj in _iter_json_lines(path)]
+    cols = {c: table.column(c).to_pylist() for c in present}
+    return [{c: cols[c][i] for c in present} for i in range(table.num_rows)]
+
+
+def _tokenize_conversation(i: int, row: dict, has_mask: bool, tok, fail) -> tuple[np.ndarray, np.ndarray, str]:
+    """(input_ids, loss_mask, field) of a conversation row with the model's chat template."""
+    try:
+        column, messages = _conversation({**row, "loss_mask": 1 if has_mask else None})
+    except _FieldError as e:
+        raise fail(i, e.field, e.message) from None
+    if tok is None:
+        raise fail(i, column, "needs a tokenizer with a chat template, but the model has none (--model HF_DIR)")
+    try:
+        ids, mask = tok.chat(messages)
+    except ConversationError as e:
+        raise fail(i, chat.field_name(column, e.index, e.key), e.message) from None
+    ids_arr = np.asarray(ids, dtype=np.int64)
+    mask_arr = np.asarray(mask, dtype=np.int64)
+    if mask_arr.shape != ids_arr.shape:  # a tokenizer's bug, not the row's: still name the row
+        raise fail(i, column, f"the chat template gave {ids_arr.shape[0]} tokens but a mask of {mask_arr.shape[0]}")
+    return ids_arr, mask_arr, column

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from builder.errors import DamagedSampleError
+from builder.errors import DamagedSampleError, FormatError
 from builder.layout import layout
 from builder.log.query import run_query
 from builder.store.reader import SegmentReader
@@ -26,14 +26,35 @@ class HiddenStateDataset(Dataset):
     """Items are dicts: sample_id, input_ids (int64 [n]), loss_mask (int64 [n]), hidden_state [n, H] and
     aux_hidden_state [n, n_aux*H] in the build's logical dtype (bfloat16 restored bit-exact).
 
+    With `format="specforge" | "speculators" | "modelopt"` an item is exactly the dict that trainer's own
+    dataset yields for the same sample (its keys, shapes, dtypes, layer order and final state before or after
+    the norm; `max_len` truncates as specforge's dataset does; modelopt's items are its dataset's with
+    answer_only_loss=True, the build's own loss mask), so a training script swaps its
+    dataset for this one instead of exporting the build.
+
     A damaged sample raises `DamagedSampleError` (an OSError); `verify_checksums=False` skips the CRC-32C
     comparison (presence is always checked). Other OSErrors (EMFILE, EIO) propagate unchanged."""
 
-    def __init__(self, build: str | Path, include_unverified: bool = True, verify_checksums: bool = True):
+    def __init__(self, build: str | Path, include_unverified: bool = True, verify_checksums: bool = True,
+                 format: str | None = None, max_len: int | None = None):  # noqa: A002 - the trainers' word
         self.lay = layout(build).require()
         self.verify_checksums = verify_checksums
+        self.format = None
+        if format is not None:
+            from builder.formats.build_info import BuildInfo  # noqa: PLC0415
+            from builder.trainers import EXPORT_FORMATS, make_format  # noqa: PLC0415
+
+            if format not in EXPORT_FORMATS:
+                raise FormatError(f"format '{format}': use one of {', '.join(EXPORT_FORMATS)}")
+            self.format = make_format(format, max_len=max_len)
+            self.info = BuildInfo.load(self.lay)
+            if not self.info.can_give(self.format.final_state):
+                self.info.final(torch.zeros(1, self.info.hidden_size), self.format.final_state)  # says why
+        elif max_len is not None:
+            raise FormatError("max_len: only with format='specforge'")
         states = "('written', 'verified')" if include_unverified else "('verified')"
-        cols, rows = run_query(self.lay, "SELECT sample_id, segment, token_start, num_tokens, checksums FROM samples "
+        cols, rows = run_query(self.lay, "SELECT sample_id, row_idx, segment, token_start, num_tokens, checksums "
+                                         "FROM samples "
                                          f"WHERE state IN {states} ORDER BY row_idx")
         self.index = [dict(zip(cols, r, strict=True)) for r in rows]
         self._reader: SegmentReader | None = None
@@ -49,6 +70,12 @@ class HiddenStateDataset(Dataset):
             t = self._reader.read(e["segment"], e["token_start"], e["num_tokens"], e["checksums"])
         except DamagedSampleError as err:
             raise err.with_context(sample_id=e["sample_id"], build=str(self.lay.root)) from err.__cause__
+        if self.format is not None:
+            from builder.trainers.base import Sample  # noqa: PLC0415
+
+            return self.format.item(Sample(e["sample_id"], int(e["row_idx"]), i, t["input_ids"].long(),
+                                           t["loss_mask"].long(), t["aux_hidden_state"],
+                                           self.info.final(t["hidden_state"], self.format.final_state)))
         return {"sample_id": e["sample_id"], "input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
                 "hidden_state": t["hidden_state"], "aux_hidden_state": t["aux_hidden_state"]}
 

@@ -22,6 +22,7 @@ from builder.config import load_config, require_same_format
 from builder.doctor.gpu import GpuSampler
 from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
+from builder.extract.backends.dump import DumpSettings
 from builder.extract.backends.vllm import staging_usage
 from builder.extract.model import check_device_spec
 from builder.extract.source import Sample, load_source
@@ -33,6 +34,7 @@ from builder.log.server import QueryServer
 from builder.progress import NoProgress, Progress
 from builder.run.create import code_fingerprint
 from builder.run.engine import Engine, EngineOptions, vllm_settings
+from builder.run.imports import DumpIndex, ImportOptions, check_options, index_dump
 from builder.run.messages import (
     Abandoned,
     Deferred,
@@ -79,6 +81,7 @@ class RunOptions:
     take_over: bool = False  # take the lock over from an owner on another host (--take-over)
     launch: bool = False  # engine backends: start the server as a child (`serve-command`), stop it at the end
     inflight: int | None = None  # engine backends: requests in flight (overrides hsbuild.toml)
+    imports: ImportOptions | None = None  # `hsbuild import`: states from a dump's files, not forward passes
 
 
 @dataclass
@@ -92,6 +95,8 @@ class RunReport:
     exit_code: int = EXIT_OK
     failed_in_build: int = 0
     messages: list[str] = field(default_factory=list)
+    dump: DumpIndex | None = None  # an import: which file holds which sample, and the files that hold none
+    rejected: list[dict] = field(default_factory=list)  # an import: files a worker refused (sample, reason)
 
 
 class Coordinator:
@@ -125,6 +130,11 @@ class Coordinator:
             if self.opts.inflight < 1:
                 raise UsageError(f"--inflight {self.opts.inflight}: must be at least 1")
             self.cfg.inflight = self.opts.inflight
+        if self.opts.imports is not None:
+            check_options(self.opts.imports)
+            if self.opts.launch:
+                raise UsageError("--launch: an import reads a dump's files; it needs no server")
+        self.dump_files: dict[str, str] = {}
         if self.opts.launch and self.cfg.backend == "inprocess":
             raise UsageError("--launch: this build's backend is inprocess (the workers load the model); --launch "
                              "starts an inference server for builds made with --backend vllm")
@@ -188,9 +198,19 @@ class Coordinator:
         require_same_format(self.cfg, meta)  # never overridable: a build holds one format
         added = check_source(self.log, samples)
         self._adopt_unlogged()
-        plan = make_plan(self.log, samples, self.cfg.max_attempts, self.opts.limit)
+        importing = self.opts.imports is not None
+        plan = make_plan(self.log, samples, self.cfg.max_attempts, None if importing else self.opts.limit)
         report = RunReport(self.run_id, plan)
-        if resume or plan.done or plan.interrupted or plan.interrupted_final or plan.failed_retry or plan.damaged:
+        if importing:
+            report.dump = index_dump(self.opts.imports, samples, self.cfg.max_tokens)
+            self.dump_files = report.dump.files
+            plan.todo = [s for s in plan.todo if s.sample_id in self.dump_files][: self.opts.limit]
+            done = sum(1 for sid in self.dump_files if plan.attempts.get(sid) is not None) - len(plan.todo)
+            self.echo(f"import: {report.dump.scanned} file(s) in {self.opts.imports.dir}, "
+                      f"{len(self.dump_files)} sample(s) matched ({max(done, 0)} already in the build), "
+                      f"{len(report.dump.problems)} file(s) unusable; {len(plan.todo)} to import now")
+        if not importing and (resume or plan.done or plan.interrupted or plan.interrupted_final or plan.failed_retry
+                              or plan.damaged):
             self.echo(
                 f"replayed {self.log._seq} events: {plan.done} done, {len(plan.interrupted)} interrupted in flight"
                 + (f" (+{len(plan.interrupted_final)} interrupted too often: given up)"
@@ -202,7 +222,7 @@ class Coordinator:
         if plan.todo:
             doc = preflight_for_run(self.lay, self.cfg, self.log, self.opts.force, {os.getpid()},
                                     # an engine backend's GPUs are the server's, not hsbuild's
-                                    device=("cpu" if self.cfg.backend != "inprocess"
+                                    device=("cpu" if self.cfg.backend != "inprocess" or importing
                                             else self.opts.device or self.cfg.device), run_id=self.run_id,
                                     previous_owner=lock.previous)
             self.gpu_build = doc.gpu_build
@@ -217,13 +237,15 @@ class Coordinator:
             workers=self.workers, threads=self._threads(), resume=resume, plan=plan.summary(),
             config=self.cfg.to_toml(),
             config_fingerprint=self.cfg.fingerprint(), model_fingerprint=meta.get("model_fingerprint"),
-            code_fingerprint=code_fingerprint(), pid=os.getpid(), previous_owner=lock.previous)))
+            code_fingerprint=code_fingerprint(), pid=os.getpid(), previous_owner=lock.previous,
+            **({"import": {"dir": str(Path(self.opts.imports.dir).absolute()), "format": self.opts.imports.format,
+                           **report.dump.summary()}} if report.dump is not None else {}))))
         self.flush(force=True)
         server = QueryServer(lock.socket_path, self.log, self.status).start()
         old_int = signal.signal(signal.SIGINT, self._on_signal)
         old_term = signal.signal(signal.SIGTERM, self._on_signal)
         try:
-            if plan.todo and self.cfg.backend != "inprocess":
+            if plan.todo and self.cfg.backend != "inprocess" and not importing:
                 self._start_engine(meta)
             if plan.todo:
                 self._extract(plan, by_id, meta, report)
@@ -238,6 +260,8 @@ class Coordinator:
             if self.engine is not None:
                 self.engine.stop()
         report.failed_in_build = self.log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
+        if report.dump is not None:
+            self._record_import(report)
         if self.stop_requested:
             report.outcome, report.exit_code = "interrupted", EXIT_INTERRUPTED
         elif self.aborted:
@@ -250,6 +274,26 @@ class Coordinator:
             failed_in_build=report.failed_in_build)))
         self.flush(force=True)
         return report
+
+    def _provenance(self, sid: str) -> dict:
+        if sid not in self.dump_files:
+            return {}
+        return {"import": {"file": self.dump_files[sid], "format": self.opts.imports.format}}
+
+    def _record_import(self, report: RunReport) -> None:
+        """The `import` event: what was matched and imported, and every file that was not usable, with why."""
+        self.flush(force=True)
+        cols, rows = self.log.query(
+            "SELECT sample_id, reason, json_extract_string(detail, '$.message') FROM events "
+            "WHERE run_id = ? AND kind = 'failed' AND reason LIKE 'import_%' ORDER BY seq", [self.run_id])
+        report.rejected = [{"sample_id": r[0], "reason": r[1].removeprefix("import_"), "message": r[2],
+                            "path": self.dump_files.get(r[0])} for r in rows]
+        d = report.dump
+        self.emit(Event("import", detail=detail(
+            dir=str(Path(self.opts.imports.dir).absolute()), format=self.opts.imports.format, scanned=d.scanned,
+            matched=len(d.files), imported=report.written, rejected=report.rejected,
+            unusable=[p.__dict__ for p in d.problems])))
+        self.flush(force=True)
 
     def _start_engine(self, meta: dict) -> None:
         """Wait for the server (launch it with --launch), probe it, record the probe. The first probe of a build
@@ -354,6 +398,9 @@ class Coordinator:
                 final_state=self.cfg.final_state,
                 vllm=(vllm_settings(self.cfg, meta, self.engine.model_name or self.cfg.model)
                       if self.engine is not None else None),
+                dump=(DumpSettings(self.opts.imports.format, int(meta["hidden_size"]), len(self.cfg.aux_layers or
+                                   meta["aux_layers"]), self.cfg.dtype, self.cfg.final_state,
+                                   self.opts.imports.final_state) if self.opts.imports is not None else None),
                 final_norm=str(self.lay.final_norm) if self.lay.final_norm.exists() else None)
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=worker_main, args=(settings, theirs, flags), daemon=True, name=f"hsbuild-worker-{w}")
@@ -434,7 +481,8 @@ class Coordinator:
                 sid = st.pending.popleft()
                 s = by_id[sid]
                 st.assigned[w].append(sid)
-                _send(conns[w], Task(sid, st.attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids, s.loss_mask))
+                _send(conns[w], Task(sid, st.attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids, s.loss_mask,
+                                     self.dump_files.get(sid)))
 
     def _set_paused(self, reason: str | None, flags: Flags, report: RunReport) -> None:
         figures = self.space.snapshot()
@@ -468,7 +516,8 @@ class Coordinator:
                 st.current[wid] = sid
                 st.in_flight.add(sid)
                 st.attempts[sid] = attempt
-                self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid))
+                self.emit(Event("started", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+                                detail=detail(origin="import") if sid in self.dump_files else None))
             case Staged(sample_id=sid):
                 st.stage(wid, sid)
             case Unreachable(sample_id=sid, attempt=attempt, fingerprint=fp, message=message):
@@ -482,7 +531,7 @@ class Coordinator:
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
                                 nbytes=loc.nbytes, checksums=json.dumps(loc.checksums, sort_keys=True),
                                 detail=detail(truncated=msg.truncated, seconds=round(msg.seconds, 4),
-                                              disk_bytes=loc.disk_bytes)))
+                                              disk_bytes=loc.disk_bytes, **self._provenance(sid))))
                 if msg.verified:
                     self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                     segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,

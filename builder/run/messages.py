@@ -20,6 +20,7 @@ class Task:
     fingerprint: str
     input_ids: object  # np.ndarray int32
     loss_mask: object  # np.ndarray uint8
+    origin: str | None = None  # import: the dump file to take the states from instead of a forward pass
 
 
 @dataclass(frozen=True)

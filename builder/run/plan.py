@@ -12,6 +12,8 @@ from builder.log.events import EventLog
 DAMAGE_REASONS = {"checksum_mismatch", "missing_data", "unreadable"}
 # Failures of the environment, not of the sample; retried without counting against --max-attempts.
 TRANSIENT_REASONS = {"no_space", "server_unavailable"}
+# A dump file that could not be imported (`import_truncated`, ...): the sample is extracted by the next run.
+IMPORT_PREFIX = "import_"
 # A sample left `started` by runs that ended abruptly (crash, OOM kill, kill -9) is started again, until it
 # has been started max_attempts + INTERRUPTED_EXTRA times (default 3 + 2 = 5): then it is given up
 # (`failed`, reason `interrupted_too_often`), so a sample that takes the whole run down is not retried forever.
@@ -57,14 +59,22 @@ def check_source(log: EventLog, samples: list[Sample]) -> int:
     return log.register_samples([s for s in samples if s.sample_id not in known])
 
 
+def import_starts(log: EventLog) -> dict[str, int]:
+    """Per sample, the `started` events of imports: reading a dump file is no extraction attempt."""
+    _, rows = log.query("SELECT sample_id, count(*) FROM events WHERE kind = 'started' "
+                        "AND json_extract_string(detail, '$.origin') = 'import' GROUP BY sample_id")
+    return dict(rows)
+
+
 def make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: int | None = None) -> Plan:
     states = {r["sample_id"]: r for r in log.samples()}
+    imported = import_starts(log)
     plan = Plan(total=len(samples))
     for s in samples:
         row = states.get(s.sample_id)
         state = row["state"] if row else "pending"
-        attempts = row["attempts"] if row else 0
-        plan.attempts[s.sample_id] = attempts
+        plan.attempts[s.sample_id] = row["attempts"] if row else 0  # numbers the next attempt
+        attempts = plan.attempts[s.sample_id] - imported.get(s.sample_id, 0)  # counted against max_attempts
         if state in ("written", "verified"):
             plan.done += 1
             continue
@@ -77,7 +87,7 @@ def make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: in
             reason = row["error"]
             if reason in DAMAGE_REASONS:
                 plan.damaged.append(s.sample_id)
-            elif reason in TRANSIENT_REASONS or attempts < max_attempts:
+            elif reason in TRANSIENT_REASONS or reason.startswith(IMPORT_PREFIX) or attempts < max_attempts:
                 plan.failed_retry.append(s.sample_id)
             else:
                 plan.failed_final.append(s.sample_id)

@@ -63,6 +63,7 @@ class WorkerSettings:
     final_state: str = "post_norm"
     vllm: object | None = None  # extract.backends.vllm.VllmSettings: the vLLM backend; None: in-process
     final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
+    dump: object | None = None  # extract.backends.dump.DumpSettings: an import; None: extraction
 
 
 class Flags:
@@ -166,6 +167,13 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragm
 
 def _open_backend(settings: WorkerSettings) -> tuple[Extractor, Backend]:
     """The extractor (model metadata and token checks) and the backend that runs the forward passes."""
+    if settings.dump is not None:
+        from builder.extract.backends.dump import DumpBackend  # noqa: PLC0415
+        from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
+
+        ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, "cpu", load_weights=False)
+        norm = FinalNorm.load(Path(settings.final_norm)) if settings.final_norm else None
+        return ex, DumpBackend(settings.dump, norm)
     if settings.vllm is None:
         from builder.extract.backends.inprocess import InProcessBackend  # noqa: PLC0415
 
@@ -236,7 +244,7 @@ class _Group:
             self._fail(task, e.reason, str(e))
             return
         self.in_flight[task.sample_id] = (task, ids, task.loss_mask[: ids.shape[0]], t0)
-        self.backend.submit(Request(task.sample_id, ids))
+        self.backend.submit(Request(task.sample_id, ids, task.origin))
 
     def take(self, outcome) -> None:
         entry = self.in_flight.pop(outcome.key, None)

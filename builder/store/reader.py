@@ -152,13 +152,14 @@ class SegmentReader:
         return probe_chunks(self.data_root, segment, token_start, num_tokens, self.chunk_tokens(segment))
 
     def read_raw(self, segment: str, token_start: int, num_tokens: int,
-                 checksums: dict | str | None = None) -> dict[str, np.ndarray]:
-        """The sample's stored arrays (bf16 as uint16). Presence is always checked; `checksums` (the `written`
-        event's, as JSON or a dict) are compared when given and this reader verifies checksums."""
+                 checksums: dict | str | None = None, fields: tuple[str, ...] = FIELDS) -> dict[str, np.ndarray]:
+        """The sample's stored arrays (bf16 as uint16), all fields or `fields`. Presence is always checked;
+        `checksums` (the `written` event's, as JSON or a dict) are compared when given and this reader verifies
+        checksums."""
         arrs = self.arrays(segment)
         self.probe(segment, token_start, num_tokens)
         out = {}
-        for f in FIELDS:
+        for f in fields:
             try:
                 out[f] = arrs[f][token_start : token_start + num_tokens]
             except (OSError, MemoryError):
@@ -168,7 +169,7 @@ class SegmentReader:
                                                      f"{str(e)[:200]}", segment=segment, field=f) from e
         want = parse_checksums(checksums) if self.verify_checksums else {}
         if want:
-            for f in FIELDS:
+            for f in fields:
                 got = checksum(out[f])
                 if got != want.get(f):
                     raise DamagedSampleError(MISMATCH, f"checksum mismatch: the bytes read give {got}, the written "

@@ -20,6 +20,7 @@ import torch
 class Request:
     key: str  # the sample id
     input_ids: np.ndarray  # int64 [n], already checked against the model (vocabulary, positions)
+    origin: str | None = None  # import: the dump file holding this sample's states
 
 
 @dataclass(frozen=True)

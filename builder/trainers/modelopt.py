@@ -1,0 +1,98 @@
+"""NVIDIA Model-Optimizer (nvidia-modelopt 0.47.0): offline EAGLE-3 dumps, one `torch.save` dict a conversation.
+
+Checked against its code (examples/speculative_decoding/collect_hidden_states/compute_hidden_states_hf.py,
+modelopt/torch/speculative/eagle/utils.py OfflineSupervisedDataset, scripts/calibrate_draft_vocab.py):
+
+- `OUT/{conversation_id}.pt`, flat; the training script takes every `*.pt` under the folder (recursively) as a
+  sample, so nothing else in the folder may end in `.pt`;
+- a file holds `input_ids` int64 [n], `hidden_states` [n, H] (AFTER the final norm: Hugging Face
+  hidden_states[-1]; `hidden_states_prenorm: True` marks a state before it, which training normalizes),
+  `aux_hidden_states` [n, k*H] (decoder-layer ids: id k = hidden_states[k+1]), `loss_mask` int64 [n] and
+  `conversation_id`;
+- its dataset (answer_only_loss=True) yields input_ids, base_model_hidden_states, aux_hidden_states,
+  attention_mask (ones), loss_mask (the file's), labels (input_ids shifted left, last -100) and
+  base_hidden_prenorm;
+- a reduced draft vocabulary is a bare int64 tensor d2t [D] (target id = draft id + d2t[draft id]), loaded from
+  the recipe's `data.draft_vocab_cache`: written as `d2t.torch` (not `.pt`, which training would read as a
+  sample).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import quote
+
+import torch
+
+from builder.trainers.base import Exported, Loaded, Rejected, Sample
+from builder.trainers.torchfile import load_dict, save_bytes
+from builder.trainers.vocab import vocab_mapping
+
+
+class ModelOpt:
+    name = "modelopt"
+    final_state = "post_norm"
+    layer_convention = "decoder_layer_output"
+
+    def item(self, s: Sample) -> dict[str, torch.Tensor | bool]:
+        labels = torch.full_like(s.input_ids, -100)
+        labels[:-1] = s.input_ids[1:]
+        return {"input_ids": s.input_ids, "base_model_hidden_states": s.final, "aux_hidden_states": s.aux,
+                "attention_mask": torch.ones_like(s.input_ids), "loss_mask": s.loss_mask.to(s.input_ids.dtype),
+                "labels": labels, "base_hidden_prenorm": False}
+
+    @staticmethod
+    def file_name(sample_id: str) -> str:
+        return quote(sample_id, safe="-_.~") + ".pt" if not sample_id.startswith(".") else \
+            "%2E" + quote(sample_id[1:], safe="-_.~") + ".pt"
+
+    def sample_paths(self, index: int, sample_id: str) -> list[str]:  # noqa: ARG002
+        return [self.file_name(sample_id)]
+
+    def sample_files(self, s: Sample) -> dict[str, bytes]:
+        rec = {"input_ids": s.input_ids, "hidden_states": s.final, "aux_hidden_states": s.aux,
+               "loss_mask": s.loss_mask, "conversation_id": s.sample_id}
+        return {self.file_name(s.sample_id): save_bytes(rec)}
+
+    def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,  # noqa: ARG002
+                     draft_vocab_size: int | None) -> dict[str, bytes]:
+        files = {"token_freq.json": json.dumps({str(k): v for k, v in sorted(freq.items())}).encode()}
+        if draft_vocab_size:
+            d2t, _ = vocab_mapping(freq, draft_vocab_size, vocab_size)
+            files["d2t.torch"] = save_bytes(d2t)
+        return files
+
+    def scan(self, root: Path) -> list[Path]:
+        return sorted(p for p in root.rglob("*.pt") if p.is_file())
+
+    def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+        d = load_dict(path)
+        mask = d.get("loss_mask")
+        return _int_1d(d, "input_ids"), (_int_1d(d, "loss_mask") if mask is not None else None)
+
+    def load(self, path: Path) -> Loaded:
+        d = load_dict(path)
+        ids = _int_1d(d, "input_ids")
+        mask = _int_1d(d, "loss_mask") if d.get("loss_mask") is not None else None
+        n = ids.shape[0]
+        final, aux = d.get("hidden_states"), d.get("aux_hidden_states")
+        for key, t in (("hidden_states", final), ("aux_hidden_states", aux)):
+            if not isinstance(t, torch.Tensor):
+                raise Rejected("bad_keys", f"has no tensor '{key}' (keys: {sorted(d)})")
+            if t.dim() != 2 or t.shape[0] != n:
+                raise Rejected("bad_shape", f"'{key}' has shape {list(t.shape)}, expected [{n}, ...] for its "
+                                            f"{n} input_ids")
+        state = "pre_norm" if d.get("hidden_states_prenorm") else "post_norm"
+        return Loaded(ids, mask, aux, final, state)
+
+
+def _int_1d(d: dict, key: str) -> torch.Tensor:
+    t = d.get(key)
+    if not isinstance(t, torch.Tensor):
+        raise Rejected("bad_keys", f"has no tensor '{key}' (keys: {sorted(d)})")
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise Rejected("bad_shape", f"'{key}' is {t.dtype} {list(t.shape)}, expected integers [n]")
+    return t.long()

@@ -1,0 +1,87 @@
+"""Import only: any folder of `torch.save` dicts, one sample a file (`*.pt`, `*.ckpt`, `*.pth`, also gzipped),
+as home-grown extraction scripts write them (the incident's dump: `rows_*/data_*.pt`).
+
+Keys are recognised by their usual names: the tokens in `input_ids` or `token_ids`; the aux states in
+`aux_hidden_state(s)` ([n, k*H] or [1, n, k*H]) or a stacked `hidden_states` [n, k+1, H] (aux slots, then the
+final state); the final state in `hidden_state` / `hidden_states` / `last_hidden_state` ([n, H] or [1, n, H]);
+an optional `loss_mask`. The final state is taken as AFTER the norm (Hugging Face hidden_states[-1]) unless the
+file says `hidden_states_prenorm: True`; `hsbuild import --final-state pre_norm` says so for a whole dump.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+from pathlib import Path
+
+import torch
+
+from builder.trainers.base import Loaded, Rejected
+from builder.trainers.torchfile import load_dict
+
+SUFFIXES = (".pt", ".ckpt", ".pth", ".pt.gz", ".ckpt.gz", ".pth.gz")
+TOKENS = ("input_ids", "token_ids")
+AUX = ("aux_hidden_state", "aux_hidden_states")
+FINAL = ("hidden_state", "hidden_states", "last_hidden_state", "last_hidden_states")
+
+
+class PlainPt:
+    name = "pt"
+    final_state = "post_norm"
+    layer_convention = "decoder_layer_output"
+
+    def __init__(self, final_state: str = "post_norm"):
+        self.final_state = final_state
+
+    def scan(self, root: Path) -> list[Path]:
+        return sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
+
+    def _open(self, path: Path) -> dict:
+        if path.name.endswith(".gz"):
+            try:
+                return load_dict(io.BytesIO(gzip.decompress(path.read_bytes())))
+            except (OSError, EOFError) as e:
+                raise Rejected("truncated", f"gzip stream does not decode ({type(e).__name__}: {e})") from None
+        return load_dict(path)
+
+    def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+        d = self._open(path)
+        return _ids(d, TOKENS), (_ids(d, ("loss_mask",)) if isinstance(d.get("loss_mask"), torch.Tensor) else None)
+
+    def load(self, path: Path) -> Loaded:
+        d = self._open(path)
+        ids = _ids(d, TOKENS)
+        mask = _ids(d, ("loss_mask",)) if isinstance(d.get("loss_mask"), torch.Tensor) else None
+        n = ids.shape[0]
+        aux_key = next((k for k in AUX if isinstance(d.get(k), torch.Tensor)), None)
+        final_key = next((k for k in FINAL if isinstance(d.get(k), torch.Tensor)), None)
+        if aux_key is None and final_key == "hidden_states" and d["hidden_states"].dim() == 3 \
+                and d["hidden_states"].shape[0] == n:  # stacked [n, k+1, H], vLLM-connector style
+            hs = d["hidden_states"]
+            return Loaded(ids, mask, hs[:, :-1].reshape(n, -1), hs[:, -1], "pre_norm")
+        if aux_key is None or final_key is None:
+            raise Rejected("bad_keys", f"has no aux states ({'/'.join(AUX)}) and final state ({'/'.join(FINAL)}) "
+                                       f"(keys: {sorted(d)})")
+        aux, final = _squeeze(d[aux_key]), _squeeze(d[final_key])
+        for key, t in ((aux_key, aux), (final_key, final)):
+            if t.dim() != 2 or t.shape[0] != n:
+                raise Rejected("bad_shape", f"'{key}' has shape {list(d[key].shape)}, expected [{n}, ...] or "
+                                            f"[1, {n}, ...] for its {n} token ids")
+        state = "pre_norm" if d.get("hidden_states_prenorm") else self.final_state
+        return Loaded(ids, mask, aux, final, state)
+
+
+def _squeeze(t: torch.Tensor) -> torch.Tensor:
+    return t[0] if t.dim() == 3 and t.shape[0] == 1 else t
+
+
+def _ids(d: dict, keys: tuple[str, ...]) -> torch.Tensor:
+    key = next((k for k in keys if isinstance(d.get(k), torch.Tensor)), None)
+    if key is None:
+        raise Rejected("bad_keys", f"has no tensor {' or '.join(repr(k) for k in keys)} (keys: {sorted(d)})")
+    t = d[key]
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise Rejected("bad_shape", f"'{key}' is {t.dtype} {list(t.shape)}, expected integers [n]")
+    return t.long()

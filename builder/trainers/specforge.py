@@ -1,0 +1,123 @@
+"""SpecForge (sgl-project/SpecForge 0.2.0): offline EAGLE-3 features, one `torch.save` dict a sample.
+
+Checked against its code (scripts/prepare_hidden_states.py, specforge/data/preprocessing.py,
+specforge/algorithms/eagle3/data.py, specforge/training/vocab_mapping.py):
+
+- layout `rows_{g}-{g+2000}/data_{i}.ckpt` (g = i // 2000 * 2000), or `.ckpt.gz`: a gzip stream of the same
+  `torch.save` bytes (`--compress`); readers walk the tree for both suffixes and sort the paths as strings;
+- a file holds `input_ids` int64 [n], `loss_mask` int64 [n], `aux_hidden_state` [1, n, 3H] (the aux layers
+  concatenated in layer order) and `hidden_state` [1, n, H]: the final state AFTER the norm (the lm_head input);
+- aux layer ids count decoder layers (id k = the output of decoder layer k = Hugging Face hidden_states[k+1]);
+- its own producer right-pads each file with (token 0, mask 0) to its batch's longest row: an import strips
+  such a tail when the source row is shorter;
+- its dataset (`normalize_offline_sample`) yields input_ids/loss_mask [1, n'] (the mask's last position zeroed),
+  attention_mask ones, `hidden_state` = the aux states, `target` = the final state, n' = min(n, max_len);
+- a reduced draft vocabulary: `{"d2t": int64 [D] offsets (target = draft + d2t[draft]), "t2d": bool [V]}`
+  from the D most frequent loss-masked tokens, sorted by id (`vocab_mapping/vocab_mapping.pt`, passed to
+  training as `model.vocab_mapping_path`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import re
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from builder.trainers.base import Exported, Loaded, Rejected, Sample
+from builder.trainers.torchfile import load_dict, save_bytes
+from builder.trainers.vocab import vocab_mapping
+
+GROUP = 2000
+NAME = re.compile(r"data_(\d+)\.ckpt(\.gz)?$")
+
+
+class SpecForge:
+    name = "specforge"
+    final_state = "post_norm"
+    layer_convention = "decoder_layer_output"
+
+    def __init__(self, max_len: int | None = None, compress: int | None = None):
+        self.max_len = max_len  # what the trainer's data.max_length keeps (None: the whole sample)
+        self.compress = compress  # gzip level for export (SpecForge's --compress), None: plain .ckpt
+
+    def item(self, s: Sample) -> dict[str, torch.Tensor]:
+        n = s.num_tokens if self.max_len is None else min(s.num_tokens, self.max_len)
+        loss_mask = s.loss_mask[:n].clone().unsqueeze(0)
+        if loss_mask.numel() > 0:
+            loss_mask[0, -1] = 0
+        return {"attention_mask": torch.ones_like(loss_mask, dtype=torch.long), "loss_mask": loss_mask,
+                "target": s.final[:n].unsqueeze(0), "hidden_state": s.aux[:n].unsqueeze(0),
+                "input_ids": s.input_ids[:n].unsqueeze(0)}
+
+    @staticmethod
+    def path_for(index: int, gz: bool = False) -> str:
+        g = index // GROUP * GROUP
+        return f"rows_{g}-{g + GROUP}/data_{index}.ckpt" + (".gz" if gz else "")
+
+    def sample_paths(self, index: int, sample_id: str) -> list[str]:  # noqa: ARG002
+        return [self.path_for(index, gz=self.compress is not None)]
+
+    def sample_files(self, s: Sample) -> dict[str, bytes]:
+        rec = {"input_ids": s.input_ids, "loss_mask": s.loss_mask,
+               "aux_hidden_state": s.aux.unsqueeze(0), "hidden_state": s.final.unsqueeze(0)}
+        data = save_bytes(rec)
+        if self.compress is not None:
+            data = gzip.compress(data, compresslevel=self.compress, mtime=0)
+        return {self.path_for(s.index, gz=self.compress is not None): data}
+
+    def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,
+                     draft_vocab_size: int | None) -> dict[str, bytes]:
+        for _ in rows:  # nothing per row: the feature files are the dataset
+            pass
+        files = {"token_freq.pt": save_bytes(dict(sorted(freq.items())))}
+        if draft_vocab_size:
+            d2t, t2d = vocab_mapping(freq, draft_vocab_size, vocab_size)
+            files["vocab_mapping/vocab_mapping.pt"] = save_bytes({"d2t": d2t, "t2d": t2d})
+        return files
+
+    def scan(self, root: Path) -> list[Path]:
+        return sorted(p for p in root.rglob("*") if p.is_file() and NAME.search(p.name))
+
+    def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+        d = self._open(path)
+        return _int_1d(d, "input_ids", path), _int_1d(d, "loss_mask", path)
+
+    def load(self, path: Path) -> Loaded:
+        d = self._open(path)
+        ids = _int_1d(d, "input_ids", path)
+        mask = _int_1d(d, "loss_mask", path)
+        n = ids.shape[0]
+        aux, final = d.get("aux_hidden_state"), d.get("hidden_state")
+        for key, t in (("aux_hidden_state", aux), ("hidden_state", final)):
+            if not isinstance(t, torch.Tensor):
+                raise Rejected("bad_keys", f"has no tensor '{key}' (keys: {sorted(d)})")
+            if t.dim() != 3 or t.shape[0] != 1 or t.shape[1] != n:
+                raise Rejected("bad_shape", f"'{key}' has shape {list(t.shape)}, expected [1, {n}, ...] "
+                                            f"for its {n} input_ids")
+        return Loaded(ids, mask, aux[0], final[0], self.final_state)
+
+    @staticmethod
+    def _open(path: Path) -> dict:
+        if path.name.endswith(".gz"):
+            try:
+                raw = gzip.decompress(path.read_bytes())
+            except (OSError, EOFError, gzip.BadGzipFile) as e:
+                raise Rejected("truncated", f"gzip stream does not decode ({type(e).__name__}: {e})") from None
+            return load_dict(io.BytesIO(raw))
+        return load_dict(path)
+
+
+def _int_1d(d: dict, key: str, path: Path) -> torch.Tensor:  # noqa: ARG001
+    t = d.get(key)
+    if not isinstance(t, torch.Tensor):
+        raise Rejected("bad_keys", f"has no tensor '{key}' (keys: {sorted(d)})")
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise Rejected("bad_shape", f"'{key}' is {t.dtype} {list(t.shape)}, expected integers [n]")
+    return t.long()

@@ -1,0 +1,52 @@
+"""`torch.save` files as trainers write and read them: saved from contiguous copies (a view would save its whole
+base storage) in the default zip format (what `torch.load(mmap=True)` needs); loaded with `weights_only=True`
+(a dump is data, never code) and every failure turned into a `Rejected` reason."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+
+import torch
+
+from builder.trainers.base import Rejected
+
+
+def save_bytes(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(_contiguous(obj), buf)
+    return buf.getvalue()
+
+
+def _contiguous(obj: object) -> object:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().contiguous().clone()
+    if isinstance(obj, dict):
+        return {k: _contiguous(v) for k, v in obj.items()}
+    return obj
+
+
+def load_dict(src: Path | io.BytesIO) -> dict:
+    """A torch.save'd dict; Rejected('truncated'|'unreadable'|'bad_keys', ...) when it is not one."""
+    try:
+        if isinstance(src, Path):
+            if src.stat().st_size == 0:
+                raise Rejected("truncated", "is empty (0 bytes)")
+            d = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            d = torch.load(src, map_location="cpu", weights_only=True)
+    except Rejected:
+        raise
+    except (zipfile.BadZipFile, EOFError) as e:
+        raise Rejected("truncated", f"torch.load fails: the file is cut short ({type(e).__name__}: {e})") from None
+    except RuntimeError as e:
+        msg = str(e).splitlines()[0][:200]
+        reason = "truncated" if any(w in msg for w in ("central directory", "file_size", "truncated",
+                                                      "failed finding", "PytorchStreamReader")) else "unreadable"
+        raise Rejected(reason, f"torch.load fails ({msg})") from None
+    except Exception as e:  # noqa: BLE001 - pickle errors, unsupported globals: the file is not a usable sample
+        raise Rejected("unreadable", f"torch.load fails ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    if not isinstance(d, dict):
+        raise Rejected("bad_keys", f"holds a {type(d).__name__}, not a dict of tensors")
+    return d
