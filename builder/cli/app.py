@@ -13,8 +13,9 @@ import sys
 
 from builder import __version__
 from builder.cli import doctor as cli_doctor
+from builder.cli import exchange as cli_exchange
 from builder.cli import verify as cli_verify
-from builder.cli.args import Parser, count, fraction, positive_int
+from builder.cli.args import Parser, add_run_flags, fraction, positive_int
 from builder.cli.args import fmt_of as _fmt
 from builder.cli.args import int_list as _int_list
 from builder.cli.args import out_flags as _out_flags
@@ -23,31 +24,6 @@ from builder.cli.output import print_json, print_rows
 from builder.cli.progress import progress_for
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, HsbuildError
 from builder.humanize import human_bytes, human_seconds, pct
-
-
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=positive_int, help="extraction worker processes (default: config, 1)")
-    p.add_argument("--limit", type=count, help="process at most N samples in this run")
-    p.add_argument("--max-attempts", type=positive_int,
-                   help="failed samples are retried until this many attempts (3)")
-    p.add_argument("--device", help="auto, cpu or cuda[:N] (default: config, auto)")
-    p.add_argument("--verify-after-write", action="store_true", default=None,
-                   help="read each sample back right after writing and record `verified`")
-    p.add_argument("--allow-overcommit", action="store_true",
-                   help="start even if the projected size does not fit below the high watermark (writers pause)")
-    p.add_argument("--force", action="store_true", help="start despite blocking preflight problems")
-    p.add_argument("--low", type=fraction, help="resume writing below this usage fraction (0.85)")
-    p.add_argument("--high", type=fraction, help="pause writers at this usage fraction (0.90)")
-    p.add_argument("--flood", type=fraction, help="never start a write that would cross this usage fraction (0.95)")
-    p.add_argument("--min-free", type=_size, help="pause when free space drops below this, e.g. 50G")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--take-over", action="store_true",
-                   help="take the build over from an owner on another host that never released it (make sure it "
-                        "no longer runs there first)")
-    p.add_argument("--launch", action="store_true",
-                   help="engine backends: start the server (`hsbuild serve-command BUILD`) as a child, restart it "
-                        "if it dies, stop it at the end; without it hsbuild waits for a server you run")
-    p.add_argument("--inflight", type=positive_int, help="engine backends: requests in flight (default: config, 16)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ("resume", "replay the log, report what it found, then continue")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("build")
-        _add_run_flags(p)
+        add_run_flags(p)
 
     p = sub.add_parser("status", help="progress, failures, disk; works during a run", parents=[out])
     p.add_argument("build")
@@ -121,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=positive_int, default=1)
     p.add_argument("--no-progress", action="store_true")
 
+    cli_exchange.add_commands(sub, out)
     cli_verify.add_commands(sub, out)
     cli_doctor.add_commands(sub, out)
     return ap
@@ -310,7 +287,7 @@ COMMANDS = {"serve-command": cmd_serve_command, "init": cmd_init, "rebuild-log":
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = {**COMMANDS, **cli_verify.COMMANDS, **cli_doctor.COMMANDS}[args.cmd]
+    handler = {**COMMANDS, **cli_verify.COMMANDS, **cli_doctor.COMMANDS, **cli_exchange.COMMANDS}[args.cmd]
     try:
         return handler(args)
     except HsbuildError as e:

@@ -74,3 +74,28 @@ def fraction(s: str) -> float:
     if not 0 < f <= 1:
         raise argparse.ArgumentTypeError(f"'{s}': must be a fraction of the volume in (0, 1], e.g. 0.9")
     return f
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=positive_int, help="extraction worker processes (default: config, 1)")
+    p.add_argument("--limit", type=count, help="process at most N samples in this run")
+    p.add_argument("--max-attempts", type=positive_int,
+                   help="failed samples are retried until this many attempts (3)")
+    p.add_argument("--device", help="auto, cpu or cuda[:N] (default: config, auto)")
+    p.add_argument("--verify-after-write", action="store_true", default=None,
+                   help="read each sample back right after writing and record `verified`")
+    p.add_argument("--allow-overcommit", action="store_true",
+                   help="start even if the projected size does not fit below the high watermark (writers pause)")
+    p.add_argument("--force", action="store_true", help="start despite blocking preflight problems")
+    p.add_argument("--low", type=fraction, help="resume writing below this usage fraction (0.85)")
+    p.add_argument("--high", type=fraction, help="pause writers at this usage fraction (0.90)")
+    p.add_argument("--flood", type=fraction, help="never start a write that would cross this usage fraction (0.95)")
+    p.add_argument("--min-free", type=size, help="pause when free space drops below this, e.g. 50G")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--take-over", action="store_true",
+                   help="take the build over from an owner on another host that never released it (make sure it "
+                        "no longer runs there first)")
+    p.add_argument("--launch", action="store_true",
+                   help="engine backends: start the server (`hsbuild serve-command BUILD`) as a child, restart it "
+                        "if it dies, stop it at the end; without it hsbuild waits for a server you run")
+    p.add_argument("--inflight", type=positive_int, help="engine backends: requests in flight (default: config, 16)")

@@ -1,0 +1,145 @@
+"""`hsbuild export` and `hsbuild import`: a build in the files trainers read, and trainers' dumps into a build.
+
+Exit codes: export 0 every selected sample exported; 1 some were damaged (listed, not exported: run `hsbuild
+verify`, then `resume`); 2 usage error; 3 the export does not fit below the target's high watermark; 130
+interrupted (the same command continues). Import: 0 every matched file imported; 1 some files were unusable
+(listed: their samples are left for `hsbuild resume`); otherwise as `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+
+from builder.cli.args import add_run_flags, positive_int
+from builder.cli.args import fmt_of as _fmt
+from builder.cli.output import print_json, print_rows
+from builder.cli.progress import progress_for
+from builder.errors import EXIT_OK, EXIT_SAMPLES_FAILED
+from builder.humanize import human_bytes
+
+FORMATS_HELP = ("specforge: rows_*/data_N.ckpt (SpecForge's prepare_hidden_states); speculators: a datasets dir "
+                "+ hidden_states/hs_N.safetensors; modelopt: ID.pt (Model-Optimizer's compute_hidden_states)")
+
+
+def add_commands(sub, out) -> None:
+    p = sub.add_parser("export", parents=[out], help="write the build's samples in a trainer's own files",
+                       description="Writes the live samples (read through their checksums) as the trainer reads "
+                                   "them. " + FORMATS_HELP + ". Resumable: run the same command again.")
+    p.add_argument("build")
+    p.add_argument("out", help="an empty or new directory (or an unfinished export of the same options)")
+    p.add_argument("--format", required=True, choices=["specforge", "speculators", "modelopt"])
+    p.add_argument("--subset", metavar="n/t", help="export the n-th of t fixed parts of the samples")
+    p.add_argument("--limit", type=positive_int, help="export at most N samples")
+    p.add_argument("--draft-vocab-size", type=positive_int, metavar="D",
+                   help="also write the d2t/t2d mapping of a reduced draft vocabulary of D tokens")
+    p.add_argument("--compress", type=int, choices=range(1, 10), metavar="LEVEL",
+                   help="specforge: gzip each file at this level (its --compress; .ckpt.gz)")
+    p.add_argument("--allow-overcommit", action="store_true",
+                   help="start even if the export does not fit below the target's high watermark (it pauses)")
+    p.add_argument("--low", type=float, help="resume below this usage of the target volume (build's, 0.85)")
+    p.add_argument("--high", type=float, help="pause at this usage of the target volume (build's, 0.90)")
+    p.add_argument("--flood", type=float, help="never start a file that would cross this usage (build's, 0.95)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--take-over", action="store_true", help="take the build over from an owner on another host")
+
+    p = sub.add_parser("import", parents=[out], help="bring a trainer's (or a script's) dump of states into a build",
+                       description="Matches each file of DIR to the build's source samples by its token ids, "
+                                   "checks it (loads, keys, shapes, dtype, finite, tokens) and writes it into "
+                                   "the build with checksums; unusable files are listed and their samples left "
+                                   "for `hsbuild resume`. The files are never modified. " + FORMATS_HELP
+                                   + "; pt: any folder of torch.save dicts (*.pt, *.ckpt, *.pth).")
+    p.add_argument("build")
+    p.add_argument("dir", help="the dump's folder")
+    p.add_argument("--format", required=True, choices=["specforge", "speculators", "modelopt", "pt"])
+    p.add_argument("--dump-final-state", default="post_norm", choices=["post_norm", "pre_norm"],
+                   help="pt: whether the files' final hidden state is after the final norm (HF hidden_states[-1]) "
+                        "or before it")
+    add_run_flags(p)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from builder.config import load_config  # noqa: PLC0415
+    from builder.formats.export import ExportOptions, export_build  # noqa: PLC0415
+    from builder.layout import layout  # noqa: PLC0415
+
+    wm = load_config(layout(args.build).require()).watermarks
+    for k in ("low", "high", "flood"):
+        if getattr(args, k) is not None:
+            setattr(wm, k, getattr(args, k))
+    stop = {"n": 0}
+
+    def on_signal(signum, frame) -> None:  # noqa: ARG001
+        stop["n"] += 1
+        if stop["n"] > 1:
+            raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, on_signal)
+    old_term = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        report = export_build(args.build, args.out, ExportOptions(
+            format=args.format, subset=args.subset, limit=args.limit, compress=args.compress,
+            draft_vocab_size=args.draft_vocab_size, allow_overcommit=args.allow_overcommit, watermarks=wm,
+            take_over=args.take_over, progress=progress_for(args), stop=lambda: stop["n"] > 0))
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGTERM, old_term)
+    if _fmt(args) == "json":
+        print_json(report.as_dict())
+    else:
+        print(f"export {report.export_id[:8]} ({report.format}) into {report.out}: {report.exported} sample(s) "
+              f"written ({human_bytes(report.bytes_written)}), {report.already} already there"
+              + (f", paused {report.pauses}x for space" if report.pauses else ""))
+        conv = "decoder-layer ids" if report.format != "speculators" else "vLLM layer ids"
+        print(f"aux layers ({conv}): {report.layer_ids}; final state {report.final_state.replace('_', '-')}")
+        if report.files:
+            print("files: " + ", ".join(report.files))
+        if report.gone:
+            print(f"{len(report.gone)} selected sample(s) are no longer in the build and were skipped")
+        if report.damaged:
+            print(f"{len(report.damaged)} damaged sample(s) NOT exported:", file=sys.stderr)
+            print_rows(["sample_id", "reason", "message"],
+                       [[d["sample_id"], d["reason"], d["message"]] for d in report.damaged[:50]], "table",
+                       out=sys.stderr)
+            b = shlex.quote(args.build)
+            print(f"repair: hsbuild verify {b} && hsbuild resume {b}, then run this export again", file=sys.stderr)
+    return EXIT_SAMPLES_FAILED if report.damaged else EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from builder.run.coordinator import RunOptions, run_build  # noqa: PLC0415
+    from builder.run.imports import ImportOptions  # noqa: PLC0415
+
+    opts = RunOptions(workers=args.workers, limit=args.limit, max_attempts=args.max_attempts,
+                      verify_after_write=args.verify_after_write, allow_overcommit=args.allow_overcommit,
+                      force=args.force, progress=progress_for(args), low=args.low, high=args.high,
+                      flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
+                      imports=ImportOptions(args.dir, args.format, args.dump_final_state))
+    report = run_build(args.build, opts, echo=lambda m: print(m, file=sys.stderr))
+    d = report.dump
+    bad = [{"path": p.path, "sample_id": p.sample_id, "reason": p.reason, "message": p.message}
+           for p in (d.problems if d else [])]
+    bad += [{"path": r["path"], "sample_id": r["sample_id"], "reason": r["reason"], "message": r["message"]}
+            for r in report.rejected]
+    if _fmt(args) == "json":
+        print_json({"run_id": report.run_id, "outcome": report.outcome, "imported": report.written,
+                    "scanned": d.scanned if d else 0, "matched": len(d.files) if d else 0, "unusable": bad})
+    else:
+        print(f"import {report.run_id[:8]}: {report.outcome}; imported {report.written} sample(s) from "
+              f"{d.scanned if d else 0} file(s); {len(bad)} file(s) unusable")
+        if bad:
+            print_rows(["path", "sample_id", "reason", "message"],
+                       [[b["path"], b["sample_id"] or "", b["reason"], b["message"]] for b in bad],
+                       _fmt(args) if _fmt(args) == "csv" else "table")
+            print(f"their samples are left for extraction: hsbuild resume {shlex.quote(args.build)}")
+    if report.outcome == "interrupted":
+        print("interrupted at a safe point; run the same import again to continue")
+        return report.exit_code
+    if report.exit_code not in (EXIT_OK, EXIT_SAMPLES_FAILED):
+        return report.exit_code
+    return EXIT_SAMPLES_FAILED if bad else EXIT_OK
+
+
+COMMANDS = {"export": cmd_export, "import": cmd_import}
