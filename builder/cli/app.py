@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init", help="create a build directory")
     p.add_argument("build")
-    p.add_argument("--source", required=True, help="JSONL or Parquet file, one sample a row")
+    p.add_argument("--source", required=True, help="JSONL or Parquet file, one sample a row (input_ids, messages/"
+                   "conversations or text), or a `datasets` save_to_disk directory (speculators' prepared data)")
     p.add_argument("--model", default="builtin", help="builtin[:hidden=256,layers=8,vocab=1024] or a HF model dir")
     p.add_argument("--aux-layers", type=_int_list, help="hidden_states indices to keep (default: 2, L//2, L-3)")
     p.add_argument("--max-tokens", type=positive_int,

@@ -20,6 +20,7 @@ from pathlib import Path
 from builder.config import BuildConfig, format_change_message
 from builder.doctor import gpu, procinfo
 from builder.errors import HsbuildError
+from builder.extract.arrow_source import is_dataset_dir
 from builder.humanize import human_bytes, pct
 from builder.layout import BuildLayout
 from builder.log.lock import LockState, pid_alive
@@ -150,6 +151,10 @@ def check_source(ctx: Context) -> Check:
     src = Path(ctx.cfg.source)
     if src.is_file():
         return Check("env.source", OK, f"source {src} ({human_bytes(src.stat().st_size)})", data={"path": str(src)})
+    if src.is_dir() and is_dataset_dir(src):
+        size = sum(p.stat().st_size for p in src.glob("*.arrow"))
+        return Check("env.source", OK, f"source {src} (a datasets directory, {human_bytes(size)})",
+                     data={"path": str(src)})
     return Check("env.source", FAIL, f"source {src} is missing",
                  "restore the source file at that path (its samples are registered in the build)",
                  {"path": str(src)})

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from builder.errors import DamagedSampleError, FormatError
+from builder.formats.build_info import BuildInfo
 from builder.layout import layout
 from builder.log.query import run_query
 from builder.store.reader import SegmentReader
@@ -40,14 +41,13 @@ class HiddenStateDataset(Dataset):
         self.lay = layout(build).require()
         self.verify_checksums = verify_checksums
         self.format = None
+        self._info: BuildInfo | None = None
         if format is not None:
-            from builder.formats.build_info import BuildInfo  # noqa: PLC0415
             from builder.trainers import EXPORT_FORMATS, make_format  # noqa: PLC0415
 
             if format not in EXPORT_FORMATS:
                 raise FormatError(f"format '{format}': use one of {', '.join(EXPORT_FORMATS)}")
             self.format = make_format(format, max_len=max_len)
-            self.info = BuildInfo.load(self.lay)
             if not self.info.can_give(self.format.final_state):
                 self.info.final(torch.zeros(1, self.info.hidden_size), self.format.final_state)  # says why
         elif max_len is not None:
@@ -62,22 +62,40 @@ class HiddenStateDataset(Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, i: int) -> dict:
+    @property
+    def info(self) -> BuildInfo:
+        if self._info is None:
+            self._info = BuildInfo.load(self.lay)
+        return self._info
+
+    def _read(self, i: int) -> tuple[dict, dict]:
         if self._reader is None:  # opened lazily: one per DataLoader worker process
             self._reader = SegmentReader(self.lay.data, verify_checksums=self.verify_checksums)
         e = self.index[i]
         try:
-            t = self._reader.read(e["segment"], e["token_start"], e["num_tokens"], e["checksums"])
+            return e, self._reader.read(e["segment"], e["token_start"], e["num_tokens"], e["checksums"])
         except DamagedSampleError as err:
             raise err.with_context(sample_id=e["sample_id"], build=str(self.lay.root)) from err.__cause__
-        if self.format is not None:
-            from builder.trainers.base import Sample  # noqa: PLC0415
 
-            return self.format.item(Sample(e["sample_id"], int(e["row_idx"]), i, t["input_ids"].long(),
-                                           t["loss_mask"].long(), t["aux_hidden_state"],
-                                           self.info.final(t["hidden_state"], self.format.final_state)))
+    def sample(self, i: int, final_state: str | None = None):
+        """Item i as a trainer format's `Sample` (the final state in `final_state`, default the format's)."""
+        from builder.trainers.base import Sample  # noqa: PLC0415
+
+        e, t = self._read(i)
+        want = final_state or (self.format.final_state if self.format is not None else self.info.final_state)
+        return Sample(e["sample_id"], int(e["row_idx"]), i, t["input_ids"].long(), t["loss_mask"].long(),
+                      t["aux_hidden_state"], self.info.final(t["hidden_state"], want))
+
+    def __getitem__(self, i: int) -> dict:
+        if self.format is not None:
+            return self.format.item(self.sample(i))
+        e, t = self._read(i)
         return {"sample_id": e["sample_id"], "input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
                 "hidden_state": t["hidden_state"], "aux_hidden_state": t["aux_hidden_state"]}
+
+    def by_row(self) -> dict[int, int]:
+        """Source row -> item index (the live samples only)."""
+        return {int(e["row_idx"]): i for i, e in enumerate(self.index)}
 
     def by_id(self) -> dict[str, int]:
         return {e["sample_id"]: i for i, e in enumerate(self.index)}
