@@ -20,7 +20,7 @@ CREATE TABLE IF NOT EXISTS events (
     ts          TIMESTAMP NOT NULL,   -- UTC
     kind        VARCHAR   NOT NULL,   -- sample: started, written, verified, failed
                                       -- run: run_started, run_finished, segment_sealed, paused, resumed,
-                                      --      verify_started, verify_finished, doctor, gpu_stats, gc
+                                      --      verify_started, verify_finished, doctor, gpu_stats, gc, export, import
     run_id      VARCHAR,              -- the run (or verify sweep) that wrote the event
     sample_id   VARCHAR,              -- NULL for run events
     fingerprint VARCHAR,              -- the sample's token fingerprint at the time of the event
