@@ -13,7 +13,7 @@ import shlex
 import signal
 import sys
 
-from builder.cli.args import add_run_flags, positive_int
+from builder.cli.args import add_run_flags, fraction, positive_int
 from builder.cli.args import fmt_of as _fmt
 from builder.cli.output import print_json, print_rows
 from builder.cli.progress import progress_for
@@ -39,9 +39,9 @@ def add_commands(sub, out) -> None:
                    help="specforge: gzip each file at this level (its --compress; .ckpt.gz)")
     p.add_argument("--allow-overcommit", action="store_true",
                    help="start even if the export does not fit below the target's high watermark (it pauses)")
-    p.add_argument("--low", type=float, help="resume below this usage of the target volume (build's, 0.85)")
-    p.add_argument("--high", type=float, help="pause at this usage of the target volume (build's, 0.90)")
-    p.add_argument("--flood", type=float, help="never start a file that would cross this usage (build's, 0.95)")
+    p.add_argument("--low", type=fraction, help="resume below this usage of the target volume (build's, 0.85)")
+    p.add_argument("--high", type=fraction, help="pause at this usage of the target volume (build's, 0.90)")
+    p.add_argument("--flood", type=fraction, help="never start a file that would cross this usage (build's, 0.95)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--take-over", action="store_true", help="take the build over from an owner on another host")
 

@@ -103,6 +103,9 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
         raise UsageError(f"--limit {opts.limit}: must be at least 1")
     if opts.subset is not None:
         parse_subset(opts.subset)
+    if opts.draft_vocab_size is not None and not 0 < opts.draft_vocab_size <= info.vocab_size:
+        raise FormatError(f"--draft-vocab-size {opts.draft_vocab_size}: must be between 1 and the model's "
+                          f"vocabulary size {info.vocab_size}")
     wm = (opts.watermarks or load_config(lay).watermarks).validate()
     export_id = uuid.uuid4().hex
     progress = opts.progress or NoProgress()

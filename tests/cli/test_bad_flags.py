@@ -95,13 +95,32 @@ def cases(cmd: str, tmp_path: Path, b: Path) -> list[list[str]]:
                                                                ["--workers", "0"], ["--samples", "many"])]
 
 
+    if cmd == "export":
+        out = str(tmp_path / "out")
+        return [["export", str(b), out, "--no-progress", *f] for f in (
+            ["--format", "nope"], ["--format", "specforge", "--limit", "0"], ["--format", "specforge", "--subset", "5/3"],
+            ["--format", "specforge", "--draft-vocab-size", "0"], ["--format", "specforge", "--draft-vocab-size",
+                                                                   "99999999"],
+            ["--format", "specforge", "--compress", "12"], ["--format", "modelopt", "--compress", "6"],
+            ["--format", "specforge", "--high", "2"], ["--format", "specforge", "--low", "0.95", "--high", "0.9"],
+            ["--format", "speculators"],  # a post_norm build: speculators needs --final-state pre_norm
+            ["--format", "specforge", "--json", "--csv"])] + [
+            ["export", str(b), str(b / "inside"), "--format", "specforge"],
+            ["export", str(tmp_path / "nope"), out, "--format", "specforge"]]
+    if cmd == "import":
+        (tmp_path / "dump").mkdir(exist_ok=True)
+        return [["import", str(b), str(tmp_path / "dump"), "--no-progress", *f] for f in (
+            ["--format", "nope"], ["--format", "pt"], ["--format", "pt", "--workers", "0"],
+            ["--format", "pt", "--launch"], ["--format", "pt", "--dump-final-state", "middle"],
+            ["--format", "pt", "--low", "2"])] + [
+            ["import", str(b), str(tmp_path / "nope"), "--format", "modelopt"]]
     if cmd == "serve-command":
         return [["serve-command", str(b)], ["serve-command", str(tmp_path / "nope")]]
     raise AssertionError(cmd)
 
 
 @pytest.mark.parametrize("cmd", ["init", "run", "resume", "status", "sql", "verify", "gc", "doctor", "demo",
-                                 "serve-command"])
+                                 "serve-command", "export", "import"])
 def test_out_of_range_flags_exit_2_in_one_line_and_change_nothing(tmp_path, build, cmd):
     before = digest(build)
     problems = []
@@ -113,5 +132,5 @@ def test_out_of_range_flags_exit_2_in_one_line_and_change_nothing(tmp_path, buil
         if digest(build) != before:
             problems.append(f"{' '.join(argv)}: changed the build")
             before = digest(build)
-    assert not (tmp_path / "new").exists() and not (tmp_path / "demo").exists()
+    assert not (tmp_path / "new").exists() and not (tmp_path / "demo").exists() and not (tmp_path / "out").exists()
     assert not problems, "\n".join(problems)
