@@ -152,6 +152,8 @@ def status_lines(st: dict) -> list[str]:
         sw = st["sweep"]
         lines.append(f"running: verify sweep {str(st.get('run_id', ''))[:8]} (pid {st.get('pid')}): "
                      f"{sw.get('checked')} of {sw.get('selected')} checked")
+    elif st.get("running") and st.get("purpose") in ("export", "gc"):
+        lines.append(f"running: {st['purpose']} {str(st.get('run_id', ''))[:8]} (pid {st.get('pid')})")
     elif st.get("running"):
         lines.append(f"running: run {str(st.get('run_id', ''))[:8]} (pid {st.get('pid')}, {st.get('workers')} worker(s))")
     else:

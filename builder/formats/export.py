@@ -171,6 +171,10 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
     return report
 
 
+def _flags(options: dict) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in options.items() if v is not None)
+
+
 def _live_samples(log: EventLog) -> dict[str, dict]:
     rows = log.query_dicts("SELECT sample_id, row_idx, segment, token_start, num_tokens, checksums FROM samples "
                            "WHERE state IN ('written', 'verified') ORDER BY row_idx")
@@ -188,9 +192,10 @@ def _journal(lay: BuildLayout, out: Path, opts: ExportOptions, live: dict[str, d
         except ValueError as e:
             raise UsageError(f"{path}: unreadable ({e}); move it away to start this export afresh") from None
         if j.get("build") != build or j.get("options") != opts.recorded():
-            raise UsageError(f"{out}: holds an export of {j.get('build', {}).get('root')} with options "
-                             f"{j.get('options')}; finish it with the same options, or export into an empty "
-                             "directory")
+            was = j.get("build", {}).get("root")
+            raise UsageError(f"{out}: holds an export of {was} made with `{_flags(j.get('options') or {})}`; "
+                             + ("finish it with exactly those flags, " if was == build["root"] else "")
+                             + "or export into a new directory")
         return j
     if out.is_dir() and any(out.iterdir()):
         raise UsageError(f"{out}: not empty and not an hsbuild export; export into a new or empty directory")
