@@ -61,7 +61,7 @@ def check_options(opts: ImportOptions) -> Path:
         raise UsageError(f"--format {opts.format}: use one of {', '.join(IMPORT_FORMATS)}")
     if opts.final_state not in FINAL_STATES:
         raise UsageError(f"--final-state {opts.final_state}: use one of {', '.join(FINAL_STATES)}")
-    root = Path(opts.dir)
+    root = Path(opts.dir).absolute()
     if not root.is_dir():
         raise UsageError(f"{root}: not a directory; give the folder of the dump to import")
     return root

@@ -27,14 +27,30 @@ def _contiguous(obj: object) -> object:
     return obj
 
 
+def _require_whole_zip(f, size: int) -> None:
+    """torch.save writes a zip archive: one that starts like one but has no end-of-central-directory record was
+    cut short (torch itself says only `Invalid argument`)."""
+    head = f.read(4)
+    f.seek(0)
+    if head == b"PK\x03\x04" and not zipfile.is_zipfile(f):
+        raise Rejected("truncated", f"a torch.save archive cut short: no end-of-central-directory record "
+                                    f"({size} bytes)")
+    f.seek(0)
+
+
 def load_dict(src: Path | io.BytesIO) -> dict:
     """A torch.save'd dict; Rejected('truncated'|'unreadable'|'bad_keys', ...) when it is not one."""
     try:
         if isinstance(src, Path):
-            if src.stat().st_size == 0:
+            size = src.stat().st_size
+            if size == 0:
                 raise Rejected("truncated", "is empty (0 bytes)")
+            with src.open("rb") as f:
+                _require_whole_zip(f, size)
             d = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
         else:
+            _require_whole_zip(src, len(src.getbuffer()))
+            src.seek(0)
             d = torch.load(src, map_location="cpu", weights_only=True)
     except Rejected:
         raise
