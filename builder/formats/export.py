@@ -119,6 +119,7 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
                                                               "workers": 0, **log.progress()}).start()
         try:
             live = _live_samples(log)
+            out_was_new, journal_was_new = not out.exists(), not (out / JOURNAL).exists()
             journal = _journal(lay, out, opts, live, info)
             selection = journal["selection"]
             report.selected = len(selection)
@@ -134,7 +135,14 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
             left = [(i, e) for i, e in todo
                     if not all((out / rel).is_file() for rel in fmt.sample_paths(i, e["sample_id"]))]
             report.already = len(todo) - len(left)
-            _preflight(out, sum(int(e["num_tokens"]) for _, e in left) * _bytes_per_token(info), wm, opts)
+            try:
+                _preflight(out, sum(int(e["num_tokens"]) for _, e in left) * _bytes_per_token(info), wm, opts)
+            except WontFitError:  # refused before anything was exported: leave OUT as it was
+                if journal_was_new:
+                    (out / JOURNAL).unlink(missing_ok=True)
+                    if out_was_new:
+                        out.rmdir()
+                raise
             progress.start(len(left), f"export {fmt.name}")
             for index, e in left:
                 if opts.stop():
@@ -152,7 +160,7 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
                 report.bytes_written += size
                 progress.update(done=1, tokens=s.num_tokens, nbytes=size)
             progress.close()
-            fsync_paths({(out / rel).parent for rel in _dirs_of(out)})
+            fsync_paths({out.parent, *_dirs_of(out)})  # every directory a file was renamed into
             if opts.stop():
                 raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
             report.files = _finish(out, fmt, info, reader, todo, opts, report)
@@ -286,8 +294,9 @@ def _wait_for_space(out: Path, size: int, wm: Watermarks, opts: ExportOptions, p
     u = disk_usage(out)
     if (u.used + size) / u.total < wm.flood and u.usage < wm.high and (not wm.min_free or u.free - size >= wm.min_free):
         return 0
-    if size > u.total * (1 - wm.low) and u.used == 0:
-        raise WontFitError(f"{out}: one file of {size} bytes does not fit under the low watermark of its volume")
+    if size > u.total * wm.flood:
+        raise WontFitError(f"{out}: one file of {human_bytes(size)} cannot fit below the flood watermark of its "
+                           "volume even if it were empty; export to a bigger volume")
     while True:
         progress.update(note=f"paused: {out} volume at {u.usage:.0%} (resumes below {wm.low:.0%})")
         if opts.stop():

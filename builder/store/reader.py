@@ -21,6 +21,7 @@ import zarr
 
 from builder.errors import DamagedSampleError
 from builder.store.codec import checksum, from_storage
+from builder.store.direct import FieldLayout, read_field
 from builder.store.segment import DIMS, FIELDS, chunk_paths_v1, field_geometry
 from builder.store.shard import EMPTY, ShardGeometry, ShardIndexError, read_index, shard_path
 
@@ -129,6 +130,7 @@ class SegmentReader:
         self.data_root = Path(data_root)
         self.verify_checksums = verify_checksums
         self._cache: dict[str, dict] = {}
+        self._layouts: dict[str, dict[str, FieldLayout] | None] = {}
 
     def arrays(self, segment: str) -> dict:
         if segment not in self._cache:
@@ -156,9 +158,16 @@ class SegmentReader:
         """The sample's stored arrays (bf16 as uint16), all fields or `fields`. Presence is always checked;
         `checksums` (the `written` event's, as JSON or a dict) are compared when given and this reader verifies
         checksums."""
+        direct = self._direct(segment)
+        out = {}
+        if direct is not None:  # layout 2, written by hsbuild: read the shards directly (store/direct.py)
+            seg_dir = self.data_root / segment
+            for f in fields:
+                out[f] = read_field(seg_dir, segment, f, direct[f], token_start, num_tokens)
+            self._compare(out, checksums, segment, fields)
+            return out
         arrs = self.arrays(segment)
         self.probe(segment, token_start, num_tokens)
-        out = {}
         for f in fields:
             try:
                 out[f] = arrs[f][token_start : token_start + num_tokens]
@@ -167,6 +176,10 @@ class SegmentReader:
             except Exception as e:  # noqa: BLE001 - bytes that are present but do not decode (or decode short)
                 raise DamagedSampleError(UNREADABLE, f"chunk files do not decode: {type(e).__name__}: "
                                                      f"{str(e)[:200]}", segment=segment, field=f) from e
+        self._compare(out, checksums, segment, fields)
+        return out
+
+    def _compare(self, out: dict[str, np.ndarray], checksums, segment: str, fields: tuple[str, ...]) -> None:
         want = parse_checksums(checksums) if self.verify_checksums else {}
         if want:
             for f in fields:
@@ -174,14 +187,29 @@ class SegmentReader:
                 if got != want.get(f):
                     raise DamagedSampleError(MISMATCH, f"checksum mismatch: the bytes read give {got}, the written "
                                                        f"event recorded {want.get(f)}", segment=segment, field=f)
-        return out
+
+    def _direct(self, segment: str) -> dict[str, FieldLayout] | None:
+        """The segment's field layouts when every field can be read directly (cached per segment)."""
+        if segment not in self._layouts:
+            probe_metadata(self.data_root, segment)
+            seg_dir = self.data_root / segment
+            try:
+                lays = {f: FieldLayout.of(seg_dir, f) for f in FIELDS}
+            except OSError:
+                raise
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                raise DamagedSampleError(UNREADABLE, f"array metadata does not parse: {type(e).__name__}: "
+                                                     f"{str(e)[:200]}", segment=segment) from e
+            self._layouts[segment] = None if any(v is None for v in lays.values()) else lays  # type: ignore[assignment]
+        return self._layouts[segment]
 
     def read(self, segment: str, token_start: int, num_tokens: int,
              checksums: dict | str | None = None) -> dict[str, torch.Tensor]:
         """`read_raw` as tensors in the logical dtype (bfloat16 restored bit-exact)."""
         raw = self.read_raw(segment, token_start, num_tokens, checksums)
+        direct = self._direct(segment)
         out = {}
         for f, a in raw.items():
-            logical = self.arrays(segment)[f].attrs.get("logical_dtype")
+            logical = direct[f].logical if direct is not None else self.arrays(segment)[f].attrs.get("logical_dtype")
             out[f] = from_storage(a, logical) if logical else torch.from_numpy(np.ascontiguousarray(a))
         return out
