@@ -3,7 +3,9 @@
 hsbuild writes the shards itself (`store.shard`), so it can read them the same way: for each shard holding part
 of the sample, one `pread` of the index (checked: its CRC-32C, and that it accounts for exactly the file's chunk
 bytes), one `pread` of the sample's inner chunks (they lie one after another), and each chunk decoded straight
-into its place in one preallocated array (`codec none`: read straight into it). Zarr's path reads each shard
+into its place in one preallocated array. With `codec none` a sample within one shard is not copied at all: the
+array is a view of a private mapping of the write-once shard file (as `torch.load(mmap=True)` gives), its
+CRC-32C checked when read; a sample across shards is read straight into one array. Zarr's path reads each shard
 index twice, copies every chunk into new bytes, then into a per-shard buffer, then into the output, through an
 event loop; this is the same bytes with one copy and no event loop (tools/bench_read.py measures both).
 
@@ -16,6 +18,7 @@ otherwise, and the caller falls back to Zarr).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -116,6 +119,12 @@ def read_field(seg_dir: Path, segment: str, fld: str, lay: FieldLayout, token_st
                 if np.any(rows[:, 1] != chunk_bytes):
                     raise DamagedSampleError(UNREADABLE, f"shard file {rel}: a chunk is not {chunk_bytes} bytes "
                                                          "long", segment=segment, field=fld)
+                if start >= 0 and lo == first_chunk and hi == last_chunk:  # one shard: map it, copy nothing
+                    # a private (copy-on-write) mapping: writable for torch, never written back
+                    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                    whole = np.frombuffer(mm, dtype=lay.dtype, count=n_chunks * flat.shape[1], offset=start)
+                    skip = token_start - first_chunk * c
+                    return whole.reshape(n_chunks * c, *row)[skip : skip + num_tokens]
                 if start >= 0:
                     _pread_into(fd, memoryview(dst).cast("B"), start, rel, segment, fld)
                 else:

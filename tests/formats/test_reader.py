@@ -60,7 +60,10 @@ def garble_chunk(build, row, fld, j) -> None:
 
 
 def _items(ds) -> dict[str, dict]:
-    return {ds.index[i]["sample_id"]: ds[i] for i in range(len(ds))}
+    """Copies: an uncompressed build's items are views of its (write-once) shard files, as torch.load(mmap=True)
+    gives, and the tests below rewrite a shard in place."""
+    return {ds.index[i]["sample_id"]: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ds[i].items()}
+            for i in range(len(ds))}
 
 
 def test_missing_or_undecodable_chunk_raises_naming_the_sample(make_build):
