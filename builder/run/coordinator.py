@@ -410,7 +410,7 @@ class Coordinator:
         st = self._st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
                                   assigned={w: [] for w in procs}, alive=set(procs))
         bar = self.opts.progress or NoProgress()
-        bar.start(len(plan.todo), "extract")
+        bar.start(len(plan.todo), "import" if self.opts.imports is not None else "extract")
         gpus = GpuSampler(interval=5.0) if getattr(self, "gpu_build", False) else None
         # once stopping, workers still running a grace period after the stop request (or a worker's death) are
         # killed and named: a hung or SIGSTOPped worker cannot hold the run forever
