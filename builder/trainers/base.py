@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -56,7 +56,6 @@ class Loaded:
     aux: torch.Tensor
     final: torch.Tensor
     final_state: str
-    meta: dict = field(default_factory=dict)
 
 
 class Rejected(ValueError):  # noqa: N818 - a file that is not a usable sample: the reason goes to the report

@@ -8,7 +8,8 @@ speculators/train/cli.py, hs_connectors/transfer.py FileTransfer / FP8Transfer):
   torch format, `dataset_info.json`) with `input_ids` and `loss_mask` (int64 lists) and `seq_len` (int64);
 - `OUT/hidden_states/hs_{i}.safetensors` for dataset row i holds `token_ids` int64 [n] and `hidden_states`
   [n, k+1, H]: the aux layers in ascending vLLM layer id, then the final state BEFORE the norm (vLLM's layer id L;
-  the trainer applies the verifier's norm itself); an FP8 file adds `hidden_states_scales` [n, 1, 1];
+  the trainer applies the verifier's norm itself); an FP8 file adds `hidden_states_scales` [n, 1, 1] (lossy:
+  not imported);
 - its dataset yields `hidden_states` [n, k*H] (the aux slots flattened), `input_ids`, `verifier_last_hidden_states`
   [n, H], `loss_mask` (from the Arrow row), `lengths` [1] and `position_ids` [n];
 - `OUT/token_freq.pt` ({token id: count} over loss-masked tokens) is where training looks for the frequencies it
@@ -103,15 +104,15 @@ class Speculators:
                 scales = f.get_tensor("hidden_states_scales") if "hidden_states_scales" in keys else None
             except Exception as e:  # noqa: BLE001 - a header that parses but data cut short
                 raise Rejected("truncated", f"a tensor does not read ({type(e).__name__}: {e})") from None
-        meta = {}
-        if scales is not None:  # FP8 connector: dequantized as hs_connectors' FP8Transfer does (lossy)
-            hs = hs.to(torch.bfloat16) * scales.to(torch.bfloat16)
-            meta["lossy"] = "fp8"
+        if scales is not None:
+            raise Rejected("bad_dtype", "holds FP8 states (hs_connectors' FP8 connector, hidden_states_scales): "
+                                        "lossy, and a build holds the model's own states bit-exact; let resume "
+                                        "extract this sample")
         n = ids.shape[0]
         if hs.dim() != 3 or hs.shape[0] != n or hs.shape[1] < 2:
             raise Rejected("bad_shape", f"'hidden_states' has shape {list(hs.shape)}, expected [{n}, k+1, H] for "
                                         f"its {n} token_ids")
-        return Loaded(ids, None, hs[:, :-1].reshape(n, -1), hs[:, -1], self.final_state, meta)
+        return Loaded(ids, None, hs[:, :-1].reshape(n, -1), hs[:, -1], self.final_state)
 
 
 def _open(path: Path):
