@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import random_rows, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
-from vllm_fixture import VOCAB, free_port, hsbuild_cmd, needs_vllm, server_env
+from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm, server_env
 
 from builder.config import BuildConfig
 from builder.extract.backends.engine import healthy
@@ -63,7 +63,7 @@ def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_pa
     path = layout(build).config  # the CPU connector shim, as a user sets a connector in hsbuild.toml
     cfg = BuildConfig.from_toml(path)
     cfg.engine_connector, cfg.engine_connector_module = "CpuHiddenStatesConnector", "vllm_cpu_connector"
-    cfg.engine_args = ["--max-model-len", "2048"]
+    cfg.engine_args = list(ENGINE_ARGS)
     cfg.save(path)
 
     peak = {"files": 0, "bytes": 0}
