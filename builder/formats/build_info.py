@@ -64,29 +64,23 @@ class BuildInfo:
             "vllm_eagle_aux_hidden_state_layer_ids": [*self.aux_layers, L],
         }
 
-    def final(self, stored: torch.Tensor, want: str) -> torch.Tensor:
-        """The stored final state [..., H] in the convention `want` (post_norm | pre_norm), bit-exact."""
+    def require(self, want: str) -> None:
+        """Raise FormatError unless the final state can be given in convention `want` (post_norm | pre_norm)."""
         if want == self.final_state:
-            return stored
+            return
         if want == "post_norm":
             if self.norm is None:
                 raise FormatError(f"{self.root}: stores the final state before the norm and keeps no final norm "
                                   f"({self.root / 'final_norm.safetensors'} is missing), so the post-norm state a "
                                   "trainer reads cannot be derived")
-            return self.norm.apply(stored)
+            return
         raise FormatError(f"{self.root}: stores the final state after the norm (final_state = post_norm), which "
                           "cannot be undone; a trainer that reads the pre-norm state needs a build made with "
                           "`hsbuild init ... --final-state pre_norm` (post-norm is derived from it bit-exactly)")
 
-    def can_give(self, want: str) -> bool:
-        return want == self.final_state or (want == "post_norm" and self.norm is not None)
-
-    def to_final(self, given: torch.Tensor, given_state: str) -> torch.Tensor:
-        """A final state in convention `given_state` (from a file being imported) in the build's convention."""
-        if given_state == self.final_state:
-            return given
-        if self.final_state == "post_norm" and self.norm is not None:
-            return self.norm.apply(given)
-        raise FormatError(f"{self.root}: stores the final state {self.final_state.replace('_', '-')}, and files "
-                          f"holding it {given_state.replace('_', '-')} cannot be converted to that; import them "
-                          "into a build made with the matching --final-state")
+    def final(self, stored: torch.Tensor, want: str) -> torch.Tensor:
+        """The stored final state [..., H] in the convention `want` (post_norm | pre_norm), bit-exact."""
+        self.require(want)
+        if want == self.final_state:
+            return stored
+        return self.norm.apply(stored)  # type: ignore[union-attr] - require() checked it is there

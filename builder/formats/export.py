@@ -25,8 +25,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from builder.config import Watermarks, load_config
 from builder.errors import DamagedSampleError, FormatError, Interrupted, UsageError, WontFitError
 from builder.formats.build_info import BuildInfo
@@ -37,7 +35,7 @@ from builder.log.events import Event, EventLog, detail, open_log
 from builder.log.lock import BuildLock
 from builder.log.server import QueryServer
 from builder.progress import NoProgress, Progress
-from builder.space.watermarks import disk_usage
+from builder.space.watermarks import Usage, disk_usage
 from builder.store.reader import SegmentReader
 from builder.trainers import make_format
 from builder.trainers.base import Exported, Sample
@@ -92,8 +90,7 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
     lay = layout(build).require()
     fmt = make_format(opts.format, max_len=opts.max_len, compress=opts.compress)
     info = BuildInfo.load(lay)
-    if not info.can_give(fmt.final_state):
-        info.final(torch.zeros(1, info.hidden_size), fmt.final_state)  # raises the FormatError that says why
+    info.require(fmt.final_state)
     out = Path(out).absolute()
     if out == lay.root or lay.root in out.parents:
         raise UsageError(f"{out}: inside the build; export to a directory outside {lay.root}")
@@ -291,8 +288,11 @@ def _dirs_of(out: Path) -> Iterator[Path]:
 def _wait_for_space(out: Path, size: int, wm: Watermarks, opts: ExportOptions, progress: Progress) -> int:
     """Pause (polling) while the target volume is at `high`, or while this file would cross `flood`; until
     usage is under `low` again. Returns 1 if it paused. Never pauses under --allow-overcommit's preflight alone."""
+    def fits(u: Usage, under: float) -> bool:  # usage below `under`, and this file neither crosses flood nor min_free
+        return u.usage < under and (u.used + size) / u.total < wm.flood and (not wm.min_free or u.free - size >= wm.min_free)
+
     u = disk_usage(out)
-    if (u.used + size) / u.total < wm.flood and u.usage < wm.high and (not wm.min_free or u.free - size >= wm.min_free):
+    if fits(u, wm.high):
         return 0
     if size > u.total * wm.flood:
         raise WontFitError(f"{out}: one file of {human_bytes(size)} cannot fit below the flood watermark of its "
@@ -303,7 +303,7 @@ def _wait_for_space(out: Path, size: int, wm: Watermarks, opts: ExportOptions, p
             raise Interrupted(f"export into {out} interrupted while paused for space; run it again to finish")
         time.sleep(1.0)
         u = disk_usage(out)
-        if u.usage < wm.low and (u.used + size) / u.total < wm.flood and (not wm.min_free or u.free - size >= wm.min_free):
+        if fits(u, wm.low):
             return 1
 
 

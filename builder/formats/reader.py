@@ -48,8 +48,7 @@ class HiddenStateDataset(Dataset):
             if format not in EXPORT_FORMATS:
                 raise FormatError(f"format '{format}': use one of {', '.join(EXPORT_FORMATS)}")
             self.format = make_format(format, max_len=max_len)
-            if not self.info.can_give(self.format.final_state):
-                self.info.final(torch.zeros(1, self.info.hidden_size), self.format.final_state)  # says why
+            self.info.require(self.format.final_state)
         elif max_len is not None:
             raise FormatError("max_len: only with format='specforge'")
         states = "('written', 'verified')" if include_unverified else "('verified')"

@@ -28,7 +28,7 @@ from urllib.parse import quote
 import torch
 
 from builder.trainers.base import Exported, Loaded, Rejected, Sample
-from builder.trainers.torchfile import load_dict, save_bytes
+from builder.trainers.torchfile import int_1d, load_dict, save_bytes
 from builder.trainers.vocab import vocab_mapping
 
 
@@ -71,12 +71,12 @@ class ModelOpt:
     def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
         d = load_dict(path)
         mask = d.get("loss_mask")
-        return _int_1d(d, "input_ids"), (_int_1d(d, "loss_mask") if mask is not None else None)
+        return int_1d(d, ("input_ids",), batch_axis=False), (int_1d(d, ("loss_mask",), batch_axis=False) if mask is not None else None)
 
     def load(self, path: Path) -> Loaded:
         d = load_dict(path)
-        ids = _int_1d(d, "input_ids")
-        mask = _int_1d(d, "loss_mask") if d.get("loss_mask") is not None else None
+        ids = int_1d(d, ("input_ids",), batch_axis=False)
+        mask = int_1d(d, ("loss_mask",), batch_axis=False) if d.get("loss_mask") is not None else None
         n = ids.shape[0]
         final, aux = d.get("hidden_states"), d.get("aux_hidden_states")
         for key, t in (("hidden_states", final), ("aux_hidden_states", aux)):
@@ -87,12 +87,3 @@ class ModelOpt:
                                             f"{n} input_ids")
         state = "pre_norm" if d.get("hidden_states_prenorm") else "post_norm"
         return Loaded(ids, mask, aux, final, state)
-
-
-def _int_1d(d: dict, key: str) -> torch.Tensor:
-    t = d.get(key)
-    if not isinstance(t, torch.Tensor):
-        raise Rejected("bad_keys", f"has no tensor '{key}' (keys: {sorted(d)})")
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
-        raise Rejected("bad_shape", f"'{key}' is {t.dtype} {list(t.shape)}, expected integers [n]")
-    return t.long()

@@ -10,14 +10,12 @@ file says `hidden_states_prenorm: True`; `hsbuild import --final-state pre_norm`
 
 from __future__ import annotations
 
-import gzip
-import io
 from pathlib import Path
 
 import torch
 
 from builder.trainers.base import Loaded, Rejected
-from builder.trainers.torchfile import load_dict
+from builder.trainers.torchfile import int_1d, load_file
 
 SUFFIXES = (".pt", ".ckpt", ".pth", ".pt.gz", ".ckpt.gz", ".pth.gz")
 TOKENS = ("input_ids", "token_ids")
@@ -36,22 +34,14 @@ class PlainPt:
     def scan(self, root: Path) -> list[Path]:
         return sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
 
-    def _open(self, path: Path) -> dict:
-        if path.name.endswith(".gz"):
-            try:
-                return load_dict(io.BytesIO(gzip.decompress(path.read_bytes())))
-            except (OSError, EOFError) as e:
-                raise Rejected("truncated", f"gzip stream does not decode ({type(e).__name__}: {e})") from None
-        return load_dict(path)
-
     def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
-        d = self._open(path)
-        return _ids(d, TOKENS), (_ids(d, ("loss_mask",)) if isinstance(d.get("loss_mask"), torch.Tensor) else None)
+        d = load_file(path)
+        return int_1d(d, TOKENS), (int_1d(d, ("loss_mask",)) if isinstance(d.get("loss_mask"), torch.Tensor) else None)
 
     def load(self, path: Path) -> Loaded:
-        d = self._open(path)
-        ids = _ids(d, TOKENS)
-        mask = _ids(d, ("loss_mask",)) if isinstance(d.get("loss_mask"), torch.Tensor) else None
+        d = load_file(path)
+        ids = int_1d(d, TOKENS)
+        mask = int_1d(d, ("loss_mask",)) if isinstance(d.get("loss_mask"), torch.Tensor) else None
         n = ids.shape[0]
         aux_key = next((k for k in AUX if isinstance(d.get(k), torch.Tensor)), None)
         final_key = next((k for k in FINAL if isinstance(d.get(k), torch.Tensor)), None)
@@ -73,15 +63,3 @@ class PlainPt:
 
 def _squeeze(t: torch.Tensor) -> torch.Tensor:
     return t[0] if t.dim() == 3 and t.shape[0] == 1 else t
-
-
-def _ids(d: dict, keys: tuple[str, ...]) -> torch.Tensor:
-    key = next((k for k in keys if isinstance(d.get(k), torch.Tensor)), None)
-    if key is None:
-        raise Rejected("bad_keys", f"has no tensor {' or '.join(repr(k) for k in keys)} (keys: {sorted(d)})")
-    t = d[key]
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
-        raise Rejected("bad_shape", f"'{key}' is {t.dtype} {list(t.shape)}, expected integers [n]")
-    return t.long()

@@ -20,7 +20,6 @@ specforge/algorithms/eagle3/data.py, specforge/training/vocab_mapping.py):
 from __future__ import annotations
 
 import gzip
-import io
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from builder.trainers.base import Exported, Loaded, Rejected, Sample
-from builder.trainers.torchfile import load_dict, save_bytes
+from builder.trainers.torchfile import int_1d, load_file, save_bytes
 from builder.trainers.vocab import vocab_mapping
 
 GROUP = 2000
@@ -84,13 +83,13 @@ class SpecForge:
         return sorted(p for p in root.rglob("*") if p.is_file() and NAME.search(p.name))
 
     def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
-        d = self._open(path)
-        return _int_1d(d, "input_ids", path), _int_1d(d, "loss_mask", path)
+        d = load_file(path)
+        return int_1d(d, ("input_ids",)), int_1d(d, ("loss_mask",))
 
     def load(self, path: Path) -> Loaded:
-        d = self._open(path)
-        ids = _int_1d(d, "input_ids", path)
-        mask = _int_1d(d, "loss_mask", path)
+        d = load_file(path)
+        ids = int_1d(d, ("input_ids",))
+        mask = int_1d(d, ("loss_mask",))
         n = ids.shape[0]
         aux, final = d.get("aux_hidden_state"), d.get("hidden_state")
         for key, t in (("aux_hidden_state", aux), ("hidden_state", final)):
@@ -101,23 +100,3 @@ class SpecForge:
                                             f"for its {n} input_ids")
         return Loaded(ids, mask, aux[0], final[0], self.final_state)
 
-    @staticmethod
-    def _open(path: Path) -> dict:
-        if path.name.endswith(".gz"):
-            try:
-                raw = gzip.decompress(path.read_bytes())
-            except (OSError, EOFError, gzip.BadGzipFile) as e:
-                raise Rejected("truncated", f"gzip stream does not decode ({type(e).__name__}: {e})") from None
-            return load_dict(io.BytesIO(raw))
-        return load_dict(path)
-
-
-def _int_1d(d: dict, key: str, path: Path) -> torch.Tensor:  # noqa: ARG001
-    t = d.get(key)
-    if not isinstance(t, torch.Tensor):
-        raise Rejected("bad_keys", f"has no tensor '{key}' (keys: {sorted(d)})")
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
-        raise Rejected("bad_shape", f"'{key}' is {t.dtype} {list(t.shape)}, expected integers [n]")
-    return t.long()

@@ -4,6 +4,7 @@ base storage) in the default zip format (what `torch.load(mmap=True)` needs); lo
 
 from __future__ import annotations
 
+import gzip
 import io
 import zipfile
 from pathlib import Path
@@ -66,3 +67,27 @@ def load_dict(src: Path | io.BytesIO) -> dict:
     if not isinstance(d, dict):
         raise Rejected("bad_keys", f"holds a {type(d).__name__}, not a dict of tensors")
     return d
+
+
+def load_file(path: Path) -> dict:
+    """`load_dict` of a file, which may be a gzip stream of torch.save bytes (`.gz`, SpecForge's --compress)."""
+    if not path.name.endswith(".gz"):
+        return load_dict(path)
+    try:
+        raw = gzip.decompress(path.read_bytes())
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise Rejected("truncated", f"gzip stream does not decode ({type(e).__name__}: {e})") from None
+    return load_dict(io.BytesIO(raw))
+
+
+def int_1d(d: dict, keys: tuple[str, ...], batch_axis: bool = True) -> torch.Tensor:
+    """The first of `keys` in `d` as int64 [n]; [1, n] is taken too when `batch_axis`. Raises Rejected."""
+    key = next((k for k in keys if isinstance(d.get(k), torch.Tensor)), None)
+    if key is None:
+        raise Rejected("bad_keys", f"has no tensor {' or '.join(repr(k) for k in keys)} (keys: {sorted(d)})")
+    t = d[key]
+    if batch_axis and t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise Rejected("bad_shape", f"'{key}' is {t.dtype} {list(t.shape)}, expected integers [n]")
+    return t.long()

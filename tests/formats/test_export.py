@@ -205,6 +205,15 @@ def assert_all_equal(got: dict[str, dict], want: dict[str, dict], what: str) -> 
         assert_same_item(got[sid], w, f"{what} {sid}")
 
 
+def assert_specforge_reads(out, build, what: str) -> None:
+    """Both of SpecForge's readers (the dataset class and 0.2.0's manifest path) give the reader's items, with a
+    max_len that keeps every sample and with one that cuts some."""
+    for max_len in (2048, MAX_LEN):
+        want = expected_items(build, "specforge", max_len=max_len)
+        assert_all_equal(specforge_items(out, max_len), want, f"{what}OfflineEagle3Dataset max_len={max_len}")
+        assert_all_equal(specforge_runtime_items(out, max_len), want, f"{what}OfflineManifestReader max_len={max_len}")
+
+
 # -- 1. what each trainer reads is the reader's item, bit for bit -------------------------------------------------
 
 @pytest.mark.parametrize("which", ["post", "pre"])
@@ -220,10 +229,7 @@ def test_specforge_reads_back_the_reader_items(request, which, post, exported):
 
     lengths = [it["input_ids"].shape[1] for it in expected_items(build, "specforge").values()]
     assert min(lengths) < MAX_LEN < max(lengths)  # max_len really truncates some samples and not others
-    for max_len in (2048, MAX_LEN):
-        want = expected_items(build, "specforge", max_len=max_len)
-        assert_all_equal(specforge_items(out, max_len), want, f"OfflineEagle3Dataset max_len={max_len}")
-        assert_all_equal(specforge_runtime_items(out, max_len), want, f"OfflineManifestReader max_len={max_len}")
+    assert_specforge_reads(out, build, "")
 
     if which == "pre":  # the post-norm state derived from a pre-norm build: bit-exactly the model's own
         stored = expected_items(post, "specforge")
@@ -237,10 +243,7 @@ def test_specforge_gzip_files_read_back_the_reader_items(post, exported):
     files = sorted(out.rglob("data_*"))
     assert len(files) == report.exported == 40 and all(p.name.endswith(".ckpt.gz") for p in files)
     assert all(p.read_bytes()[:2] == b"\x1f\x8b" for p in files)
-    for max_len in (2048, MAX_LEN):
-        want = expected_items(post, "specforge", max_len=max_len)
-        assert_all_equal(specforge_items(out, max_len), want, f"gzip OfflineEagle3Dataset max_len={max_len}")
-        assert_all_equal(specforge_runtime_items(out, max_len), want, f"gzip OfflineManifestReader {max_len}")
+    assert_specforge_reads(out, post, "gzip ")
 
 
 @pytest.mark.parametrize("which", ["post", "pre"])
