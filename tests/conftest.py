@@ -14,6 +14,7 @@ from powercut_fixture import powercut  # noqa: F401 (the power-cut fixture: test
 from vllm_fixture import tiny_llama, vllm_server  # noqa: F401 (a real vLLM server: tests/engines)
 
 from builder.config import Watermarks
+from builder.extract.model import fix_threading
 from builder.run.create import init_build
 
 # Builds in tests live on the machine's ordinary disk, whose fill level we do not control: unless a test is
@@ -22,6 +23,8 @@ from builder.run.create import init_build
 # mid-way need a steady stream of `written` events, so in tests a group waits at most this long (the test of
 # grouping itself sets its own bound).
 os.environ.setdefault("HSBUILD_GROUP_SECONDS", "0.3")
+# Reference forward passes in tests compare bit for bit with what workers computed: same threading conditions.
+fix_threading()
 
 ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)
 

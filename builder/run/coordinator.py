@@ -24,7 +24,7 @@ from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
 from builder.extract.backends.dump import DumpSettings
 from builder.extract.backends.vllm import staging_usage
-from builder.extract.model import check_device_spec
+from builder.extract.model import check_device_spec, fix_threading
 from builder.extract.source import Sample, load_source
 from builder.humanize import human_bytes, pct
 from builder.layout import layout
@@ -384,6 +384,7 @@ class Coordinator:
 
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
         ctx = mp.get_context("spawn")
+        fix_threading()  # inherited by the spawned workers before their first forward pass
         flags = Flags(ctx)
         threads = self._threads()
         procs: dict[int, mp.process.BaseProcess] = {}
