@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 
 class Parser(argparse.ArgumentParser):
@@ -76,12 +77,19 @@ def fraction(s: str) -> float:
     return f
 
 
+def device(s: str) -> str:
+    """`auto`, `cpu`, `cuda` or `cuda:N` (syntax only; whether CUDA is there is the library's question)."""
+    if s == "auto" or re.fullmatch(r"(cpu|cuda)(:[0-9]+)?", s):
+        return s
+    raise argparse.ArgumentTypeError(f"'{s}': use auto, cpu, cuda or cuda:N")
+
+
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=positive_int, help="extraction worker processes (default: config, 1)")
     p.add_argument("--limit", type=count, help="process at most N samples in this run")
     p.add_argument("--max-attempts", type=positive_int,
                    help="failed samples are retried until this many attempts (3)")
-    p.add_argument("--device", help="auto, cpu or cuda[:N] (default: config, auto)")
+    p.add_argument("--device", type=device, help="auto, cpu or cuda[:N] (default: config, auto)")
     p.add_argument("--verify-after-write", action="store_true", default=None,
                    help="read each sample back right after writing and record `verified`")
     p.add_argument("--allow-overcommit", action="store_true",

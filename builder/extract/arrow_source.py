@@ -41,6 +41,9 @@ def read_dataset_dir(path: Path) -> pa.Table:
     state_path = path / STATE
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:  # json's own line and column
+        raise SourceError(state_path, f"malformed JSON: {e.msg.removesuffix(' at')} at column {e.colno}",
+                          line=e.lineno) from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise SourceError(state_path, f"cannot be read as JSON ({e})") from None
     files = state.get("_data_files") if isinstance(state, dict) else None

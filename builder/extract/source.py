@@ -26,6 +26,8 @@ import pyarrow as pa
 from builder.errors import SourceError
 from builder.extract import arrow_source, chat
 from builder.extract.chat import CONVERSATION_FIELDS, ConversationError
+from builder.layout import BuildLayout
+from builder.log.events import EventLog, open_log
 
 JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
@@ -57,18 +59,42 @@ def fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> list[Sample]:
+def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
+                build: BuildLayout | None = None) -> list[Sample]:
     """Load and validate every sample of a source file. Raises SourceError naming file, line and field.
 
     With `vocab_size` (init), a sample without tokens or with a token id outside 0..vocab_size-1 is refused
-    too; a run takes such samples (new rows) and records them `failed`."""
-    path = Path(path)
+    too. With `build` (a run, holding the build's lock), the same check runs against the vocabulary the build
+    recorded, except for samples registered in the build exactly as they are (same id, same tokens): a build
+    made before init checked this still runs, and its workers record those samples `failed` as before."""
+    if build is not None:
+        with open_log(build.events, read_only=True) as log:
+            recorded = log.meta().get("vocab_size")
+            return _load(Path(path), tokenizer, None if recorded is None else int(recorded), _Registered(log))
+    return _load(Path(path), tokenizer, vocab_size, None)
+
+
+class _Registered:
+    """Is (sample id, fingerprint) registered in the build? Asked only about samples the model cannot take."""
+
+    def __init__(self, log: EventLog):
+        self.log = log
+
+    def __call__(self, sample_id: str, fp: str) -> bool:
+        rows = self.log.query("SELECT 1 FROM source_samples WHERE sample_id = ? AND fingerprint = ? LIMIT 1",
+                              [sample_id, fp])[1]
+        return bool(rows)
+
+
+def _load(path: Path, tokenizer: Tokenizer | None, vocab_size: int | None,
+          registered: Callable[[str, str], bool] | None) -> list[Sample]:
     if not path.exists():
         raise SourceError(path, "file not found; pass an existing .jsonl or .parquet file with --source")
     if path.is_dir():
         if not arrow_source.is_dataset_dir(path):
             arrow_source.refuse_other_dir(path)
-        return _samples_from_table(path, "arrow", arrow_source.read_dataset_dir(path), {}, tokenizer, vocab_size)
+        return _samples_from_table(path, "arrow", arrow_source.read_dataset_dir(path), {}, tokenizer, vocab_size,
+                                   registered)
     suffix = path.suffix.lower()
     if suffix in JSON_SUFFIXES:
         kind = "json"
@@ -78,7 +104,7 @@ def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size
         raise SourceError(path, f"unknown source type '{suffix}'; use a .jsonl or .parquet file, or a `datasets` "
                                 "save_to_disk directory")
     table, types = _read_with_duckdb(path, kind)
-    return _samples_from_table(path, kind, table, types, tokenizer, vocab_size)
+    return _samples_from_table(path, kind, table, types, tokenizer, vocab_size, registered)
 
 
 def _read_with_duckdb(path: Path, kind: str) -> tuple[pa.Table, dict[str, str]]:
@@ -107,14 +133,23 @@ def _read_with_duckdb(path: Path, kind: str) -> tuple[pa.Table, dict[str, str]]:
 
 
 def _iter_json_lines(path: Path) -> Iterator[tuple[int, object]]:
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    """(line number, parsed object) per non-blank line; lines end at '\n' only, as DuckDB and
+    `_json_line_numbers` count them. Raises UnicodeDecodeError at the first line that is not UTF-8."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():  # blank, as _json_line_numbers and DuckDB see it
                 continue
+            line = raw.decode("utf-8").rstrip("\r\n")
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise SourceError(path, f"malformed JSON ({e.msg} at column {e.colno})", line=lineno) from None
+                raise SourceError(path, f"malformed JSON: {_json_problem(e)}", line=lineno) from None
+
+
+def _json_problem(e: json.JSONDecodeError) -> str:
+    """json's own message and column within the line: 'Expecting ',' delimiter at column 20'. (The line
+    number is the row's: a row is one line.)"""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"  # json's 'Invalid control character at'
 
 
 def _scan_json_lines(path: Path) -> None:
@@ -249,7 +284,8 @@ def _json_line_numbers(path: Path) -> list[int]:
 
 
 def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str, str], tokenizer: Tokenizer | None,
-                        vocab_size: int | None = None) -> list[Sample]:
+                        vocab_size: int | None = None,
+                        registered: Callable[[str, str], bool] | None = None) -> list[Sample]:
     names = set(table.column_names)
     lines = _json_line_numbers(path) if kind == "json" else None
     where = "line" if kind == "json" else "row"
@@ -333,13 +369,9 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
         if ids.size and (ids.min() < INT32_MIN or ids.max() > INT32_MAX):
             raise fail(i, tokens_field, "holds a value outside the 32-bit integer range")
         ids32 = ids.astype(np.int32)
-        if vocab_size is not None:
-            if not ids32.size:
-                raise fail(i, tokens_field, "has no tokens; a sample needs at least one (drop the row)")
-            bad = ids32[(ids32 < 0) | (ids32 >= vocab_size)]
-            if bad.size:
-                raise fail(i, tokens_field, f"token id {int(bad[0])} is outside the model's vocabulary "
-                                            f"0..{vocab_size - 1}")
+        unusable = _unusable(ids32, vocab_size) if vocab_size is not None or registered is not None else None
+        if unusable and registered is None:
+            raise fail(i, tokens_field, unusable)
         if mask is None:
             mask8 = np.ones(ids32.shape[0], dtype=np.uint8)
         else:
@@ -356,8 +388,22 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
         if sid in seen:
             raise fail(i, "id", f"duplicate id '{sid}' (first seen at {where} {_row_label(kind, seen[sid], lines)})")
         seen[sid] = i
-        samples.append(Sample(sid, i, ids32, mask8, fingerprint(ids32, mask8)))
+        fp = fingerprint(ids32, mask8)
+        if unusable and not registered(sid, fp):
+            raise fail(i, tokens_field, unusable)
+        samples.append(Sample(sid, i, ids32, mask8, fp))
     return samples
+
+
+def _unusable(ids: np.ndarray, vocab_size: int | None) -> str | None:
+    """Why the model cannot take these tokens (no tokens, an id outside its vocabulary), or None."""
+    if not ids.size:
+        return "has no tokens; a sample needs at least one (drop the row)"
+    if vocab_size is not None:
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            return f"token id {int(bad[0])} is outside the model's vocabulary 0..{vocab_size - 1}"
+    return None
 
 
 def _conversation_rows(path: Path, kind: str, table: pa.Table, names: set[str]) -> list[dict] | None:

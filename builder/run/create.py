@@ -74,8 +74,11 @@ def init_build(
         raise UsageError(f"--chunk-tokens {chunk_tokens}: must be between 1 and {MAX_CHUNK_TOKENS}")
     if dtype not in STORAGE_DTYPES:
         raise UsageError(f"--dtype {dtype}: use one of {sorted(STORAGE_DTYPES)}")
-    if staging is not None and not Path(staging).is_dir():
-        raise UsageError(f"--staging {staging}: not an existing directory; create it first, or leave --staging out")
+    if staging is not None:
+        if not staging.strip() or not Path(staging).is_dir():
+            raise UsageError(f"--staging '{staging}': not an existing directory; create it first, or leave "
+                             "--staging out")
+        staging = str(Path(staging).absolute())  # runs start from any directory
     parse_codec(codec)
     check_device_spec(device)
     wm = (watermarks or Watermarks()).validate()
@@ -91,7 +94,9 @@ def init_build(
         norm = None
     source = Path(source).absolute()
     samples = load_source(source, ex.tokenizer, vocab_size=ex.vocab_size)
-    median = int(statistics.median(s.num_tokens for s in samples)) if samples else 128
+    # what the workers store: samples cut to max_tokens (chunks sized for the uncut ones would be mostly padding)
+    median = int(statistics.median(min(s.num_tokens, max_tokens or s.num_tokens) for s in samples)) if samples \
+        else 128
     if chunk_tokens is None:
         chunk_tokens = suggest_chunk_tokens(ex.hidden_size, len(ex.aux_layers), median)
     cfg = BuildConfig(source=str(source), model=model, aux_layers=ex.aux_layers, max_tokens=max_tokens,

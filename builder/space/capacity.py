@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from builder.config import BuildConfig, load_config
 from builder.humanize import human_bytes, pct
 from builder.layout import BuildLayout
@@ -23,6 +25,12 @@ def project(log: EventLog, cfg: BuildConfig, mon: SpaceMonitor, meta: dict | Non
     p = mon.projection(int(remaining or 0), meta, _per_token(done_bytes, done_tokens), int(remaining_samples or 0))
     p["final_bytes"] = int((done_bytes or 0) + p["projected_bytes"])
     return p
+
+
+def stored_tokens(samples: Iterable, max_tokens: int | None) -> int:
+    """The tokens the workers will store of these samples (anything with `num_tokens`): each cut to
+    `max_tokens`, as `project` counts them, so `init`, `status` and a run's preflight project the same size."""
+    return sum(min(s.num_tokens, max_tokens) if max_tokens else s.num_tokens for s in samples)
 
 
 def measured_bytes_per_token(log: EventLog) -> float | None:

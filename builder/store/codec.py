@@ -12,31 +12,37 @@ import zarr.codecs as zc
 
 from builder.errors import UsageError
 
-ZSTD_LEVELS = (-131072, 22)  # numcodecs' Zstd: negative levels are the fast modes
+# what numcodecs' Zstd (libzstd) accepts, negative levels being the fast modes; zarr's ZstdCodec stops at 22
+ZSTD_LEVELS = (int(numcodecs.Zstd.min_level()), min(int(numcodecs.Zstd.max_level()), 22))
+BLOSC_LEVELS = (0, 9)  # numcodecs' Blosc refuses any other clevel when it encodes (c-blosc's range)
 STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 
 
 def parse_codec(spec: str) -> list:
-    """`zstd:LEVEL`, `blosc-lz4:LEVEL`, `blosc-zstd:LEVEL` or `none` (zarr's codecs, backed by numcodecs)."""
+    """`zstd:LEVEL`, `blosc-lz4:LEVEL`, `blosc-zstd:LEVEL` or `none` (zarr's codecs, backed by numcodecs).
+    A level numcodecs would refuse (or silently clamp) is a UsageError naming --codec, so `init` refuses it
+    instead of every sample failing later."""
     name, _, level_s = spec.partition(":")
     try:
         level = int(level_s) if level_s else None
     except ValueError:
-        raise UsageError(f"codec '{spec}': level must be an integer") from None
+        raise UsageError(f"--codec '{spec}': the level must be an integer, e.g. zstd:3") from None
     if name == "none":
         if level is not None:
-            raise UsageError(f"codec '{spec}': none takes no level; use none")
+            raise UsageError(f"--codec '{spec}': none takes no level; use none")
         return []
     if name == "zstd":
         if level is not None and not ZSTD_LEVELS[0] <= level <= ZSTD_LEVELS[1]:
-            raise UsageError(f"codec '{spec}': zstd levels are {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]} (1 is the default)")
+            raise UsageError(f"--codec '{spec}': zstd levels are {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]} "
+                             "(1 is the default)")
         return [zc.ZstdCodec(level=1 if level is None else level)]
     if name in ("blosc-lz4", "blosc-zstd"):
-        if level is not None and not 0 <= level <= 9:
-            raise UsageError(f"codec '{spec}': blosc levels are 0..9 (5 is the default)")
+        if level is not None and not BLOSC_LEVELS[0] <= level <= BLOSC_LEVELS[1]:
+            raise UsageError(f"--codec '{spec}': blosc levels are {BLOSC_LEVELS[0]}..{BLOSC_LEVELS[1]} "
+                             "(5 is the default)")
         return [zc.BloscCodec(cname=name.split("-")[1], clevel=5 if level is None else level, shuffle="shuffle",
                               typesize=2)]
-    raise UsageError(f"codec '{spec}': use zstd:LEVEL, blosc-lz4:LEVEL, blosc-zstd:LEVEL or none")
+    raise UsageError(f"--codec '{spec}': use zstd:LEVEL, blosc-lz4:LEVEL, blosc-zstd:LEVEL or none")
 
 
 def to_storage(t: torch.Tensor) -> np.ndarray:

@@ -8,12 +8,15 @@ import json
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pytest
 from conftest import random_rows, write_jsonl
 
 from builder.errors import SourceError
 from builder.extract.model import builtin_tokenizer
-from builder.extract.source import fingerprint, load_source
+from builder.extract.source import Sample, fingerprint, load_source
+from builder.layout import layout
+from builder.log.events import EventLog
 
 
 def test_jsonl_with_ids_masks_and_text(tmp_path):
@@ -145,3 +148,110 @@ def test_init_refuses_samples_the_model_cannot_take(tmp_path, cli, rows, line, m
     assert err.startswith("hsbuild init: error:") and "\n" not in err
     assert f"{src}:{line}: field 'input_ids': {message}" in err
     assert not (tmp_path / "b").exists()
+
+
+# -- issue 11: json's own column, rows that tokenize to nothing, the same checks at run ---------------------
+
+
+@pytest.mark.parametrize("bad", ['{"input_ids": [1, 2', '{"input_ids": [1, 2,, 3]}', '{"input_ids": [1], "text": "ab}',
+                                 '{"input_ids": [1, 2]} x', '   {"input_ids": [1, 2]'],
+                         ids=["truncated", "double-comma", "unterminated-string", "trailing-data", "indented"])
+@pytest.mark.parametrize("eol", ["\n", "\r\n"], ids=["lf", "crlf"])
+def test_malformed_json_names_jsons_own_line_and_column(tmp_path, bad, eol):
+    """The column is where json stopped on that line (a truncated line used to say column 1: the newline)."""
+    try:
+        json.loads(bad)
+    except json.JSONDecodeError as e:
+        want = e
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(eol.join(['{"input_ids": [1, 2]}', bad, '{"input_ids": [3]}', ""]).encode())
+    with pytest.raises(SourceError) as ei:
+        load_source(path, builtin_tokenizer(1024))
+    msg = str(ei.value)
+    assert ei.value.line == 2 and want.lineno == 1 and want.colno > 1
+    assert msg == f"{path}:2: malformed JSON: {want.msg.removesuffix(' at')} at column {want.colno}", msg
+    assert " at at " not in msg and "\n" not in msg
+
+
+class NothingChat:
+    """A tokenizer with a chat template that tokenizes a conversation to nothing (a template that renders
+    an empty string): the conversation counterpart of an empty text."""
+
+    def encode(self, text: str) -> list[int]:
+        return []
+
+    def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        return [], []
+
+
+@pytest.mark.parametrize(("row", "tokenizer", "field", "message"), [
+    ({"text": "hello"}, lambda text: [], "text", "has no tokens"),
+    ({"text": "hello"}, lambda text: [5, 60], "text", "token id 60 is outside the model's vocabulary 0..49"),
+    ({"text": "hello"}, lambda text: [-2], "text", "token id -2 is outside"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, NothingChat(), "messages", "has no tokens"),
+    ({"conversations": [{"from": "human", "value": "hi"}]}, NothingChat(), "conversations", "has no tokens"),
+], ids=["text-empty", "text-over-vocab", "text-negative", "messages-empty", "sharegpt-empty"])
+def test_rows_that_tokenize_to_nothing_or_outside_the_vocabulary_name_their_field(tmp_path, row, tokenizer, field,
+                                                                                   message):
+    src = write_jsonl(tmp_path / "s.jsonl", [{"input_ids": [5, 6]}, row])
+    with pytest.raises(SourceError) as ei:
+        load_source(src, tokenizer, vocab_size=50)
+    assert ei.value.line == 2 and ei.value.field == field and message in str(ei.value)
+    # without a vocabulary (a build's rebuild-log reading its source) the rows load as they did
+    assert len(load_source(src, tokenizer)) == 2
+
+
+def test_run_refuses_new_rows_the_model_cannot_take_in_one_line(tmp_path, make_build, cli):
+    """Rows appended to an existing build's source: the run checks them as init does (exit 2, file, line and
+    field) before anything is written, instead of failing them in every later run."""
+    build = make_build(3)
+    cli("run", build, "--no-progress", check=True)
+    src = tmp_path / "build-source.jsonl"
+    good = src.read_text()
+    for row, message in (({"input_ids": [5, 2000]}, "token id 2000 is outside the model's vocabulary 0..1023"),
+                         ({"input_ids": []}, "has no tokens"), ({"id": "neg", "input_ids": [-1]}, "token id -1")):
+        src.write_text(good + json.dumps({"id": "ok", "input_ids": [5, 6, 7]}) + "\n" + json.dumps(row) + "\n")
+        before = _tree_digest(build)
+        for cmd in ("run", "resume"):
+            cp = cli(cmd, build, "--no-progress")
+            err = cp.stderr.strip()
+            assert cp.returncode == 2, cp.stdout + cp.stderr
+            assert err == f"hsbuild {cmd}: error: {src}:5: field 'input_ids': {err.split(': ', 4)[-1]}", err
+            assert message in err and "Traceback" not in err
+            assert _tree_digest(build) == before
+    src.write_text(good)
+    cp = cli("run", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+
+
+def test_a_build_that_registered_unusable_samples_still_runs(tmp_path, make_build, cli):
+    """A build made before init refused such samples holds them registered: its runs go on as they did (the
+    samples recorded `failed`, the others written), never refused for rows the build already took."""
+    build = make_build(3)
+    src = tmp_path / "build-source.jsonl"
+    legacy = [{"id": "oov", "input_ids": [7, 5000]}, {"id": "empty", "input_ids": []}]
+    with src.open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in legacy)
+    with EventLog(layout(build).events) as log:  # what init registered before it checked
+        log.register_samples([Sample(r["id"], 3 + i, np.array(r["input_ids"], np.int32),
+                                     np.ones(len(r["input_ids"]), np.uint8),
+                                     fingerprint(np.array(r["input_ids"], np.int32),
+                                                 np.ones(len(r["input_ids"]), np.uint8)))
+                              for i, r in enumerate(legacy)])
+    for _ in range(2):
+        cp = cli("run", build, "--no-progress")
+        assert cp.returncode == 1 and "Traceback" not in cp.stderr, cp.stdout + cp.stderr
+    cp = cli("sql", build, "SELECT sample_id, state, error FROM samples ORDER BY sample_id", "--json")
+    states = {r["sample_id"]: (r["state"], r["error"]) for r in json.loads(cp.stdout)}
+    assert states["oov"] == ("failed", "token_out_of_range") and states["empty"] == ("failed", "empty_sample")
+    assert sum(s == ("written", None) for s in states.values()) == 3
+
+
+def test_malformed_state_json_of_a_dataset_dir_names_its_line_and_column(tmp_path):
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "state.json").write_text('{\n  "_data_files": [\n    {"filename": "data-00000-of-00001.arrow"\n  ]\n}\n')
+    with pytest.raises(SourceError) as ei:
+        load_source(d)
+    assert ei.value.path == str(d / "state.json") and ei.value.line == 4
+    assert str(ei.value) == f"{d / 'state.json'}:4: malformed JSON: Expecting ',' delimiter at column 3"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from conftest import random_rows, write_jsonl
 
 from builder.errors import SampleError
 from builder.extract.model import Extractor
+from builder.humanize import human_bytes
 
 MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 
@@ -179,3 +181,51 @@ def test_read_only_build_is_refused_in_one_line(tmp_path, small_tmpfs, cli):
     assert tree_digest(build) == before
     # reading still works
     assert sql(cli, build, "SELECT count(*) AS n FROM samples WHERE state = 'written'") == [{"n": 3}]
+
+
+# -- issue 11: capacity under --max-tokens, a staging folder that moves or vanishes ----------------------------
+
+WM = ["--high", "0.998", "--low", "0.997", "--flood", "0.999"]
+
+
+def test_init_status_and_run_project_the_same_size_when_max_tokens_cuts_samples(tmp_path, cli):
+    """Samples longer than --max-tokens are stored cut: init's projection, status's and the run's preflight
+    all count min(tokens, max_tokens) (the run used to count the whole samples: 4x here), and init sizes the
+    chunks for the cut samples."""
+    src = write_jsonl(tmp_path / "src.jsonl", random_rows(12, lo=300, hi=400))
+    build = tmp_path / "b"
+    cp = cli("init", build, "--source", src, "--model", MODEL, "--max-tokens", "32", *WM)
+    assert cp.returncode == 0, cp.stderr
+    init_size = re.search(r"^projected size: (\S+ \S+) \(estimate", cp.stdout, re.M).group(1)
+    assert "chunk_tokens = 32\n" in (build / "hsbuild.toml").read_text()
+    st = json.loads(cli("status", build, "--json", check=True).stdout)
+    assert st["remaining_tokens"] == 12 * 32
+    assert human_bytes(st["projected_bytes"]) == init_size
+    cp = cli("run", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    run_size = re.search(r"^capacity: (\S+ \S+) more projected \(estimate", cp.stderr, re.M).group(1)
+    assert run_size == init_size, (init_size, run_size)
+    assert sql(cli, build, "SELECT sum(num_tokens) AS n FROM samples") == [{"n": 12 * 32}]
+
+
+def test_staging_is_kept_absolute_and_a_vanished_one_never_crashes(tmp_path, cli):
+    """`--staging stg` is recorded as the folder it names, so runs from another directory find it; once it is
+    gone, status works, run refuses with its preflight problem (exit 4) or runs with --force, never a traceback."""
+    (tmp_path / "stg").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    src = write_jsonl(tmp_path / "src.jsonl", random_rows(3))
+    cp = cli("init", "b", "--source", src, "--model", MODEL, "--staging", "stg", *WM, cwd=tmp_path)
+    assert cp.returncode == 0 and "Traceback" not in cp.stderr, cp.stderr
+    build = tmp_path / "b"
+    assert f'staging = "{tmp_path / "stg"}"' in (build / "hsbuild.toml").read_text()
+    cp = cli("run", build, "--no-progress", "--limit", "1", cwd=elsewhere)
+    assert cp.returncode == 0, cp.stderr
+    (tmp_path / "stg").rmdir()
+    for args, rc in ((["status", build], 0), (["status", build, "--json"], 0), (["doctor", build, "--no-record"], 4),
+                     (["run", build, "--no-progress"], 4)):
+        cp = cli(*args, cwd=elsewhere)
+        assert cp.returncode == rc and "Traceback" not in cp.stdout + cp.stderr, (args, cp.stdout + cp.stderr)
+    assert "hsbuild run: error: 1 blocking preflight problem" in cp.stderr and "storage.staging" in cp.stderr
+    cp = cli("run", build, "--no-progress", "--force", cwd=elsewhere)
+    assert cp.returncode == 0 and "wrote 2" in cp.stdout, cp.stdout + cp.stderr
