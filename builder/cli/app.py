@@ -189,6 +189,9 @@ def status_lines(st: dict) -> list[str]:
         fit = "fits" if st.get("fits") else "DOES NOT FIT"
         lines.append(f"plan:    {human_bytes(st['projected_bytes'])} more projected ({st.get('basis')}); {fit} below "
                      f"the high watermark")
+    if "ballast_bytes" in st:
+        held = human_bytes(st["ballast_bytes"]) if st["ballast_bytes"] else "none now (a run creates it)"
+        lines.append(f"ballast: {held} in .ballast: {st.get('ballast_purpose')}")
     return lines
 
 
@@ -196,11 +199,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query, status_snapshot  # noqa: PLC0415
     from builder.space.capacity import capacity_for  # noqa: PLC0415
+    from builder.space.watermarks import ballast_info  # noqa: PLC0415
 
     lay = layout(args.build).require()
     st = status_snapshot(lay)
     if not st.get("running"):
         st.update(capacity_for(lay))
+    st.update(ballast_info(lay))
     if st.get("failed"):
         _, rows = run_query(lay, "SELECT error, count(*) FROM samples WHERE state = 'failed' GROUP BY 1 ORDER BY 2 DESC")
         st["failed_by_reason"] = {r[0]: r[1] for r in rows}
@@ -242,7 +247,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        echo=lambda m: print(m, file=sys.stderr))
     print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}")
     print("\n".join(status_lines(status_snapshot(lay))))
-    print(f"next: hsbuild sql {args.build} \"SELECT state, count(*) FROM samples GROUP BY state\"")
+    # the hint names hsbuild as it was run (`.venv/bin/hsbuild` when the venv is not on PATH), so it works as printed
+    import shutil  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    hsb = sys.argv[0] if Path(sys.argv[0]).name == "hsbuild" else "hsbuild"
+    on_path = shutil.which("hsbuild")
+    if on_path and Path(hsb).exists() and Path(on_path).resolve() == Path(hsb).resolve():
+        hsb = "hsbuild"
+    print(f"next: {shlex.quote(hsb)} sql {shlex.quote(args.build)} \"SELECT state, count(*) FROM samples GROUP BY state\"")
     return report.exit_code
 
 

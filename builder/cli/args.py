@@ -3,11 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import functools
 import re
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with hsbuild's one-line errors: `hsbuild CMD: error: ...` first, exit code 2 (no usage dump)."""
+    """argparse with hsbuild's one-line errors: `hsbuild CMD: error: ...` first, exit code 2 (no usage dump).
+
+    A subcommand's parser refuses the flags it does not know itself, so the error names `hsbuild CMD` and its
+    --help (plain argparse hands them up to the top-level parser, which names `hsbuild`)."""
+
+    def __init__(self, *args, subcommand: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.subcommand = subcommand
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", functools.partial(type(self), subcommand=True))
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras and self.subcommand:
+            self.error(self._unrecognized(extras))
+        return ns, extras
+
+    def _unrecognized(self, extras: list[str]) -> str:
+        msg = f"unrecognized arguments: {' '.join(extras)}"
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        for flag in (e.split("=", 1)[0] for e in extras if e.startswith("--")):
+            close = difflib.get_close_matches(flag, known, n=1)
+            if close:
+                return f"{msg}; did you mean {close[0]}?"
+        return msg
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")

@@ -29,14 +29,44 @@ def print_rows(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: st
         for r in rows:
             w.writerow(["" if v is None else v for v in r])
     else:
-        cells = [[_cell(v) for v in r] for r in rows]
-        widths = [len(c) for c in columns]
-        for r in cells:
-            widths = [max(w, len(c)) for w, c in zip(widths, r, strict=True)]
-        out.write("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip() + "\n")
-        out.write("  ".join("-" * w for w in widths) + "\n")
-        for r in cells:
-            out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+        cut = print_table(columns, rows, out)
+        if cut:
+            sys.stderr.write(f"note: {cut} value(s) cut at {MAX_WIDTH} characters (…); --json or --csv prints "
+                             "every value whole\n")
+
+
+MAX_WIDTH = 100  # a table column is at most this wide (--json/--csv print every value whole)
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO) -> int:
+    """A plain table, each column as wide as its widest value but at most MAX_WIDTH. A longer one-line value is
+    cut (…). A value with line breaks (an EXPLAIN plan, a TOML config) is printed whole, one line under the other:
+    it is preformatted, so its lines are never cut, and a line wider than the column runs past it instead of
+    widening every row. Returns how many values were cut."""
+    cut = 0
+
+    def lines(v: object) -> list[str]:
+        nonlocal cut
+        text = _cell(v).replace("\t", "    ")
+        if "\n" in text or "\r" in text:
+            return text.splitlines()
+        if len(text) > MAX_WIDTH:
+            cut += 1
+            return [text[: MAX_WIDTH - 1] + "…"]
+        return [text]
+
+    header = [lines(c)[0] for c in columns]
+    cells = [[lines(v) or [""] for v in r] for r in rows]
+    widths = [len(c) for c in header]
+    for r in cells:
+        widths = [min(MAX_WIDTH, max(w, *(len(x) for x in c))) for w, c in zip(widths, r, strict=True)]
+    out.write("  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True)).rstrip() + "\n")
+    out.write("  ".join("-" * w for w in widths) + "\n")
+    for r in cells:
+        for i in range(max(len(c) for c in r) if r else 1):
+            line = [c[i] if i < len(c) else "" for c in r]
+            out.write("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() + "\n")
+    return cut
 
 
 def print_json(obj: object, out: TextIO | None = None) -> None:

@@ -148,8 +148,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for o in items:
             print(f"would remove {o.kind:8} {human_bytes(o.nbytes):>9}  {o.path}"
                   + (f" ({o.files} files)" if o.kind == "segment" else ""))
-        print(f"dry run: {len(items)} orphan(s), {rep.orphans.files} file(s), {human_bytes(rep.orphans.nbytes)} "
-              f"reclaimable; remove with: hsbuild gc {shlex.quote(args.build)}")
+        if items:
+            print(f"dry run: {len(items)} orphan(s), {rep.orphans.files} file(s), {human_bytes(rep.orphans.nbytes)} "
+                  f"reclaimable; remove with: hsbuild gc {shlex.quote(args.build)}")
+        else:
+            print("dry run: nothing to remove (no orphaned bytes)")
     elif items:
         print(f"gc: removed {len(items)} orphan(s), {rep.removed_files} file(s), freed "
               f"{human_bytes(rep.removed_bytes)}")

@@ -601,6 +601,14 @@ def _stale(info: dict, taken_over: bool) -> Check:
         state = "is dead (killed or crashed)"
     data = {"held": False, "stale": True, "pid": pid, "pid_alive": alive, "owner": info,
             "safe_to_take_over": True, "taken_over": taken_over}
+    stopped = interrupted_how(info)
+    if stopped:  # the owner exited at once on a user's request (a second Ctrl-C): not a crash
+        data["interrupted"] = info["interrupted"]
+        if taken_over:
+            return Check("build.lock", OK, f"took over the lock of {who}, which was interrupted ({stopped}): not a "
+                         "crash", data=data)
+        return Check("build.lock", OK, f"lock record of {who}, interrupted ({stopped}): not a crash; safe to take "
+                     "over", "nothing to do: the next `hsbuild run` / `hsbuild resume` takes it over", data)
     if taken_over:
         return Check("build.lock", WARN, f"took over a stale lock: {who} {state}; safe",
                      "nothing to do; see why it stopped (dmesg for the OOM killer, journalctl)", data)
@@ -608,7 +616,21 @@ def _stale(info: dict, taken_over: bool) -> Check:
                  "nothing to do: the next `hsbuild run` / `hsbuild resume` takes it over", data)
 
 
-def check_interrupted(ctx: Context) -> Check:
+def interrupted_how(owner: dict | None) -> str | None:
+    """How a dead owner's lock record says it was interrupted on purpose (`note_interrupted`), else None."""
+    mark = (owner or {}).get("interrupted")
+    if not isinstance(mark, dict):
+        return None
+    sig = mark.get("signal")
+    how = {"SIGINT": "Ctrl-C twice", "SIGTERM": "a second SIGTERM"}.get(sig, f"signal {sig}")
+    at = mark.get("at")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if isinstance(at, int | float) else None
+    return how + (f" at {when}" if when else "")
+
+
+def check_interrupted(ctx: Context, last_owner: dict | None = None) -> Check:
+    """Samples left `started`. `last_owner`: the lock record of the owner that did not release the build, if
+    any (an interrupted run is named as such, not as a crash)."""
     assert ctx.query is not None
     n = int(ctx.query("SELECT count(*) FROM samples WHERE state = 'started'")[1][0][0] or 0)
     data = {"started": n, "live": ctx.live}
@@ -616,8 +638,12 @@ def check_interrupted(ctx: Context) -> Check:
         return Check("build.interrupted", OK, "no samples left in flight", data=data)
     if ctx.live:
         return Check("build.interrupted", OK, f"{plural(n, 'sample')} in flight in the running run", data=data)
-    return Check("build.interrupted", WARN, f"{plural(n, 'sample')} left `started` by a run that did not finish them "
-                 "(crash or kill); they are extracted again", f"hsbuild resume {ctx.lay.root}", data)
+    them, they = ("it", "it is") if n == 1 else ("them", "they are")
+    stopped = interrupted_how(last_owner)
+    why = f"was interrupted ({stopped})" if stopped else "stopped abruptly (crash or kill)"
+    data["interrupted_by_user"] = bool(stopped)
+    return Check("build.interrupted", WARN, f"{plural(n, 'sample')} left `started` by a run that {why} before "
+                 f"finishing {them}; {they} extracted again", f"hsbuild resume {ctx.lay.root}", data)
 
 
 def check_failed(ctx: Context) -> Check:
@@ -634,7 +660,7 @@ def check_failed(ctx: Context) -> Check:
     reasons = ", ".join(f"{k}: {v}" for k, v in by_reason.items())
     sql = "SELECT sample_id, error, error_detail FROM samples WHERE state = 'failed'"
     return Check("build.failed", WARN, f"{plural(total, 'failed sample')} ({reasons}); {retry} will be retried "
-                 f"(fewer than {m} attempts)", f"inspect them: hsbuild sql {ctx.lay.root} \"{sql}\"", data)
+                 f"(fewer than {m} attempts)", f"inspect {'it' if total == 1 else 'them'}: hsbuild sql {ctx.lay.root} \"{sql}\"", data)
 
 
 def _builtin_params(spec: str) -> int:
@@ -736,7 +762,8 @@ def check_server(ctx: Context) -> Check | None:
     others = _other_gpu_holders(ctx, url)
     data["foreign"] = [o.as_dict() for o in others]
     if others:  # the incident's rogue second server: GPUs held by something that is not this build's server
-        return Check("env.server", WARN, summary + f"; but {plural(len(others), 'other process', 'es')} hold GPUs "
+        return Check("env.server", WARN, summary + f"; but {plural(len(others), 'other process', 'es')} "
+                     f"{'holds' if len(others) == 1 else 'hold'} GPUs "
                      f"too (e.g. pid {others[0].pid}: {others[0].command or others[0].name})",
                      "; ".join(dict.fromkeys(o.stop_command() for o in others)), data,
                      [f"pid {o.pid}: {o.command or o.name}" for o in others])

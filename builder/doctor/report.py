@@ -115,7 +115,8 @@ def _state_checks(ctx: Context, lock_state: LockState | None, previous_owner: di
     if ctx.query is None:
         return checks + [Check("build.state", WARN, f"the event log could not be read: {ctx.query_error}",
                                "try again; if it persists, see `hsbuild status`")]
-    checks += _guard("build.interrupted", lambda: dc.check_interrupted(ctx))
+    last_owner = previous_owner if ctx.for_run else (lock_state.info if lock_state and not lock_state.held else None)
+    checks += _guard("build.interrupted", lambda: dc.check_interrupted(ctx, last_owner))
     checks += _guard("build.failed", lambda: dc.check_failed(ctx))
     checks += _guard("build.fingerprint", lambda: dc.check_fingerprints(ctx))
     return checks

@@ -13,6 +13,9 @@ record. What is guaranteed where (local vs network filesystems) is in docs/desig
   never needs a free block: it works on a full disk.
 - A record naming another host that was never released is refused (flock on a network filesystem may be local
   to each host): the message names the host; `take_over=True` (`--take-over`) overrides.
+- An owner that exits at once on a user's request (a second Ctrl-C: `os._exit`, no release) first calls
+  `note_interrupted`: its record then says `interrupted`, so the next owner and `doctor` report an interrupted
+  run, not a crash.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -242,6 +246,32 @@ class BuildLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def note_interrupted(lay: BuildLayout, signum: int = signal.SIGINT) -> bool:
+    """Mark this process's lock record as interrupted on purpose (e.g. a second Ctrl-C, just before os._exit): the
+    lock stays held until the process exits, and the record it leaves says `interrupted` (signal name and time)
+    instead of looking like a crash. Safe in a signal handler (plain pread/pwrite on the preallocated region, no
+    buffered stream); never raises. Returns whether the record was marked (False when this process does not own
+    the record or the file cannot be written)."""
+    try:
+        fd = os.open(lay.lock, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        info = parse_record(os.pread(fd, 65536, 0))
+        if not info or info.get("pid") != os.getpid():
+            return False
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = str(signum)
+        info["interrupted"] = {"signal": name, "at": time.time()}
+        return write_record(fd, info)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def write_record(fd: int, info: dict | None) -> bool:

@@ -5,6 +5,9 @@
 - `min_free`: absolute free bytes that must remain (a pause like `high`).
 - A real ENOSPC anyway (another process filled the volume, or the filesystem lied): the write is abandoned and
   retried later, writers pause, and the ballast file next to the log is released so the log can still commit.
+
+The ballast (`BUILD/.ballast`, created by a run) is sized by `ballast_target`: what the event log needs to keep
+committing through a full disk, never more than 1% of the volume, and within 1-64 MiB (docs/design.md, section 7).
 """
 
 from __future__ import annotations
@@ -18,9 +21,54 @@ from builder.config import BuildConfig
 from builder.errors import WontFitError
 from builder.humanize import human_bytes, pct
 from builder.layout import BuildLayout
+from builder.log.events import CHECKPOINT_BYTES
 
 POLL_SECONDS = 0.25
 BALLAST_MIN, BALLAST_MAX = 1 << 20, 64 << 20
+BALLAST_VOLUME_SHARE = 0.01  # never more than this share of the volume (a small volume keeps its room)
+# What the event log needs, measured on DuckDB 1.x (docs/design.md, section 7): a commit appends to the WAL
+# (about 150 B per event, 3-4 events per sample, plus run-level events: pauses, GPU samples), and once the WAL
+# holds CHECKPOINT_BYTES a checkpoint writes the log's blocks anew before it frees the WAL: a checkpoint that
+# finds no free block is fatal to DuckDB's connection. A log holds about 2.3 MiB once a run has checkpointed it
+# (tables, indexes), then about 30 B more per sample (256 B is the bound used here).
+LOG_WAL_BASE = 1 << 20
+LOG_WAL_PER_SAMPLE = 1 << 10
+LOG_FILE_BASE = 5 << 19  # 2.5 MiB
+LOG_FILE_PER_SAMPLE = 256
+BALLAST_PURPOSE = ("reserved space, released when the disk fills so the event log can still commit; re-created "
+                   "when space returns")
+
+
+def log_bytes(lay: BuildLayout) -> int:
+    """The event log's size on disk now (the database file and its WAL)."""
+    total = 0
+    for p in (lay.events, lay.events.with_name(lay.events.name + ".wal")):
+        try:
+            total += p.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def ballast_target(volume_bytes: int, log_now: int, remaining_samples: int = 0) -> int:
+    """The ballast's size: twice what the log can need to commit the rest of the build on a full disk (its WAL
+    up to the next checkpoint, and that checkpoint rewriting the log as it will end), at most 1% of the volume,
+    and within BALLAST_MIN-BALLAST_MAX. A small build gets a few MiB, a small volume 1% of itself (at least
+    1 MiB: a few thousand events), a large build on a large volume 64 MiB."""
+    wal = min(CHECKPOINT_BYTES, LOG_WAL_BASE + remaining_samples * LOG_WAL_PER_SAMPLE)
+    log_end = max(log_now, LOG_FILE_BASE) + remaining_samples * LOG_FILE_PER_SAMPLE
+    need = -(-2 * (wal + log_end) // BALLAST_MIN) * BALLAST_MIN  # whole MiB
+    return max(BALLAST_MIN, min(BALLAST_MAX, int(volume_bytes * BALLAST_VOLUME_SHARE), need))
+
+
+def ballast_info(lay: BuildLayout) -> dict:
+    """What `status` shows: the ballast's bytes on disk now (0: none, e.g. released on a full disk or no run
+    yet), its path and what it is for."""
+    try:
+        n = lay.ballast.stat().st_size
+    except OSError:
+        n = 0
+    return {"ballast_bytes": n, "ballast_path": str(lay.ballast), "ballast_purpose": BALLAST_PURPOSE}
 
 
 @dataclass
@@ -81,8 +129,15 @@ class SpaceMonitor:
         self.bytes_written = 0
         self.tokens_written = 0
         self.bytes_per_token: float | None = None
-        total = self._usage[0].total
-        self.ballast_size = max(BALLAST_MIN, min(BALLAST_MAX, total // 100))
+        self.remaining_samples = 0
+        self.ballast_size = self.size_ballast()
+
+    def size_ballast(self, remaining_samples: int | None = None) -> int:
+        """(Re)compute the ballast's size for the log as it is now and the samples still to do."""
+        if remaining_samples is not None:
+            self.remaining_samples = remaining_samples
+        self.ballast_size = ballast_target(self._usage[0].total, log_bytes(self.lay), self.remaining_samples)
+        return self.ballast_size
 
     # -- figures ----------------------------------------------------------------------------------------
     def refresh(self) -> list[Usage]:
@@ -183,17 +238,25 @@ class SpaceMonitor:
 
     # -- ballast ------------------------------------------------------------------------------------------
     def ensure_ballast(self) -> None:
+        """Create or grow the ballast to its size; one more than twice that (an older version's 64 MiB on a
+        small build) is shrunk in place."""
         b = self.lay.ballast
         try:
-            if b.exists() and b.stat().st_size >= self.ballast_size:
+            have = b.stat().st_size if b.exists() else 0
+            if have > 2 * self.ballast_size:
+                os.truncate(b, self.ballast_size)
+                return
+            if have >= self.ballast_size:
                 return
             u = disk_usage(self.lay.root)
             if u.free < 4 * self.ballast_size or u.usage >= self.wm.high:
                 return
-            with open(b, "wb") as f:
-                f.truncate(0)
-                os.posix_fallocate(f.fileno(), 0, self.ballast_size)
-                os.fsync(f.fileno())
+            fd = os.open(b, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, self.ballast_size)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         except OSError:
             b.unlink(missing_ok=True)
 
@@ -212,6 +275,7 @@ class SpaceMonitor:
         """Bytes the rest of the build will take on disk. Measured: allocated bytes per token of what is written
         (block rounding, shard indices and manifests included). Before that: the uncompressed bound plus each
         sample's padding and per-file costs."""
+        self.size_ballast(remaining_samples)
         bpt = measured_bpt or estimate_bytes_per_token(meta)
         need = int(remaining_tokens * bpt)
         if not measured_bpt:

@@ -1,0 +1,130 @@
+"""The ballast (`BUILD/.ballast`): sized for the build and the volume, shown by `status`, and big enough for the
+event log to keep committing (through a checkpoint) once it is released on a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import random_rows, write_jsonl
+
+from builder.config import Watermarks, load_config
+from builder.fsutil import dir_size
+from builder.layout import layout
+from builder.log.events import Event, EventLog
+from builder.run.create import init_build
+from builder.space.watermarks import BALLAST_MAX, BALLAST_MIN, SpaceMonitor, ballast_target, disk_usage
+
+MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
+MiB = 1 << 20
+
+
+def test_the_rule_scales_with_the_build_and_the_volume_and_is_capped():
+    big = 10 << 40
+    small_build = ballast_target(big, 300_000, 3)
+    assert 4 * MiB < small_build <= 8 * MiB  # what a few samples' log can need, not 64 MiB
+    assert ballast_target(big, 300_000, 40_000) > small_build  # a larger build's log needs more
+    assert ballast_target(big, 300_000, 10_000_000) == BALLAST_MAX  # capped
+    assert ballast_target(big, 200 * MiB, 0) == BALLAST_MAX
+    assert ballast_target(500 * MiB, 300_000, 40_000) == 5 * MiB  # at most 1% of the volume ...
+    assert ballast_target(24 * MiB, 300_000, 3) == BALLAST_MIN  # ... but never under the floor
+
+
+def test_a_small_build_is_small_and_status_says_what_the_ballast_is(make_build, cli):
+    build = make_build(3)
+    cp = cli("run", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    ballast = (build / ".ballast").stat().st_size
+    assert BALLAST_MIN <= ballast <= 8 * MiB
+    assert dir_size(build) < 16 * MiB  # was 67 MB: a 64 MiB ballast whatever the build
+
+    cp = cli("status", build, "--json")
+    st = json.loads(cp.stdout)
+    assert cp.returncode == 0
+    assert st["ballast_bytes"] == ballast and st["ballast_path"] == str(build / ".ballast")
+    assert "event log can still commit" in st["ballast_purpose"]
+    cp = cli("status", build)
+    line = next(x for x in cp.stdout.splitlines() if x.startswith("ballast:"))
+    assert ".ballast" in line and "disk fills" in line and "event log" in line
+
+
+def test_a_ballast_left_larger_by_an_older_version_is_shrunk_by_the_next_run(make_build, cli):
+    build = make_build(4)
+    cp = cli("run", build, "--no-progress", "--limit", "2")
+    assert cp.returncode == 0, cp.stderr
+    with open(build / ".ballast", "wb") as f:  # what every build carried before: 64 MiB
+        os.posix_fallocate(f.fileno(), 0, 64 * MiB)
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    assert (build / ".ballast").stat().st_size <= 8 * MiB
+
+
+@pytest.fixture
+def volume(tmp_path):
+    """A real tmpfs large enough that 1% of it is more than a small build's ballast (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; tests on a small volume skipped")
+    mnt = tmp_path / "vol"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=900m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); tests on a small volume skipped")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for block in (1 << 20, 64 << 10, 4096, 512):
+            buf = b"\xff" * block
+            try:
+                while True:
+                    os.write(fd, buf)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    assert os.statvfs(path).f_bavail == 0
+
+
+def test_the_released_ballast_lets_the_log_commit_through_a_checkpoint(tmp_path, volume):
+    """The volume is full; the ballast is released (as on ENOSPC): the log commits more than a whole WAL's worth
+    of a run's events (so DuckDB checkpoints, which it cannot survive without free blocks) and closes clean."""
+    n = 20
+    src = write_jsonl(tmp_path / "src.jsonl", random_rows(n))
+    lay = layout(init_build(volume / "build", src, model=MODEL,
+                            watermarks=Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)).root)
+    mon = SpaceMonitor(lay, load_config(lay))
+    mon.size_ballast(n)
+    assert mon.ballast_size < disk_usage(volume).total // 100  # the build's need decides here, not the volume
+    mon.ensure_ballast()
+    assert lay.ballast.stat().st_size == mon.ballast_size
+    fill(volume / "filler.bin")
+    mon.disk_full()  # releases the ballast
+    assert not lay.ballast.exists()
+
+    log = EventLog(lay.events)
+    checksums = json.dumps({f: "crc32c:0123abcd" for f in ("input_ids", "loss_mask", "hidden_state",
+                                                           "aux_hidden_state")})
+    committed, i = 0, 0
+    wal = lay.events.with_name(lay.events.name + ".wal")
+    checkpointed = False
+    while committed < 60_000:
+        batch = []
+        for _ in range(256):
+            sid, i = f"x{i:06d}", i + 1
+            batch += [Event("started", run_id="r" * 32, sample_id=sid, fingerprint="f" * 16, attempt=1, worker=0),
+                      Event("written", run_id="r" * 32, sample_id=sid, fingerprint="f" * 16, attempt=1, worker=0,
+                            segment="seg-12345678-w00-abcdef", token_start=16 * i, num_tokens=512, nbytes=99999,
+                            checksums=checksums)]
+        size_before = wal.stat().st_size if wal.exists() else 0
+        log.append(batch)
+        committed += len(batch)
+        checkpointed |= (wal.stat().st_size if wal.exists() else 0) < size_before
+    assert checkpointed  # the WAL was folded into the file at least once
+    log.close()
+    with EventLog(lay.events, read_only=True) as ro:
+        assert ro.query("SELECT count(*) FROM events WHERE run_id = ?", ["r" * 32])[1][0][0] == committed
