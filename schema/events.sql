@@ -7,7 +7,9 @@ CREATE TABLE IF NOT EXISTS meta (
     value VARCHAR NOT NULL       -- JSON
 );
 
--- The samples of the source, registered by `init` (and appended when the source grows).
+-- The samples of the source, registered by `init` (and appended when the source grows). Rows are never
+-- changed: a later source change is an event (superseded, row_moved, retired), and the `samples` view gives
+-- each sample's current row, fingerprint and tokens.
 CREATE TABLE IF NOT EXISTS source_samples (
     sample_id   VARCHAR PRIMARY KEY,  -- the row's `id`, or its row number
     row_idx     BIGINT  NOT NULL,     -- 0-based row in the source file
@@ -18,17 +20,22 @@ CREATE TABLE IF NOT EXISTS source_samples (
 CREATE TABLE IF NOT EXISTS events (
     seq         BIGINT    NOT NULL,   -- strictly increasing, unique (index below); the order of the log
     ts          TIMESTAMP NOT NULL,   -- UTC
-    kind        VARCHAR   NOT NULL,   -- sample: started, written, verified, failed
+    kind        VARCHAR   NOT NULL,   -- sample: started, written, verified, failed;
+                                      --   source changes: superseded (the row changed or came back: the
+                                      --   sample starts over), retired (removed from the source, or skipped),
+                                      --   row_moved (same tokens, another row)
                                       -- run: run_started, run_finished, segment_sealed, paused, resumed,
-                                      --      verify_started, verify_finished, doctor, gpu_stats, gc, export, import
+                                      --      verify_started, verify_finished, doctor, gpu_stats, gc, export, import,
+                                      --      source_changed, source_moved
     run_id      VARCHAR,              -- the run (or verify sweep) that wrote the event
     sample_id   VARCHAR,              -- NULL for run events
     fingerprint VARCHAR,              -- the sample's token fingerprint at the time of the event
+                                      --   (superseded, row_moved: of its new source row)
     attempt     INTEGER,              -- 1, 2, ... for started/written/failed
     worker      INTEGER,
     segment     VARCHAR,              -- written: the segment holding the sample
     token_start BIGINT,               -- written: first token of the sample in its segment
-    num_tokens  BIGINT,               -- written: tokens stored
+    num_tokens  BIGINT,               -- written: tokens stored; superseded, row_moved: tokens in the source
     nbytes      BIGINT,               -- written: compressed bytes of its chunk files; verified: bytes read
     checksums   VARCHAR,              -- written: JSON {field: "crc32c:xxxxxxxx"} of uncompressed bytes
     reason      VARCHAR,              -- failed: nonfinite, token_out_of_range, empty_sample, too_long,
@@ -37,8 +44,11 @@ CREATE TABLE IF NOT EXISTS events (
                                       -- paused: high_watermark, flood, disk_full, min_free;
                                       -- run_finished: completed, interrupted, error;
                                       -- verify_finished: completed, damage_found, continued;
-                                      -- doctor: ok, warn, fail
-    detail      VARCHAR               -- JSON: free text, figures, configs
+                                      -- doctor: ok, warn, fail;
+                                      -- superseded: source_changed, returned, unskipped;
+                                      -- retired: removed_from_source, skipped
+    detail      VARCHAR               -- JSON: free text, figures, configs (superseded/row_moved: {row};
+                                      --   retired: {note})
 );
 
 -- One writer at a time: a second writer re-using a seq number fails loudly instead of interleaving. An index

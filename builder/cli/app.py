@@ -14,6 +14,7 @@ import sys
 from builder import __version__
 from builder.cli import doctor as cli_doctor
 from builder.cli import exchange as cli_exchange
+from builder.cli import samples as cli_samples
 from builder.cli import verify as cli_verify
 from builder.cli.args import Parser, add_run_flags, fraction, positive_int
 from builder.cli.args import fmt_of as _fmt
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
 
     cli_exchange.add_commands(sub, out)
+    cli_samples.add_commands(sub, out)
     cli_verify.add_commands(sub, out)
     cli_doctor.add_commands(sub, out)
     return ap
@@ -132,7 +134,7 @@ def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
                       verify_after_write=args.verify_after_write, allow_overcommit=args.allow_overcommit,
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
                       flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
-                      inflight=args.inflight)
+                      inflight=args.inflight, source=args.source, accept_source_changes=args.accept_source_changes)
     report = run_build(args.build, opts, resume=resume, echo=lambda m: print(m, file=sys.stderr))
     print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}"
           + (f", paused {report.pauses}x" if report.pauses else ""))
@@ -303,7 +305,8 @@ COMMANDS = {"serve-command": cmd_serve_command, "init": cmd_init, "rebuild-log":
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = {**COMMANDS, **cli_verify.COMMANDS, **cli_doctor.COMMANDS, **cli_exchange.COMMANDS}[args.cmd]
+    handler = {**COMMANDS, **cli_verify.COMMANDS, **cli_doctor.COMMANDS, **cli_exchange.COMMANDS,
+               **cli_samples.COMMANDS}[args.cmd]
     try:
         return handler(args)
     except HsbuildError as e:

@@ -81,7 +81,7 @@ class _Registered:
         self.log = log
 
     def __call__(self, sample_id: str, fp: str) -> bool:
-        rows = self.log.query("SELECT 1 FROM source_samples WHERE sample_id = ? AND fingerprint = ? LIMIT 1",
+        rows = self.log.query("SELECT 1 FROM samples WHERE sample_id = ? AND fingerprint = ? LIMIT 1",
                               [sample_id, fp])[1]
         return bool(rows)
 

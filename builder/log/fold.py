@@ -17,6 +17,7 @@ class SampleState:
     token_start: int | None = None
     num_tokens: int | None = None
     error: str | None = None
+    retired_reason: str | None = None
     verified_seq: int | None = None
 
     def as_tuple(self) -> tuple:
@@ -24,20 +25,26 @@ class SampleState:
 
 
 def fold(events: Iterable[Event]) -> SampleState:
-    """State of one sample from its events (in log order)."""
+    """State of one sample from its events (in log order). `superseded` (its source row changed, or it came
+    back) starts it over: pending, attempts counted from there; `retired` (removed from the source, skipped)
+    takes it out of the build until a `superseded`."""
     s = SampleState()
     main: Event | None = None
     last_verified: int | None = None
     for ev in events:
         if ev.kind == "started":
             s.attempts += 1
+        if ev.kind == "superseded":
+            s.attempts = 0
         if ev.kind == "verified":
             last_verified = ev.seq
-        elif ev.kind in ("started", "written", "failed"):
+        elif ev.kind in ("started", "written", "failed", "superseded", "retired"):
             main = ev
-    if main is None:
+    if main is None or main.kind == "superseded":
         return s
     s.state = main.kind
+    if main.kind == "retired":
+        s.retired_reason = main.reason
     if main.kind == "written":
         s.segment, s.token_start, s.num_tokens = main.segment, main.token_start, main.num_tokens
         if last_verified is not None and main.seq is not None and last_verified > main.seq:

@@ -21,7 +21,15 @@ from pathlib import Path
 from builder.config import load_config, require_same_format
 from builder.doctor.gpu import GpuSampler
 from builder.doctor.report import preflight_for_run, warning_lines
-from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, ModelError, UsageError
+from builder.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SAMPLES_FAILED,
+    ModelError,
+    SourceChangedError,
+    SourceError,
+    UsageError,
+)
 from builder.extract.backends.dump import DumpSettings
 from builder.extract.backends.vllm import staging_usage
 from builder.extract.model import check_device_spec, fix_threading
@@ -54,11 +62,13 @@ from builder.run.messages import (
     Unreachable,
     Written,
 )
-from builder.run.plan import INTERRUPTED_EXTRA, Plan, check_source, make_plan
+from builder.run.plan import INTERRUPTED_EXTRA, Plan, make_plan
 from builder.run.rebuild import adopt, unlogged
+from builder.run.source_changes import diff_source, record_source, refusal
 from builder.run.worker import Flags, WorkerSettings, worker_main
-from builder.space.capacity import measured_bytes_per_token, project
+from builder.space.capacity import measured_bytes_per_token, project, stored_tokens
 from builder.space.watermarks import SpaceMonitor
+from builder.store.codec import parse_codec
 
 
 @dataclass
@@ -82,6 +92,8 @@ class RunOptions:
     launch: bool = False  # engine backends: start the server as a child (`serve-command`), stop it at the end
     inflight: int | None = None  # engine backends: requests in flight (overrides hsbuild.toml)
     imports: ImportOptions | None = None  # `hsbuild import`: states from a dump's files, not forward passes
+    source: str | None = None  # the build's source moved here (--source): recorded, hsbuild.toml updated
+    accept_source_changes: bool = False  # record changed/removed source rows instead of refusing them
 
 
 @dataclass
@@ -183,7 +195,8 @@ class Coordinator:
         lock = BuildLock(self.lay, "run", self.run_id, take_over=self.opts.take_over).acquire()
         try:
             # validate the source before the log is even opened: bad input changes nothing
-            samples = load_source(self.cfg.source, _tokenizer_for(self.cfg))
+            self.source = self._source_path()
+            samples = load_source(self.source, _tokenizer_for(self.cfg), build=self.lay)
             self.log = open_log(self.lay.events)
             self.batch = EventBatch(self.log, self.run_id, self.space.before_commit)
             try:
@@ -196,7 +209,8 @@ class Coordinator:
     def _run_locked(self, lock: BuildLock, resume: bool, samples: list[Sample]) -> RunReport:
         meta = self.meta = self.log.meta()
         require_same_format(self.cfg, meta)  # never overridable: a build holds one format
-        added = check_source(self.log, samples)
+        parse_codec(self.cfg.codec)  # a build made before init checked codec levels: refused here, not per sample
+        added = self._check_source(samples)
         self._adopt_unlogged()
         importing = self.opts.imports is not None
         plan = make_plan(self.log, samples, self.cfg.max_attempts, None if importing else self.opts.limit)
@@ -228,7 +242,7 @@ class Coordinator:
             self.gpu_build = doc.gpu_build
             for line in warning_lines(doc):
                 self.echo(line)
-        self.space.preflight(sum(s.num_tokens for s in plan.todo), meta, measured_bytes_per_token(self.log),
+        self.space.preflight(stored_tokens(plan.todo, self.cfg.max_tokens), meta, measured_bytes_per_token(self.log),
                              allow_overcommit=self.opts.allow_overcommit, echo=self.echo,
                              remaining_samples=len(plan.todo))
         by_id = {s.sample_id: s for s in plan.todo}
@@ -274,6 +288,48 @@ class Coordinator:
             failed_in_build=report.failed_in_build)))
         self.flush(force=True)
         return report
+
+    def _source_path(self) -> Path:
+        """The source to read: --source (a moved source), else hsbuild.toml's."""
+        if self.opts.source is not None:
+            new = Path(self.opts.source).absolute()
+            if not new.exists():
+                raise UsageError(f"--source {self.opts.source}: not found; pass the path the build's source file "
+                                 "now has")
+            return new
+        old = Path(self.cfg.source)
+        if not old.exists():
+            raise SourceError(str(old), f"the build's source is not there; if it moved, pass its new path: "
+                              f"`hsbuild resume {self.lay.root} --source NEWPATH` (its rows must be the registered "
+                              "ones, or add --accept-source-changes), else restore the file")
+        return old
+
+    def _check_source(self, samples: list[Sample]) -> int:
+        """Compare the source with the registered samples: new ones are registered; changed or removed ones
+        are refused, unless accepted (--accept-source-changes), then recorded. A moved source (--source) is
+        recorded too, and hsbuild.toml updated. Returns how many samples were new."""
+        diff = diff_source(self.log, samples)
+        moved = Path(self.cfg.source).absolute() != self.source.absolute()
+        if diff.needs_acceptance and not self.opts.accept_source_changes:
+            err = refusal(diff, self.lay.root)
+            if moved:
+                err = SourceChangedError(f"--source {self.source} does not hold the build's registered samples "
+                                         f"as they were ({diff.describe()}); if it is the build's source, edited, "
+                                         "add --accept-source-changes; else pass the right file")
+            raise err
+        if moved:
+            self.emit(Event("source_moved", detail=detail(source=str(self.source), previous=self.cfg.source)))
+        record_source(self.log, samples, diff, self.emit, str(self.source))
+        self.flush(force=True)
+        if moved:  # after the log has it; only the source line changes (not this run's flag overrides)
+            saved = load_config(self.lay)
+            saved.source = self.cfg.source = str(self.source)
+            saved.save(self.lay.config)
+            self.echo(f"source moved: now {self.source} (recorded in the log; hsbuild.toml updated)")
+        if diff.needs_acceptance:
+            self.echo(f"source changes accepted: {diff.describe()}; changed samples are extracted again, removed "
+                      "ones retired (recorded in the log: SELECT * FROM samples WHERE state = 'retired')")
+        return len(diff.added)
 
     def _provenance(self, sid: str) -> dict:
         if sid not in self.dump_files:

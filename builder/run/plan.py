@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from builder.errors import SourceChangedError
 from builder.extract.source import Sample
 from builder.log.events import EventLog
 
@@ -29,6 +28,7 @@ class Plan:
     failed_final: list[str] = field(default_factory=list)  # failed max_attempts times; not retried
     interrupted_final: list[str] = field(default_factory=list)  # left `started` too often; given up now
     damaged: list[str] = field(default_factory=list)  # marked damaged by verify; re-extracted
+    retired: int = 0  # removed from the source or skipped: not extracted
     pending: list[str] = field(default_factory=list)  # never started
     todo: list[Sample] = field(default_factory=list)
     attempts: dict[str, int] = field(default_factory=dict)
@@ -37,32 +37,17 @@ class Plan:
         return {"total": self.total, "done": self.done, "interrupted": len(self.interrupted),
                 "failed_retry": len(self.failed_retry), "failed_final": len(self.failed_final),
                 "interrupted_final": len(self.interrupted_final),
-                "damaged": len(self.damaged), "pending": len(self.pending), "todo": len(self.todo)}
-
-
-def check_source(log: EventLog, samples: list[Sample]) -> int:
-    """Refuse a source that changed under registered samples; register new ones. Returns how many were new."""
-    known = log.registered()
-    changed = [s.sample_id for s in samples if s.sample_id in known and known[s.sample_id][1] != s.fingerprint]
-    current = {s.sample_id for s in samples}
-    missing = [sid for sid in known if sid not in current]
-    if changed or missing:
-        parts = []
-        if changed:
-            parts.append(f"{len(changed)} sample(s) changed their tokens (e.g. id {', '.join(changed[:3])})")
-        if missing:
-            parts.append(f"{len(missing)} registered sample(s) are gone (e.g. id {', '.join(missing[:3])})")
-        raise SourceChangedError(
-            "source changed under the build: " + "; ".join(parts)
-            + ". Restore the original source, or start a new build with `hsbuild init --force`"
-        )
-    return log.register_samples([s for s in samples if s.sample_id not in known])
+                "damaged": len(self.damaged), "pending": len(self.pending), "todo": len(self.todo),
+                "retired": self.retired}
 
 
 def import_starts(log: EventLog) -> dict[str, int]:
-    """Per sample, the `started` events of imports: reading a dump file is no extraction attempt."""
-    _, rows = log.query("SELECT sample_id, count(*) FROM events WHERE kind = 'started' "
-                        "AND json_extract_string(detail, '$.origin') = 'import' GROUP BY sample_id")
+    """Per sample, the `started` events of imports since it last started over (`superseded`): reading a dump
+    file is no extraction attempt."""
+    _, rows = log.query(
+        "WITH resets AS (SELECT sample_id, max(seq) AS rseq FROM events WHERE kind = 'superseded' GROUP BY 1) "
+        "SELECT e.sample_id, count(*) FROM events e LEFT JOIN resets r USING (sample_id) WHERE e.kind = 'started' "
+        "AND json_extract_string(e.detail, '$.origin') = 'import' AND e.seq > coalesce(r.rseq, 0) GROUP BY 1")
     return dict(rows)
 
 
@@ -73,8 +58,12 @@ def make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: in
     for s in samples:
         row = states.get(s.sample_id)
         state = row["state"] if row else "pending"
-        plan.attempts[s.sample_id] = row["attempts"] if row else 0  # numbers the next attempt
-        attempts = plan.attempts[s.sample_id] - imported.get(s.sample_id, 0)  # counted against max_attempts
+        plan.attempts[s.sample_id] = row["starts"] if row else 0  # numbers the next attempt
+        # counted against max_attempts: the extraction attempts since the sample last started over
+        attempts = (row["attempts"] if row else 0) - imported.get(s.sample_id, 0)
+        if state == "retired":
+            plan.retired += 1
+            continue
         if state in ("written", "verified"):
             plan.done += 1
             continue
@@ -95,6 +84,7 @@ def make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: in
         else:
             plan.pending.append(s.sample_id)
         plan.todo.append(s)
+    plan.total -= plan.retired
     if limit is not None:
         plan.todo = plan.todo[:limit]
     return plan

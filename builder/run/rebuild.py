@@ -96,12 +96,14 @@ def adopt(log: EventLog, data_root: Path, emit: Callable[[Event], None],
     candidates = unlogged(log, data_root) if candidates is None else candidates
     if not candidates:
         return rep
-    registered = {sid: fp for sid, (_, fp, _) in log.registered().items()}
-    _, rows = log.query("SELECT sample_id, state FROM samples")
-    state = {r[0]: r[1] for r in rows}
+    # the current fingerprint (a source change may have superseded the registration's); retired: not adopted
+    _, rows = log.query("SELECT sample_id, fingerprint, state FROM samples")
+    registered = {r[0]: r[1] for r in rows}
+    state = {r[0]: r[2] for r in rows}
     newest: dict[str, DurableSample] = {}
     for d in candidates:
-        if registered.get(d.sample_id) != d.fingerprint or state.get(d.sample_id) in ("written", "verified"):
+        if registered.get(d.sample_id) != d.fingerprint or state.get(d.sample_id) in ("written", "verified",
+                                                                                      "retired"):
             rep.stale += 1
             continue
         newest[d.sample_id] = d  # candidates are in write order: the last one wins

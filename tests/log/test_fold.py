@@ -20,11 +20,12 @@ from builder.log.fold import fold
 
 SAMPLE_IDS = ["a", "b", "c"]
 REASONS = ["nonfinite", "checksum_mismatch", "no_space"]
+RETIRE_REASONS = {"nonfinite": "skipped", "checksum_mismatch": "removed_from_source", "no_space": "skipped"}
 
 # (kind, sample, segment, token_start, reason, attempt, ts offset in seconds): offsets drawn from a small
 # range, so they repeat and go backwards between consecutive events
 raw_event = st.tuples(
-    st.sampled_from(["started", "written", "verified", "failed"]),
+    st.sampled_from(["started", "written", "verified", "failed", "superseded", "retired"]),
     st.sampled_from(SAMPLE_IDS),
     st.sampled_from(["seg-1", "seg-2"]),
     st.integers(0, 1000),
@@ -48,6 +49,8 @@ def _events(raw) -> list[Event]:
             ev.segment, ev.token_start, ev.num_tokens, ev.nbytes, ev.checksums = seg, start, 7, 100, "{}"
         if kind == "failed":
             ev.reason = reason
+        if kind == "retired":
+            ev.reason = RETIRE_REASONS[reason]
         out.append(ev)
     return out
 
@@ -74,7 +77,8 @@ def test_samples_view_matches_reference_fold(tmp_path_factory, raw):
         mine = [e for e in events if e.sample_id == sid]
         ref = fold(mine)
         r = rows[sid]
-        got = (r["state"], r["attempts"], r["segment"], r["token_start"], r["num_tokens"], r["error"])
+        got = (r["state"], r["attempts"], r["segment"], r["token_start"], r["num_tokens"], r["error"],
+               r["retired_reason"])
         assert got == ref.as_tuple(), (sid, [(e.seq, e.kind, e.segment, e.ts.second) for e in mine])
         # verified_at is the timestamp of the `verified` event the fold chose (by seq), whatever the clock did
         want_at = by_seq[ref.verified_seq].ts if ref.verified_seq is not None else None
@@ -89,10 +93,12 @@ def test_fold_invariants(raw):
     for sid in SAMPLE_IDS:
         mine = [e for e in events if e.sample_id == sid]
         s = fold(mine)
-        assert s.attempts == sum(e.kind == "started" for e in mine)
+        resets = [i for i, e in enumerate(mine) if e.kind == "superseded"]
+        since = mine[resets[-1] + 1:] if resets else mine
+        assert s.attempts == sum(e.kind == "started" for e in since)  # a changed sample starts over
         main = [e for e in mine if e.kind != "verified"]
-        if not main:
-            assert s.state == "pending"  # a stray `verified` alone never makes a sample live
+        if not main or main[-1].kind == "superseded":
+            assert s.state == "pending" and s.segment is None  # a stray `verified` never makes a sample live
             continue
         last = main[-1]
         # the live location is exactly the last `written`, and only while it is the last word
@@ -102,3 +108,4 @@ def test_fold_invariants(raw):
             assert s.state == ("verified" if later_verified else "written")
         else:
             assert s.state == last.kind and s.segment is None
+            assert (s.retired_reason is not None) == (last.kind == "retired")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from conftest import random_rows, write_jsonl
 from torch.utils.data import DataLoader
 
+from builder.config import BuildConfig
 from builder.extract.model import Extractor
 from builder.extract.source import load_source
 from builder.formats.reader import HiddenStateDataset, collate_concat
@@ -36,15 +38,36 @@ def _threads_by_sample(log: EventLog) -> dict[str, int]:
         "SELECT run_id, json_extract_string(detail, '$.threads') FROM events WHERE kind = 'run_started'")[1]
         if t is not None}
     return {sid: threads[run] for sid, run in log.query(
-        "SELECT sample_id, run_id FROM events WHERE kind = 'written'")[1] if run in threads}
+        "SELECT sample_id, run_id FROM events WHERE kind = 'written' ORDER BY seq")[1] if run in threads}
+
+
+# A CPU forward pass is not always reproducible to the last bit across processes: twice in some hundred runs
+# (once in CI) a sample's states differed from a fresh forward by one bf16 ulp in a handful of values, with the
+# same thread count and MKL_DYNAMIC/OMP_DYNAMIC off. What storage must keep bit-exact is guarded by each
+# sample's CRC-32C, computed by the worker from the tensors it got and checked by every read; this comparison
+# says the stored states ARE the model's states for these tokens: equal bits, or at most this share of values
+# off by at most this many ulps (a lossy conversion, a shifted row or another layer changes far more).
+ULP_SLACK, ULP_SHARE = 2, 0.002
+
+
+def _same_states(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
+    a, b = bits(got).astype(np.int32), bits(ref).astype(np.int32)
+    if np.array_equal(a, b):
+        return True, ""
+    off = a != b
+    ulps = np.abs(a - b)[off]
+    same_sign = ((a < 0) == (b < 0))[off].all()
+    ok = same_sign and int(ulps.max()) <= ULP_SLACK and off.mean() <= ULP_SHARE
+    return ok, (f"{int(off.sum())} of {a.size} values differ, by up to {int(ulps.max())} ulp(s), max abs diff "
+                f"{(got.float() - ref.float()).abs().max()}")
 
 
 def assert_bit_exact(build, model=MODEL, max_tokens=None) -> int:
-    """Every live sample equals a fresh reference forward pass of the same model, bit for bit, computed with
-    the thread count its worker used (on the CPU an ulp can depend on how a reduction was split)."""
+    """Every live sample equals a fresh reference forward pass of the same model, bit for bit (see ULP_SLACK),
+    computed with the thread count its worker used (on the CPU an ulp can depend on how a reduction was split)."""
     lay = layout(build)
+    cfg_source = BuildConfig.from_toml(lay.config).source  # where the source is now (it may have moved)
     with EventLog(lay.events, read_only=True) as log:
-        cfg_source = log.meta()["source"]
         threads = _threads_by_sample(log)
     ex = Extractor(model, device="cpu")
     src = {s.sample_id: s for s in load_source(cfg_source, ex.tokenizer)}
@@ -62,11 +85,14 @@ def assert_bit_exact(build, model=MODEL, max_tokens=None) -> int:
             assert item["hidden_state"].dtype == torch.bfloat16
             for name, ref in (("hidden_state", final), ("aux_hidden_state", aux)):
                 got = item[name]
-                if not np.array_equal(bits(got), bits(ref)):
-                    ndiff = int((bits(got) != bits(ref)).sum())
-                    raise AssertionError(
-                        f"{sid} ({len(ids)} tokens, {threads.get(sid, default)} threads): {name} differs from a "
-                        f"fresh forward in {ndiff} values, max abs diff {(got.float() - ref.float()).abs().max()}")
+                assert got.shape == ref.shape, (sid, name, got.shape, ref.shape)
+                ok, how = _same_states(got, ref)
+                if not ok:
+                    raise AssertionError(f"{sid} ({len(ids)} tokens, {threads.get(sid, default)} threads): {name} "
+                                         f"differs from a fresh forward: {how}")
+                if how:
+                    warnings.warn(f"{sid}: {name} {how} (a CPU forward pass not reproducible to the last bit)",
+                                  stacklevel=2)
     finally:
         torch.set_num_threads(default)
     return len(ds)
