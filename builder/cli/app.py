@@ -165,7 +165,8 @@ def status_lines(st: dict) -> list[str]:
         lines.append(f"warning: hsbuild.lock {what}, although a process owns this build and answered; nothing "
                      "stops a second run now: do not start one until this one has finished")
     lines.append(f"samples: {st['total']} total | {st['done']} done ({st['written']} written, {st['verified']} "
-                 f"verified) | {st['failed']} failed | {st['started']} in flight/interrupted | {st['pending']} pending")
+                 f"verified) | {st['failed']} failed | {st['started']} in flight/interrupted | {st['pending']} pending"
+                 + (f" | {st['retired']} retired (removed from the source or skipped)" if st.get("retired") else ""))
     lines.append(f"tokens:  {st['tokens_done']:,} of {st['tokens_total']:,} | data {human_bytes(st['bytes_done'])}")
     if st.get("failed_by_reason"):
         reasons = ", ".join(f"{k} {v}" for k, v in st["failed_by_reason"].items())

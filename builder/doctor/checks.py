@@ -156,7 +156,8 @@ def check_source(ctx: Context) -> Check:
         return Check("env.source", OK, f"source {src} (a datasets directory, {human_bytes(size)})",
                      data={"path": str(src)})
     return Check("env.source", FAIL, f"source {src} is missing",
-                 "restore the source file at that path (its samples are registered in the build)",
+                 "if it moved: hsbuild resume BUILD --source NEWPATH (recorded in the log); else restore the file at "
+                 "that path (its samples are registered in the build)",
                  {"path": str(src)})
 
 

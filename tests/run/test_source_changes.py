@@ -118,6 +118,7 @@ def test_skip_a_sample_that_can_never_succeed(make_build, cli):
     q = cli("sql", build, "SELECT total, done, failed, retired FROM progress", "--json", check=True)
     assert json.loads(q.stdout) == [{"total": 5, "done": 5, "failed": 0, "retired": 1}]
     assert len(HiddenStateDataset(build)) == 5
+    assert "| 1 retired" in cli("status", build, check=True).stdout
 
     cp = cli("skip", build, "s0002", "--undo", check=True)  # brought back: tried again (and fails again)
     assert "brought back 1 sample(s): s0002" in cp.stdout
@@ -139,6 +140,9 @@ def test_a_moved_source_is_repointed(make_build, cli, tmp_path):
     assert cp.returncode == 2
     first = cp.stderr.strip().splitlines()[0]
     assert old in first and f"hsbuild resume {build} --source NEWPATH" in first, first
+    doc = cli("doctor", build, "--json", "--no-record")
+    src_check = next(c for c in json.loads(doc.stdout)["checks"] if c["name"] == "env.source")
+    assert src_check["status"] == "fail" and "--source NEWPATH" in src_check["fix"]
 
     other = write_jsonl(tmp_path / "other.jsonl", random_rows(8, seed=9))
     cp = cli("resume", build, "--no-progress", "--source", other)
