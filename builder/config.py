@@ -40,7 +40,7 @@ class Watermarks:
 # The keys that decide what a stored sample looks like. A build holds one format: `init` records them (meta
 # `format`), and a config whose format keys differ is refused by every run, with or without --force.
 FORMAT_KEYS = ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tokens", "backend", "final_state")
-POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "workers", "inflight")
+POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "workers", "inflight", "batch_tokens")
 BACKENDS = ("inprocess", "vllm")
 UNKNOWN = object()  # a value at init that an old build did not record
 
@@ -62,6 +62,7 @@ class BuildConfig:
     backend: str = "inprocess"  # inprocess: the workers load the model; vllm: a vLLM server runs it
     server: str | None = None  # vllm: the server's URL (http://127.0.0.1:8000)
     inflight: int | None = None  # vllm: requests in flight (default 16)
+    batch_tokens: int | None = None  # inprocess: samples packed into one forward pass up to this many tokens
     final_state: str = "post_norm"  # what `hidden_state` holds: the final norm's output, or its input
     engine_connector: str = "ExampleHiddenStatesConnector"  # the server's KV connector (serve-command, --launch)
     engine_connector_module: str | None = None  # its module, when not vLLM's own (kv_connector_module_path)

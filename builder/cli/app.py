@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inprocess: the workers load --model; vllm: a vLLM server serving --model runs the passes")
     p.add_argument("--server", help="the inference server's URL, e.g. http://127.0.0.1:8000 (--backend vllm)")
     p.add_argument("--inflight", type=positive_int, help="requests in flight to the server (default 16)")
+    p.add_argument("--batch-tokens", type=positive_int, metavar="N",
+                   help="pack samples into forward passes of up to N tokens (--backend inprocess; the same states, "
+                        "bit for bit; default: one sample a pass)")
     p.add_argument("--final-state", default="post_norm", choices=["post_norm", "pre_norm"],
                    help="hidden_state: the final norm's output (HF hidden_states[L], SpecForge) or its input "
                    "(vLLM's layer L, speculators); the norm is kept in the build so the other can be derived")
@@ -112,15 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from builder.config import Watermarks  # noqa: PLC0415
+    from builder.config import BuildConfig, Watermarks  # noqa: PLC0415
+    from builder.errors import UsageError  # noqa: PLC0415
     from builder.run.create import init_build  # noqa: PLC0415
     from builder.space.capacity import describe_capacity  # noqa: PLC0415
 
+    if args.batch_tokens is not None and args.backend != "inprocess":
+        raise UsageError(f"--batch-tokens {args.batch_tokens}: only for --backend inprocess (an inference server "
+                         "batches by itself: --inflight)")
     lay = init_build(args.build, args.source, model=args.model, aux_layers=args.aux_layers, max_tokens=args.max_tokens,
                      force=args.force, codec=args.codec, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
                      max_attempts=args.max_attempts, device=args.device, staging=args.staging,
                      watermarks=Watermarks(args.low, args.high, args.flood, args.min_free), backend=args.backend,
                      server=args.server, inflight=args.inflight, final_state=args.final_state)
+    if args.batch_tokens is not None:  # not a format key: the states are the same, bit for bit
+        cfg = BuildConfig.from_toml(lay.config)
+        cfg.batch_tokens = args.batch_tokens
+        cfg.save(lay.config)
     print(f"created build {lay.root}")
     for line in describe_capacity(lay):
         print(line)

@@ -135,6 +135,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="engine backends: start the server (`hsbuild serve-command BUILD`) as a child, restart it "
                         "if it dies, stop it at the end; without it hsbuild waits for a server you run")
     p.add_argument("--inflight", type=positive_int, help="engine backends: requests in flight (default: config, 16)")
+    p.add_argument("--batch-tokens", type=count, metavar="N",
+                   help="in-process backend: pack samples into forward passes of up to N tokens, 0: one sample a "
+                        "pass (default: config, 0); the states are the same, bit for bit")
     p.add_argument("--source", metavar="NEWPATH",
                    help="the build's source moved here: accepted when it holds the registered samples (recorded in "
                         "the log; hsbuild.toml updated)")

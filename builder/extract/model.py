@@ -102,6 +102,29 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+# Batched extraction (`Extractor.extract_batch`) must give every sample the bits its own forward pass gives it.
+# A matrix product's rows do not have that property: the CPU kernels (oneDNN, MKL) choose their blocking and
+# thread split, sometimes a split of the inner dimension, from the number of rows, so a sample's rows multiplied
+# as part of a longer packed matrix can differ from the same rows multiplied alone (measured: 1-3% of samples
+# differ in the last bit with 2 threads in bfloat16). So in a packed forward pass every product and every
+# attention runs per sample, on exactly the operands `forward` gives it; what runs over all samples' tokens at
+# once is what computes each row on its own: embedding lookups, the RMSNorms (a reduction within each row) and
+# the residual adds (elementwise, correctly rounded).
+
+
+def _spans(lengths: list[int]) -> list[tuple[int, int]]:
+    starts = np.cumsum([0, *lengths[:-1]]).tolist()
+    return [(int(a), int(n)) for a, n in zip(starts, lengths, strict=True)]
+
+
+def segments(fn, h: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """fn(i, sample i's rows of `h` [1, T, ...]) for each span, concatenated back along the tokens. Each sample's
+    rows are copied to a tensor of their own: the operand the kernels see is the one a lone forward pass makes."""
+    if len(spans) == 1:
+        return fn(0, h)
+    return torch.cat([fn(i, h[:, a:a + n].clone()) for i, (a, n) in enumerate(spans)], dim=1)
+
+
 class Block(nn.Module):
     def __init__(self, s: BuiltinSpec):
         super().__init__()
@@ -116,9 +139,9 @@ class Block(nn.Module):
         self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        h = self.input_layernorm(x)
+    def attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention sublayer of one sample's normed states `h` [b, n, H] (its projections included)."""
+        b, n, _ = h.shape
         q = self.q_proj(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -126,9 +149,22 @@ class Block(nn.Module):
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(att.transpose(1, 2).reshape(b, n, -1))
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+        return self.o_proj(att.transpose(1, 2).reshape(b, n, -1))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_packed(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                       spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Several samples packed along the tokens of `x` [1, T, H] (`spans`: each one's start and length): the
+        norms and residual adds run over all tokens at once (row-wise operations), each sample's projections,
+        attention and MLP run on its own tokens, exactly as `forward` runs them (see `segments`)."""
+        x = x + segments(lambda i, h: self.attention(h, *ropes[i]), self.input_layernorm(x), spans)
+        return x + segments(lambda _i, h: self.mlp(h), self.post_attention_layernorm(x), spans)
 
 
 class BuiltinLlama(nn.Module):
@@ -154,19 +190,35 @@ class BuiltinLlama(nn.Module):
         if 0 <= self.spec.nan_token < self.spec.vocab:
             self.embed_tokens.weight[self.spec.nan_token] = float("nan")
 
-    def forward(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        n = input_ids.shape[1]
-        pos = torch.arange(n, dtype=torch.float32, device=input_ids.device)
-        freqs = torch.outer(pos, self.inv_freq.to(input_ids.device))
+    def rope_tables(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions 0..n-1, [n, head_dim], in the dtype of `like`."""
+        pos = torch.arange(n, dtype=torch.float32, device=like.device)
+        freqs = torch.outer(pos, self.inv_freq.to(like.device))
         emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(like.dtype), emb.sin().to(like.dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
         x = self.embed_tokens(input_ids)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self.rope_tables(input_ids.shape[1], x)
         states = [x]
         for layer in self.layers:
             x = layer(x, cos, sin)
             states.append(x)
         states[-1] = self.norm(x)
         return states
+
+    def forward_packed(self, input_ids: torch.Tensor, lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Samples packed in `input_ids` [1, T] (their `lengths` sum to T), each at positions 0..n-1: (states as
+        `forward` returns them, [1, T, H] each, the last layer's output before the final norm)."""
+        x = self.embed_tokens(input_ids)
+        ropes = [self.rope_tables(n, x) for n in lengths]  # each sample's own tables, computed as `forward` does
+        spans = _spans(lengths)
+        states = [x]
+        for layer in self.layers:
+            x = layer.forward_packed(x, ropes, spans)
+            states.append(x)
+        states[-1] = self.norm(x)
+        return states, x
 
 
 class BuiltinTokenizer:
@@ -459,6 +511,99 @@ class Extractor:
         if bad is not None:
             raise SampleError(bad.reason, bad.message)
         return aux.to("cpu"), final.to("cpu")
+
+
+    # -- batched extraction -------------------------------------------------------------------------------
+    def can_pack(self) -> bool:
+        """Whether `extract_batch` runs one packed forward pass (the built-in model, a Hugging Face Llama with
+        SDPA attention); otherwise it runs `extract` once per sample."""
+        return self._model is not None and (not self._hf or self._hf_llama() is not None)
+
+    def _hf_llama(self):
+        """The decoder of a Hugging Face Llama whose layers a packed pass can drive exactly as its own forward
+        pass does (embed, rotary tables, per layer: norm, attention, add, norm, MLP, add; final norm), or None."""
+        inner = getattr(self._model, "model", None)
+        if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+            return None
+        if getattr(self._model.config, "_attn_implementation", None) != "sdpa":
+            return None  # a lone pass with eager attention gets a mask the packed one would have to rebuild
+        if getattr(self._model.config, "pretraining_tp", 1) != 1:
+            return None
+        if not all(type(layer).__name__ == "LlamaDecoderLayer" for layer in inner.layers):
+            return None
+        return inner
+
+    def _hf_forward_packed(self, inner, ids: torch.Tensor, lengths: list[int]):
+        spans = _spans(lengths)
+        x = inner.embed_tokens(ids)
+        # each sample's rotary tables, from the call its own pass makes (positions 0..n-1 as int64, [1, n])
+        ropes = [inner.rotary_emb(x[:, a:a + n], torch.arange(n, device=ids.device).unsqueeze(0)) for a, n in spans]
+        states = [x]
+        for layer in inner.layers[: inner.config.num_hidden_layers]:
+            attend = _HfAttention(layer.self_attn, ropes)  # no cache: a lone pass's cache only copies k and v
+            x = x + segments(attend, layer.input_layernorm(x), spans)
+            x = x + segments(_HfMlp(layer.mlp), layer.post_attention_layernorm(x), spans)
+            states.append(x)
+        pre = x
+        states[-1] = inner.norm(x)
+        return states, pre
+
+    @torch.inference_mode()
+    def extract_batch(self, batch: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor] | Exception]:
+        """Several samples' states from one packed forward pass: for each, what `extract` returns for it, bit for
+        bit (see `segments`), or the exception it raises (a SampleError: non-finite states fail their sample
+        alone). A model that cannot be packed, or a packed pass that raises (out of memory), runs `extract` once
+        per sample."""
+        if self._model is None:
+            raise ModelError(f"{self.spec}: opened for metadata only (load_weights=False)")
+        if len(batch) > 1 and self.can_pack():
+            try:
+                return self._extract_packed(batch)
+            except Exception:  # noqa: BLE001 - each sample gets its own chance (and its own error) below
+                self._pre.clear()
+        out: list[tuple[torch.Tensor, torch.Tensor] | Exception] = []
+        for input_ids in batch:
+            try:
+                out.append(self.extract(input_ids))
+            except Exception as e:  # noqa: BLE001 - a SampleError, or any other error: this sample's alone
+                out.append(e)
+        return out
+
+    def _extract_packed(self, batch: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor] | SampleError]:
+        lengths = [int(x.shape[0]) for x in batch]
+        ids = torch.from_numpy(np.concatenate([np.ascontiguousarray(x, dtype=np.int64) for x in batch]))
+        ids = ids.unsqueeze(0).to(self.device)
+        if self._hf:
+            states, pre = self._hf_forward_packed(self._hf_llama(), ids, lengths)
+        else:
+            states, pre = self._model.forward_packed(ids, lengths)
+        last = pre if self.final_state == "pre_norm" else states[self.num_layers]
+        out: list[tuple[torch.Tensor, torch.Tensor] | SampleError] = []
+        for a, n in _spans(lengths):
+            aux = torch.cat([states[i][0, a:a + n] for i in self.aux_layers], dim=-1)
+            final = last[0, a:a + n].clone()  # its own tensor: the batch's states are not kept alive by it
+            bad = check_finite("", aux, final)
+            out.append(SampleError(bad.reason, bad.message) if bad is not None else (aux.to("cpu"), final.to("cpu")))
+        return out
+
+
+class _HfAttention:
+    """A Hugging Face attention module called on one sample's normed states, as its decoder layer calls it in a
+    lone pass (no mask: SDPA's causal kernel; the sample's rotary tables)."""
+
+    def __init__(self, module, ropes):
+        self.module, self.ropes = module, ropes
+
+    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        return self.module(hidden_states=h, position_embeddings=self.ropes[i], attention_mask=None)[0]
+
+
+class _HfMlp:
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, _i: int, h: torch.Tensor) -> torch.Tensor:
+        return self.module(h)
 
 
 def bytes_per_token(hidden_size: int, n_aux: int, dtype: str = "bfloat16") -> int:

@@ -58,6 +58,7 @@ RUN = [(["--workers", "0"], None), (["--workers", "-1"], None), (["--workers", "
        (["--limit", "-5"], None), (["--limit", "1.5"], None), (["--max-attempts", "0"], None),
        (["--min-free=-1G"], "--min-free"), (["--min-free", "lots"], None), (["--device", "tpu"], None),
        (["--device", "cuda:x"], None), (["--inflight", "0"], None), (["--launch"], None),
+       (["--batch-tokens", "-1"], None), (["--batch-tokens", "many"], None),
        (["--source", "/nonexistent.jsonl"], None), *WATERMARKS]
 
 
@@ -145,6 +146,9 @@ INIT: list[Case] = [
     (["--backend", "vllm", "--server", "http://127.0.0.1:8000"], None),
     (["--backend", "vllm", "--server", "http://127.0.0.1:8000", "--staging", "/tmp"], "--model"),
     (["--final-state", "middle"], None), (["--source", "/nonexistent.jsonl"], None),
+    (["--batch-tokens", "0"], None), (["--batch-tokens", "1.5"], None),
+    (["--backend", "vllm", "--server", "http://127.0.0.1:8000", "--staging", "/tmp", "--batch-tokens", "512"],
+     "--batch-tokens"),
 ]
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
