@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue
 import signal
+import threading
 import time
 import uuid
 from collections import deque
@@ -37,7 +39,7 @@ from builder.extract.source import Sample, load_source
 from builder.humanize import human_bytes, pct
 from builder.layout import layout
 from builder.log.events import Event, EventBatch, detail, open_log
-from builder.log.lock import BuildLock
+from builder.log.lock import BuildLock, note_interrupted
 from builder.log.server import QueryServer
 from builder.progress import NoProgress, Progress
 from builder.run.create import code_fingerprint
@@ -162,6 +164,7 @@ class Coordinator:
         as a reentrant call). The main loop says it is stopping."""
         self.stop_requested += 1
         if self.stop_requested >= 2:
+            note_interrupted(self.lay, signum)  # the lock record says so: the next run does not blame a crash
             os._exit(EXIT_INTERRUPTED)  # still safe: nothing uncommitted is ever referenced
 
     # -- events -------------------------------------------------------------------------------------------
@@ -211,7 +214,7 @@ class Coordinator:
         require_same_format(self.cfg, meta)  # never overridable: a build holds one format
         parse_codec(self.cfg.codec)  # a build made before init checked codec levels: refused here, not per sample
         added = self._check_source(samples)
-        self._adopt_unlogged()
+        self._adopt_unlogged(lock.previous)
         importing = self.opts.imports is not None
         plan = make_plan(self.log, samples, self.cfg.max_attempts, None if importing else self.opts.limit)
         report = RunReport(self.run_id, plan)
@@ -400,7 +403,7 @@ class Coordinator:
         self.echo(f"\nPAUSED (server_unavailable): {message}; in-flight samples go back to pending; "
                   + ("restarting the server" if self.opts.launch else "waiting for the server to be healthy"))
 
-    def _adopt_unlogged(self) -> None:
+    def _adopt_unlogged(self, previous: dict | None = None) -> None:
         """Samples durable in a segment (its manifest says so) whose `written` event the log lacks: a crash
         between the data barrier and the log commit, or a log that lost commits. Adopt them once their bytes
         check out, rather than extracting them again."""
@@ -411,8 +414,10 @@ class Coordinator:
         self.emit(Event("adopted", detail=detail(found=len(missed), adopted=len(rep.adopted), damaged=rep.damaged,
                                                  stale=rep.stale)))
         self.flush(force=True)
-        self.echo(f"the log was behind the data: {len(missed)} durable sample(s) had no `written` event (a crash "
-                  f"before the log's commit, or a lost log file); adopted {len(rep.adopted)} after reading them back"
+        why = ("the previous run was interrupted (Ctrl-C twice) before its log committed them"
+               if previous and previous.get("interrupted") else "a crash before the log's commit, or a lost log file")
+        self.echo(f"the log was behind the data: {len(missed)} durable sample(s) had no `written` event ({why}); "
+                  f"adopted {len(rep.adopted)} after reading them back"
                   + (f"; {len(rep.damaged)} failed the check and are extracted again" if rep.damaged else ""))
 
     def _give_up_interrupted(self, plan: Plan) -> None:
@@ -444,7 +449,8 @@ class Coordinator:
         flags = Flags(ctx)
         threads = self._threads()
         procs: dict[int, mp.process.BaseProcess] = {}
-        conns: dict[int, Connection] = {}
+        conns: dict[int, Connection] = {}  # reports from each worker (read here)
+        outboxes: dict[int, _Outbox] = {}  # tasks and stops to each worker (sent by its outbox's thread)
         for w in range(self.workers):
             settings = WorkerSettings(
                 build_root=str(self.lay.root), data_root=str(self.lay.data), run_id=self.run_id, worker=w,
@@ -452,7 +458,7 @@ class Coordinator:
                 device=self.opts.device or self.cfg.device, codec=self.cfg.codec, chunk_tokens=self.cfg.chunk_tokens,
                 max_tokens=self.cfg.max_tokens, threads=threads, verify_after_write=self.cfg.verify_after_write,
                 flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free, coordinator_pid=os.getpid(),
-                final_state=self.cfg.final_state,
+                final_state=self.cfg.final_state, batch_tokens=self.cfg.batch_tokens,
                 vllm=(vllm_settings(self.cfg, meta, self.engine.model_name or self.cfg.model)
                       if self.engine is not None else None),
                 dump=(DumpSettings(self.opts.imports.format, int(meta["hidden_size"]), len(self.cfg.aux_layers or
@@ -464,6 +470,7 @@ class Coordinator:
             _start_ignoring_stop_signals(p)
             theirs.close()  # so a dead worker's pipe reads as EOF here
             procs[w], conns[w] = p, mine
+            outboxes[w] = _Outbox(mine, f"hsbuild-worker-{w}")
         st = self._st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
                                   assigned={w: [] for w in procs}, alive=set(procs))
         bar = self.opts.progress or NoProgress()
@@ -487,10 +494,10 @@ class Coordinator:
                     self._set_paused(pause, flags, report)
                 self._engine_watch(report)
                 if not stopping and self.paused_reason is None and self.engine_down is None:
-                    self._dispatch(st, conns, by_id, flags, report)
+                    self._dispatch(st, outboxes, by_id, flags, report)
                 for w in sorted(st.alive - st.told_to_stop):  # a sentinel once a worker has nothing more to do
                     if stopping or (not st.pending and not st.assigned[w]):  # its staged group: flushed on Stop
-                        _send(conns[w], Stop())
+                        outboxes[w].send(Stop())
                         st.told_to_stop.add(w)
                 for c in mp_connection.wait([conns[w] for w in st.alive], timeout=0.1):
                     w = next(k for k, v in conns.items() if v is c)
@@ -520,9 +527,10 @@ class Coordinator:
             try:
                 self.flush(force=True)
             finally:
-                _stop_workers(procs, conns, st, SHUTDOWN_SECONDS)
+                _stop_workers(procs, outboxes, st, SHUTDOWN_SECONDS)
 
-    def _dispatch(self, st: _Dispatch, conns: dict, by_id: dict[str, Sample], flags: Flags, report: RunReport) -> None:
+    def _dispatch(self, st: _Dispatch, outboxes: dict, by_id: dict[str, Sample], flags: Flags,
+                  report: RunReport) -> None:
         """Hand out samples: PER_WORKER to each ready worker (one in hand, one waiting), more while they are small
         (up to QUEUE_SAMPLES and QUEUE_TOKENS queued), so a worker always has its next sample at hand and can
         group many small ones into one durable write."""
@@ -538,7 +546,7 @@ class Coordinator:
                 sid = st.pending.popleft()
                 s = by_id[sid]
                 st.assigned[w].append(sid)
-                _send(conns[w], Task(sid, st.attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids, s.loss_mask,
+                outboxes[w].send(Task(sid, st.attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids, s.loss_mask,
                                      self.dump_files.get(sid)))
 
     def _set_paused(self, reason: str | None, flags: Flags, report: RunReport) -> None:
@@ -696,13 +704,13 @@ ABORT_GRACE_SECONDS = 120.0  # after a worker died, how long the others get
 SHUTDOWN_SECONDS = 10.0  # leaving the main loop early (an error): how long all workers together get to exit
 
 
-def _stop_workers(procs: dict[int, mp.process.BaseProcess], conns: dict[int, Connection], st: _Dispatch,
+def _stop_workers(procs: dict[int, mp.process.BaseProcess], outboxes: dict[int, _Outbox], st: _Dispatch,
                   seconds: float) -> None:
     """Tell every worker still running to stop, then join them all within one shared deadline; kill the rest
     (safe: nothing they have not reported is referenced)."""
     for w, p in procs.items():
         if w not in st.told_to_stop and p.is_alive():
-            _send(conns[w], Stop())
+            outboxes[w].send(Stop())
             st.told_to_stop.add(w)
     deadline = time.monotonic() + seconds
     for p in procs.values():
@@ -711,7 +719,7 @@ def _stop_workers(procs: dict[int, mp.process.BaseProcess], conns: dict[int, Con
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
-        conns[w].close()
+        outboxes[w].close()  # its thread ends (a send to a dead worker fails), then the pipe is closed
 
 
 @dataclass
@@ -767,11 +775,33 @@ def _start_ignoring_stop_signals(p: mp.process.BaseProcess) -> None:
             signal.signal(sig, handler)
 
 
-def _send(conn: Connection, obj: object) -> None:
-    try:
-        conn.send(obj)
-    except (BrokenPipeError, OSError):
-        pass  # the worker is gone; the main loop notices and accounts for its samples
+class _Outbox:
+    """Messages to one worker, sent by their own thread in order: a worker that stops reading (SIGSTOPped, hung)
+    fills its pipe and blocks that thread, never the main loop, which still handles Ctrl-C, reports and the
+    stop grace (that kills such a worker, and the blocked send then fails)."""
+
+    def __init__(self, conn: Connection, name: str):
+        self.conn = conn
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"{name}-outbox", daemon=True)
+        self.thread.start()
+
+    def send(self, obj: object) -> None:
+        self.queue.put(obj)
+
+    def _run(self) -> None:
+        while (obj := self.queue.get()) is not None:
+            try:
+                self.conn.send(obj)
+            except (BrokenPipeError, OSError, ValueError):
+                return  # the worker is gone; the main loop notices and accounts for its samples
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (once its worker is gone, a blocked send fails), then close the pipe."""
+        self.queue.put(None)
+        self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.conn.close()
 
 
 def _stop_grace(value: float | None) -> float:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +41,7 @@ from builder.run.messages import (
     Unreachable,
     Written,
 )
-from builder.store.segment import Location, SegmentWriter, is_disk_full, new_segment_name
+from builder.store.segment import Location, SegmentWriter, StagedGroup, is_disk_full, new_segment_name
 
 
 @dataclass
@@ -64,6 +66,7 @@ class WorkerSettings:
     vllm: object | None = None  # extract.backends.vllm.VllmSettings: the vLLM backend; None: in-process
     final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
     dump: object | None = None  # extract.backends.dump.DumpSettings: an import; None: extraction
+    batch_tokens: int | None = None  # in-process: pack samples into forward passes of up to this many tokens
 
 
 class Flags:
@@ -109,7 +112,26 @@ def worker_main(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma
         os._exit(1)
 
 
+class _SendLocked:
+    """The worker's end of its pipe, shared by this thread and the committer: whole messages, never interleaved
+    (only this thread receives)."""
+
+    def __init__(self, conn):
+        self._conn, self._lock = conn, threading.Lock()
+
+    def send(self, msg: object) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return self._conn.poll(timeout)
+
+    def recv(self) -> object:
+        return self._conn.recv()
+
+
 def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma: no cover - subprocess
+    conn = _SendLocked(conn)
     _die_with_parent()
     if os.getppid() != settings.coordinator_pid:  # the coordinator died while this process was starting
         os._exit(1)
@@ -179,7 +201,7 @@ def _open_backend(settings: WorkerSettings) -> tuple[Extractor, Backend]:
 
         ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, settings.device,
                        final_state=settings.final_state)
-        return ex, InProcessBackend(ex)
+        return ex, InProcessBackend(ex, settings.batch_tokens)
     from builder.extract.backends.vllm import VllmBackend  # noqa: PLC0415
     from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
 
@@ -190,6 +212,8 @@ def _open_backend(settings: WorkerSettings) -> tuple[Extractor, Backend]:
 
 GROUP_BYTES = 32 << 20  # encoded bytes a worker stages before making them durable in one barrier
 GROUP_SAMPLES = int(os.environ.get("HSBUILD_GROUP_SAMPLES", "256"))  # ... or this many samples
+# benchmarks only (tools/bench_pipeline.py): 0 commits each group before extracting on, as before overlap
+OVERLAP = os.environ.get("HSBUILD_COMMIT_OVERLAP", "1") != "0"
 GROUP_SECONDS = float(os.environ.get("HSBUILD_GROUP_SECONDS", "3"))  # ... or once its oldest staged sample
 # has waited this long (what a crash can cost: that much extraction, redone)
 
@@ -205,9 +229,10 @@ class _StagedSample:
 class _Group:
     """A worker's segment and the group of samples it has staged but not yet made durable.
 
-    Samples are extracted and encoded into memory (`Staged`), then made durable together (`SegmentWriter.flush`:
-    one barrier) and only then reported `Written`, so the engine is not held up by one fsync per sample and
-    small samples share files. Memory: at most about GROUP_BYTES of encoded data plus the sample in hand."""
+    Samples are extracted and encoded into memory (`Staged`), then made durable together (`SegmentWriter.commit`:
+    one barrier) on the committer thread and only then reported `Written`, so the engine is held up neither by
+    one fsync per sample nor by the group's barrier, and small samples share files. Memory: at most about
+    2 x GROUP_BYTES of encoded data (the group committing and the group staging) plus the sample in hand."""
 
     def __init__(self, settings: WorkerSettings, conn, flags: Flags, ex: Extractor, backend: Backend):
         self.settings, self.conn, self.flags, self.ex, self.backend = settings, conn, flags, ex, backend
@@ -217,6 +242,11 @@ class _Group:
         self.items: list[_StagedSample] = []
         self.first_staged = 0.0
         self.byte_limit = GROUP_BYTES  # lowered on a small volume: a group never holds more than 1% of it
+        # one group commits (write + fsync, on this thread) while the next is staged: the forward passes do not
+        # wait for the disk, and a worker holds at most two groups of encoded bytes (2 x GROUP_BYTES)
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="hsbuild-commit")
+        self._pending: Future | None = None
+        self.committing_bytes = 0
 
     @property
     def staged(self) -> int:
@@ -274,14 +304,14 @@ class _Group:
                         return
                     raise
             projected = int(ids.nbytes + mask.nbytes + aux.numel() * aux.element_size()
-                            + final.numel() * final.element_size()) + self.writer.staged_bytes
+                            + final.numel() * final.element_size()) + self.writer.staged_bytes + self.committing_bytes
             st = os.statvfs(s.data_root)
             total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
             self.byte_limit = max(1, min(GROUP_BYTES, total // 100))
             over_flood = s.flood < 1.0 and (total - free + projected) / total >= s.flood
             under_min_free = s.min_free > 0 and free - projected < s.min_free
             if over_flood or under_min_free:  # would cross flood: not staged; what is staged is written first
-                self.flush()
+                self.flush(wait=True)
                 self.conn.send(Deferred(wid, task.sample_id, task.attempt, task.fingerprint,
                                         projected - (self.writer.staged_bytes if self.writer else 0), total, free))
                 return
@@ -297,22 +327,47 @@ class _Group:
         except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
             self._fail(task, "error", traceback.format_exception_only(type(e), e)[-1].strip())
 
-    def flush(self) -> None:
-        """Make the staged group durable, then report each sample (`Written`, checked first with
-        --verify-after-write). The pause point: never starts while writers are paused."""
-        if not self.items or self.writer is None:
-            return
-        items, self.items = self.items, []
+    def flush(self, wait: bool = False) -> None:
+        """Hand the staged group to the committer thread, which makes it durable and then reports each sample
+        (`Written`), while this thread goes on extracting and staging the next group. At most one group
+        commits at a time: a second flush first waits for the previous commit. With `wait`, returns once this
+        group is committed too."""
+        if self.items and self.writer is not None:
+            self.drain()
+            items, self.items = self.items, []
+            group = self.writer.detach()
+            self.committing_bytes = sum(it.location.nbytes for it in items)
+            self._pending = self._committer.submit(self._commit, items, group)
+        if wait or not OVERLAP:
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait for the group being committed (if any)."""
+        if self._pending is not None:
+            self._pending.result()  # _commit reports its failures itself and never raises
+            self._pending = None
+            self.committing_bytes = 0
+
+    def _commit(self, items: list[_StagedSample], group: StagedGroup | None) -> None:
+        try:
+            self._commit_group(items, group)
+        except BaseException as e:  # noqa: BLE001 - a sample must never go unreported
+            for it in items:
+                self._fail(it.task, "error", f"writing its group: {type(e).__name__}: {e}")
+
+    def _commit_group(self, items: list[_StagedSample], group: StagedGroup | None) -> None:
+        """Make the group durable, then report each sample (`Written`, checked first with --verify-after-write).
+        The pause point: never starts while writers are paused."""
         s, wid, w = self.settings, self.wid, self.writer
+        assert w is not None and group is not None
         while not self.flags.gate_open and not self.flags.stop:
             time.sleep(0.05)
         if not self.flags.gate_open:  # stopping while paused: nothing of the group is written
-            w.drop_staged()
             for it in items:
                 self.conn.send(Abandoned(wid, it.task.sample_id))
             return
         try:
-            w.flush()  # a failed group leaves nothing behind (SegmentWriter.flush)
+            w.commit(group)  # a failed group leaves nothing behind (SegmentWriter.commit)
         except OSError as e:
             for it in items:
                 t = it.task
@@ -337,6 +392,8 @@ class _Group:
                                    time.perf_counter() - it.t0, verified))
 
     def seal(self) -> None:
+        self.drain()
+        self._committer.shutdown()
         if self.writer is None:
             return
         try:

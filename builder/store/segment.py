@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -124,6 +125,19 @@ def _write_once(path: Path, data: bytes) -> int:
 
 
 @dataclass
+class StagedGroup:
+    """A group of samples taken out of a writer's staging (`SegmentWriter.detach`), not yet durable."""
+
+    staged: list
+    chunks: dict  # field -> {global chunk index: encoded bytes}
+    start: int  # the group's first token address
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [s.sample_id for s in self.staged]
+
+
+@dataclass
 class SegmentWriter:
     """The only writer of one segment. `add` stages samples in memory; `flush` makes the staged group durable
     with one barrier and returns their locations. `write` is `add` then `flush`."""
@@ -150,6 +164,7 @@ class SegmentWriter:
         self.geometry = ShardGeometry(self.chunk_tokens, self.shard_chunks)
         self._encode = chunk_encoder(self.codec)
         self._chunks = {f: {} for f in FIELDS}
+        self._count_lock = threading.Lock()
 
     @property
     def path(self) -> Path:
@@ -247,12 +262,23 @@ class SegmentWriter:
         directories. Returns the group's locations. On failure nothing of the group remains on disk, the
         group is dropped (its samples must be extracted again) and the error is raised; the token range is
         abandoned, never reused."""
+        group = self.detach()
+        return [] if group is None else self.commit(group)
+
+    def detach(self) -> StagedGroup | None:
+        """Take the staged group out of the writer (its token range is left behind: the next sample starts on
+        a fresh shard), so that it can be committed on another thread while more samples are added."""
         if not self._staged:
-            return []
-        staged, chunks = self._staged, self._chunks
-        group_start = self._group_start
+            return None
+        group = StagedGroup(self._staged, self._chunks, self._group_start)
         self._staged, self._chunks, self._staged_bytes = [], {f: {} for f in FIELDS}, 0
         self.cursor = self._group_start = self.geometry.next_shard_start(self.cursor)
+        return group
+
+    def commit(self, group: StagedGroup) -> list[Location]:
+        """Make a detached group durable (see `flush`). One commit at a time per writer; `add` and `detach`
+        may run meanwhile (they touch only the staging side)."""
+        staged, chunks, group_start = group.staged, group.chunks, group.start
         jobs = self._shard_jobs(chunks)
         manifest = {"format": MANIFEST_FORMAT, "segment": self.name, "written_at": time.time(),
                     "group_start": group_start, "chunk_tokens": self.chunk_tokens,
@@ -282,8 +308,9 @@ class SegmentWriter:
         data_bytes = sum(s.location.nbytes for s in staged) or 1
         for s in staged:
             s.location.disk_bytes = allocated * s.location.nbytes // data_bytes
-        self.samples += len(staged)
-        self.groups += 1
+        with self._count_lock:
+            self.samples += len(staged)
+            self.groups += 1
         return [s.location for s in staged]
 
     def _shard_jobs(self, chunks: dict[str, dict[int, bytes]]) -> list[tuple[Path, bytes]]:

@@ -98,10 +98,13 @@ def _children(pid: int) -> list[int]:
                     reason="the coordinator does not yet mark its lock record before os._exit on a second Ctrl-C "
                            "(builder/run/coordinator.py `_on_signal` must call builder.log.lock.note_interrupted)")
 def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli):
-    build = make_build(40)
+    build = make_build(120)
     lay = layout(build)
+    # one sample a group: the first `written` commits at once, long before the run could end by itself (a run
+    # that already finished would take the Ctrl-Cs after releasing its lock, and test nothing)
+    env = dict(os.environ, HSBUILD_GROUP_SAMPLES="1")
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--workers", "1", "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
     reader.start()
@@ -114,9 +117,11 @@ def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli):
         assert workers, "".join(err)
         for w in workers:  # hold the workers mid-run: the first Ctrl-C's safe stop waits for them
             os.kill(w, signal.SIGSTOP)
+        assert status_snapshot(lay).get("done", 0) < 120, "the run ended before it could be interrupted"
         p.send_signal(signal.SIGINT)
         while time.monotonic() < deadline and not any("stopping at a safe point" in line for line in err):
             time.sleep(0.05)
+        assert any("stopping at a safe point" in line for line in err), "".join(err)
         p.send_signal(signal.SIGINT)  # the second: exit at once
         assert p.wait(timeout=60) == 130
     finally:
@@ -129,7 +134,8 @@ def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli):
             p.kill()
             p.wait()
     checks = doctor_checks(cli, build)
-    assert checks["build.lock"]["status"] == "ok" and "interrupted (Ctrl-C twice" in checks["build.lock"]["summary"]
+    assert checks["build.lock"]["status"] == "ok" and "interrupted (Ctrl-C twice" in checks["build.lock"]["summary"], (
+        checks["build.lock"], "".join(err))
     assert "interrupted (Ctrl-C twice" in checks["build.interrupted"]["summary"]
     cp = cli("resume", build, "--no-progress")
     assert cp.returncode == 0, cp.stderr

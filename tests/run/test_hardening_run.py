@@ -42,14 +42,14 @@ def test_a_worker_that_finishes_while_the_coordinator_is_busy_is_not_reported_de
     """The coordinator stalls (a slow commit) right after telling each worker to stop: the workers seal, say
     `exit` and are gone before it reads their last messages. Those messages are still read; nobody died."""
     build = make_build(6, seed=21)
-    real_send = coordinator_mod._send
+    real_send = coordinator_mod._Outbox.send
 
-    def send_then_stall(conn, obj):
-        real_send(conn, obj)
+    def send_then_stall(outbox, obj):
+        real_send(outbox, obj)
         if isinstance(obj, Stop):
             time.sleep(3.0)  # the worker seals its segment and exits meanwhile
 
-    monkeypatch.setattr(coordinator_mod, "_send", send_then_stall)
+    monkeypatch.setattr(coordinator_mod._Outbox, "send", send_then_stall)
     echoed: list[str] = []
     report = run_build(build, RunOptions(workers=2), echo=echoed.append)
     assert (report.outcome, report.exit_code) == ("completed", 0), echoed

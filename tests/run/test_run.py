@@ -125,9 +125,12 @@ def test_per_sample_failures_are_events_and_the_run_goes_on(tmp_path, make_build
     rows[3]["input_ids"][0] = 7  # the model's poisoned token: NaN states
     rows[4]["input_ids"] = rows[4]["input_ids"] * 40  # longer than max_positions=256
     rows[4]["loss_mask"] = rows[4]["loss_mask"] * 40
-    # init refuses empty and out-of-vocabulary samples; rows appended to the source later reach the run
+    # init and run refuse empty and out-of-vocabulary rows; a build made before they did registered such rows
+    # (as here), and its workers still record them failed, one by one
     build = make_build(rows=[rows[i] for i in (0, 3, 4, 5)], model=MODEL + ",nan_token=7,max_positions=256")
-    write_jsonl(tmp_path / "build-source.jsonl", [rows[i] for i in (0, 3, 4, 5, 1, 2)])
+    src = write_jsonl(tmp_path / "build-source.jsonl", [rows[i] for i in (0, 3, 4, 5, 1, 2)])
+    with EventLog(layout(build).events) as log:
+        log.register_samples([s for s in load_source(src) if s.sample_id in ("s0001", "s0002")])
     cp = cli("run", build, "--no-progress", "--max-attempts", "2")
     assert cp.returncode == 1, cp.stderr  # finished, but some samples failed
     with EventLog(layout(build).events, read_only=True) as log:
