@@ -9,32 +9,36 @@
 --   there, its old data no longer live), a `retired` event (removed from the source, or skipped) makes it
 --   'retired' (retired_reason says which, retired_note why). fingerprint, row_idx and source_tokens are the
 --   current source's (the last `superseded`/`row_moved` event's, else the registration's).
+--   Written for speed (a log of millions of events): one aggregation per sample over its events gives the seq of
+--   its last started/written/failed/superseded/retired event, which is then read back by `seq` (unique); the
+--   source changes, rare, are folded apart.
 CREATE OR REPLACE VIEW samples AS
-WITH se AS (
-    SELECT * FROM events
-    WHERE sample_id IS NOT NULL AND kind IN ('started', 'written', 'verified', 'failed', 'superseded', 'retired')
-),
-last_main AS (
-    SELECT * FROM se WHERE kind <> 'verified'
-    QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY seq DESC) = 1
-),
-last_verified AS (
-    SELECT sample_id, max(seq) AS vseq, arg_max(ts, seq) AS vts FROM se WHERE kind = 'verified' GROUP BY sample_id
-),
-resets AS (
-    SELECT sample_id, max(seq) AS eseq FROM se WHERE kind = 'superseded' GROUP BY sample_id
-),
-current_src AS (
-    SELECT sample_id, fingerprint, num_tokens, TRY_CAST(json_extract(detail, '$.row') AS BIGINT) AS row_idx
-    FROM events WHERE sample_id IS NOT NULL AND kind IN ('superseded', 'row_moved')
-    QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY seq DESC) = 1
-),
-agg AS (
-    SELECT se.sample_id,
-           count(*) FILTER (WHERE kind = 'started' AND seq > coalesce(e.eseq, 0)) AS attempts,
+WITH per_sample AS (
+    SELECT sample_id,
+           max(seq) FILTER (WHERE kind <> 'verified') AS mseq,       -- the last started/written/failed/...
+           max(seq) FILTER (WHERE kind = 'verified') AS vseq,
+           arg_max(ts, seq) FILTER (WHERE kind = 'verified') AS vts,
            count(*) FILTER (WHERE kind = 'started') AS starts,
            max(ts) AS updated_at
-    FROM se LEFT JOIN resets e USING (sample_id) GROUP BY se.sample_id
+    FROM events
+    WHERE sample_id IS NOT NULL AND kind IN ('started', 'written', 'verified', 'failed', 'superseded', 'retired')
+    GROUP BY sample_id
+),
+current_src AS (  -- the last superseded/row_moved event's source row, and the last superseded (a restart)
+    SELECT sample_id,
+           max(seq) FILTER (WHERE kind = 'superseded') AS eseq,
+           arg_max_null(fingerprint, seq) AS fingerprint,
+           arg_max_null(num_tokens, seq) AS num_tokens,
+           arg_max_null(TRY_CAST(json_extract(detail, '$.row') AS BIGINT), seq) AS row_idx
+    FROM events
+    WHERE sample_id IS NOT NULL AND kind IN ('superseded', 'row_moved')
+    GROUP BY sample_id
+),
+restarted AS (  -- attempts of samples that started over: their `started` events after the last `superseded`
+    SELECT e.sample_id, count(*) AS attempts
+    FROM events e JOIN current_src c ON e.sample_id = c.sample_id AND e.seq > c.eseq
+    WHERE e.kind = 'started'
+    GROUP BY e.sample_id
 )
 SELECT
     s.sample_id,
@@ -42,10 +46,10 @@ SELECT
     coalesce(c.fingerprint, s.fingerprint) AS fingerprint,
     CASE
         WHEN m.kind IS NULL OR m.kind = 'superseded' THEN 'pending'
-        WHEN m.kind = 'written' AND v.vseq > m.seq THEN 'verified'
+        WHEN m.kind = 'written' AND p.vseq > p.mseq THEN 'verified'
         ELSE m.kind
     END AS state,
-    coalesce(a.attempts, 0) AS attempts,
+    CASE WHEN c.eseq IS NULL THEN coalesce(p.starts, 0) ELSE coalesce(r.attempts, 0) END AS attempts,
     coalesce(c.num_tokens, s.num_tokens) AS source_tokens,
     CASE WHEN m.kind = 'written' THEN m.num_tokens END AS num_tokens,
     CASE WHEN m.kind = 'written' THEN m.nbytes END AS nbytes,
@@ -56,16 +60,16 @@ SELECT
     CASE WHEN m.kind = 'written' THEN m.checksums END AS checksums,
     CASE WHEN m.kind = 'failed' THEN m.reason END AS error,
     CASE WHEN m.kind = 'failed' THEN m.detail END AS error_detail,
-    CASE WHEN m.kind = 'written' AND v.vseq > m.seq THEN v.vts END AS verified_at,
-    a.updated_at,
+    CASE WHEN m.kind = 'written' AND p.vseq > p.mseq THEN p.vts END AS verified_at,
+    p.updated_at,
     CASE WHEN m.kind = 'retired' THEN m.reason END AS retired_reason,
     CASE WHEN m.kind = 'retired' THEN json_extract_string(m.detail, '$.note') END AS retired_note,
-    coalesce(a.starts, 0) AS starts  -- every start ever (numbers the next attempt)
+    coalesce(p.starts, 0) AS starts  -- every start ever (numbers the next attempt)
 FROM source_samples s
-LEFT JOIN last_main m USING (sample_id)
-LEFT JOIN last_verified v USING (sample_id)
-LEFT JOIN agg a USING (sample_id)
-LEFT JOIN current_src c USING (sample_id);
+LEFT JOIN per_sample p ON p.sample_id = s.sample_id
+LEFT JOIN events m ON m.seq = p.mseq AND m.sample_id = p.sample_id
+LEFT JOIN current_src c ON c.sample_id = s.sample_id
+LEFT JOIN restarted r ON r.sample_id = s.sample_id;
 
 -- One row: how far the build is. Retired samples (removed from the source, or skipped) are not counted in
 -- total; `retired` counts them. The recent rates cover the last 60 s of writes, and only while the build is

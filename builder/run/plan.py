@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from builder.errors import QueryError
 from builder.extract.source import Sample
 from builder.log.events import EventLog
 
@@ -41,50 +46,90 @@ class Plan:
                 "retired": self.retired}
 
 
+IMPORT_STARTS_SQL = (
+    "WITH resets AS (SELECT sample_id, max(seq) AS rseq FROM events WHERE kind = 'superseded' GROUP BY 1) "
+    "SELECT e.sample_id, count(*) AS n FROM events e LEFT JOIN resets r USING (sample_id) WHERE e.kind = 'started' "
+    # (an import's `started` carries detail; most carry none, so this skips the JSON of nearly all)
+    "AND e.detail IS NOT NULL AND json_extract_string(e.detail, '$.origin') = 'import' "
+    "AND e.seq > coalesce(r.rseq, 0) GROUP BY 1")
+
+
 def import_starts(log: EventLog) -> dict[str, int]:
     """Per sample, the `started` events of imports since it last started over (`superseded`): reading a dump
     file is no extraction attempt."""
-    _, rows = log.query(
-        "WITH resets AS (SELECT sample_id, max(seq) AS rseq FROM events WHERE kind = 'superseded' GROUP BY 1) "
-        "SELECT e.sample_id, count(*) FROM events e LEFT JOIN resets r USING (sample_id) WHERE e.kind = 'started' "
-        "AND json_extract_string(e.detail, '$.origin') = 'import' AND e.seq > coalesce(r.rseq, 0) GROUP BY 1")
+    _, rows = log.query(IMPORT_STARTS_SQL)
     return dict(rows)
 
 
+# The samples' states as small codes (the plan reads a million rows as numpy arrays, not as dicts)
+PENDING, DONE, RETIRED, STARTED, FAILED = range(5)
+PLAN_SQL = f"""
+WITH imported AS ({IMPORT_STARTS_SQL})
+SELECT p.pos,
+       CASE s.state WHEN 'written' THEN {DONE} WHEN 'verified' THEN {DONE} WHEN 'retired' THEN {RETIRED}
+                    WHEN 'started' THEN {STARTED} WHEN 'failed' THEN {FAILED} ELSE {PENDING} END::TINYINT AS code,
+       coalesce(s.starts, 0)::BIGINT AS starts,
+       (coalesce(s.attempts, 0) - coalesce(i.n, 0))::BIGINT AS attempts,
+       s.error
+FROM _plan_samples p
+LEFT JOIN samples s ON s.sample_id = p.sample_id
+LEFT JOIN imported i ON i.sample_id = p.sample_id
+"""
+
+
 def make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: int | None = None) -> Plan:
-    states = {r["sample_id"]: r for r in log.samples()}
-    imported = import_starts(log)
+    """Replay the log for these source samples (in their order). One query folds the log (the `samples`
+    view) for all of them at once; only the samples left to do are looked at one by one."""
+    ids = [s.sample_id for s in samples]
     plan = Plan(total=len(samples))
-    for s in samples:
-        row = states.get(s.sample_id)
-        state = row["state"] if row else "pending"
-        plan.attempts[s.sample_id] = row["starts"] if row else 0  # numbers the next attempt
-        # counted against max_attempts: the extraction attempts since the sample last started over
-        attempts = (row["attempts"] if row else 0) - imported.get(s.sample_id, 0)
-        if state == "retired":
-            plan.retired += 1
-            continue
-        if state in ("written", "verified"):
-            plan.done += 1
-            continue
-        if state == "started":
-            if attempts >= max_attempts + INTERRUPTED_EXTRA:
-                plan.interrupted_final.append(s.sample_id)
-                continue
-            plan.interrupted.append(s.sample_id)
-        elif state == "failed":
-            reason = row["error"]
+    if not ids:
+        return plan
+    table = pa.table({"sample_id": pa.array(ids, pa.string()), "pos": pa.array(np.arange(len(ids)), pa.int64())})
+    cur = log.con.cursor()
+    try:
+        cur.register("_plan_samples", table)
+        res = cur.sql(PLAN_SQL).to_arrow_table()
+    except duckdb.Error as e:
+        raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from e
+    finally:
+        cur.close()
+    # rows come back in any order: put them in the samples' (no sort in SQL)
+    pos = res.column("pos").to_numpy()
+    code, starts, attempts = (np.empty(len(ids), np.int64) for _ in range(3))
+    code[pos] = res.column("code").to_numpy()
+    starts[pos] = res.column("starts").to_numpy()
+    attempts[pos] = res.column("attempts").to_numpy()
+    failed_rows = np.flatnonzero(res.column("code").to_numpy() == FAILED)
+    failed_at = pos[failed_rows]
+    order = np.argsort(failed_at, kind="stable")
+    failed_at = failed_at[order]
+    errors = res.column("error").take(pa.array(failed_rows[order])).to_pylist() if failed_rows.size else []
+    plan.attempts = dict(zip(ids, starts.tolist(), strict=True))  # numbers the next attempt
+    plan.done = int(np.count_nonzero(code == DONE))
+    plan.retired = int(np.count_nonzero(code == RETIRED))
+    # counted against max_attempts: the extraction attempts since the sample last started over
+    started = code == STARTED
+    given_up = started & (attempts >= max_attempts + INTERRUPTED_EXTRA)
+    todo = (code == PENDING) | (started & ~given_up)
+    damaged, retry, final = [], [], []
+    if failed_at.size:
+        for i, reason, n in zip(failed_at.tolist(), errors, attempts[failed_at].tolist(), strict=True):
             if reason in DAMAGE_REASONS:
-                plan.damaged.append(s.sample_id)
-            elif reason in TRANSIENT_REASONS or reason.startswith(IMPORT_PREFIX) or attempts < max_attempts:
-                plan.failed_retry.append(s.sample_id)
+                damaged.append(i)
+            elif reason in TRANSIENT_REASONS or reason.startswith(IMPORT_PREFIX) or n < max_attempts:
+                retry.append(i)
             else:
-                plan.failed_final.append(s.sample_id)
-                continue
-        else:
-            plan.pending.append(s.sample_id)
-        plan.todo.append(s)
-    plan.total -= plan.retired
+                final.append(i)
+        todo[damaged + retry] = True
+    plan.interrupted = [ids[i] for i in np.flatnonzero(started & ~given_up).tolist()]
+    plan.interrupted_final = [ids[i] for i in np.flatnonzero(given_up).tolist()]
+    plan.failed_retry = [ids[i] for i in retry]
+    plan.failed_final = [ids[i] for i in final]
+    plan.damaged = [ids[i] for i in damaged]
+    plan.pending = [ids[i] for i in np.flatnonzero(code == PENDING).tolist()]
+    todo_at = np.flatnonzero(todo)
     if limit is not None:
-        plan.todo = plan.todo[:limit]
+        todo_at = todo_at[:limit]
+    plan.todo = [samples[i] for i in todo_at.tolist()]
+    plan.total -= plan.retired
     return plan

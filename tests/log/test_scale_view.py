@@ -1,0 +1,143 @@
+"""The `samples` view was rewritten for speed (one aggregation per sample instead of window functions, for logs
+of millions of events): on any sequence of events it gives exactly what the previous definition gave, every
+column, every row, and `progress` agrees with it. The previous definition is kept here as the reference.
+
+(tests/log/test_fold.py checks the view against the Python fold; this covers the columns that fold does not
+model: source rows and fingerprints after `superseded`/`row_moved`, sizes, details, notes, timestamps.)"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import json
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from builder.extract.source import Sample
+from builder.log.events import Event, EventLog
+
+REFERENCE_SAMPLES_VIEW = """
+CREATE OR REPLACE VIEW samples_reference AS
+WITH se AS (
+    SELECT * FROM events
+    WHERE sample_id IS NOT NULL AND kind IN ('started', 'written', 'verified', 'failed', 'superseded', 'retired')
+),
+last_main AS (
+    SELECT * FROM se WHERE kind <> 'verified'
+    QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY seq DESC) = 1
+),
+last_verified AS (
+    SELECT sample_id, max(seq) AS vseq, arg_max(ts, seq) AS vts FROM se WHERE kind = 'verified' GROUP BY sample_id
+),
+resets AS (
+    SELECT sample_id, max(seq) AS eseq FROM se WHERE kind = 'superseded' GROUP BY sample_id
+),
+current_src AS (
+    SELECT sample_id, fingerprint, num_tokens, TRY_CAST(json_extract(detail, '$.row') AS BIGINT) AS row_idx
+    FROM events WHERE sample_id IS NOT NULL AND kind IN ('superseded', 'row_moved')
+    QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY seq DESC) = 1
+),
+agg AS (
+    SELECT se.sample_id,
+           count(*) FILTER (WHERE kind = 'started' AND seq > coalesce(e.eseq, 0)) AS attempts,
+           count(*) FILTER (WHERE kind = 'started') AS starts,
+           max(ts) AS updated_at
+    FROM se LEFT JOIN resets e USING (sample_id) GROUP BY se.sample_id
+)
+SELECT
+    s.sample_id,
+    coalesce(c.row_idx, s.row_idx) AS row_idx,
+    coalesce(c.fingerprint, s.fingerprint) AS fingerprint,
+    CASE
+        WHEN m.kind IS NULL OR m.kind = 'superseded' THEN 'pending'
+        WHEN m.kind = 'written' AND v.vseq > m.seq THEN 'verified'
+        ELSE m.kind
+    END AS state,
+    coalesce(a.attempts, 0) AS attempts,
+    coalesce(c.num_tokens, s.num_tokens) AS source_tokens,
+    CASE WHEN m.kind = 'written' THEN m.num_tokens END AS num_tokens,
+    CASE WHEN m.kind = 'written' THEN m.nbytes END AS nbytes,
+    CASE WHEN m.kind = 'written' THEN TRY_CAST(json_extract(m.detail, '$.disk_bytes') AS BIGINT) END AS disk_bytes,
+    CASE WHEN m.kind = 'written' THEN m.segment END AS segment,
+    CASE WHEN m.kind = 'written' THEN m.token_start END AS token_start,
+    CASE WHEN m.kind = 'written' THEN m.checksums END AS checksums,
+    CASE WHEN m.kind = 'failed' THEN m.reason END AS error,
+    CASE WHEN m.kind = 'failed' THEN m.detail END AS error_detail,
+    CASE WHEN m.kind = 'written' AND v.vseq > m.seq THEN v.vts END AS verified_at,
+    a.updated_at,
+    CASE WHEN m.kind = 'retired' THEN m.reason END AS retired_reason,
+    CASE WHEN m.kind = 'retired' THEN json_extract_string(m.detail, '$.note') END AS retired_note,
+    coalesce(a.starts, 0) AS starts
+FROM source_samples s
+LEFT JOIN last_main m USING (sample_id)
+LEFT JOIN last_verified v USING (sample_id)
+LEFT JOIN agg a USING (sample_id)
+LEFT JOIN current_src c USING (sample_id);
+"""
+
+SAMPLE_IDS = ["a", "b", "c", "d"]  # "d" is registered but may have no events; "x" has events but no registration
+KINDS = ["started", "written", "verified", "failed", "superseded", "retired", "row_moved", "run_started"]
+
+raw_event = st.tuples(
+    st.sampled_from(KINDS),
+    st.sampled_from(SAMPLE_IDS[:3] + ["x"]),
+    st.integers(0, 6),  # ts offset (not monotone in seq)
+    st.integers(0, 3),  # variant: which reason / detail / size
+)
+events_st = st.lists(raw_event, max_size=24)
+
+FAIL_REASONS = ["nonfinite", "checksum_mismatch", "no_space", "import_truncated"]
+DETAILS = [None, json.dumps({"disk_bytes": 4096, "seconds": 0.1}), json.dumps({"row": 7, "note": "n"}),
+           json.dumps({"note": "too long", "row": "not a number"})]
+
+
+def _events(raw) -> list[Event]:
+    t0 = dt.datetime(2026, 1, 1)
+    out = []
+    for kind, sid, offset, v in raw:
+        ev = Event(kind, run_id="r", sample_id=None if kind == "run_started" else sid, attempt=v + 1,
+                   ts=t0 + dt.timedelta(seconds=offset), fingerprint=f"fp{v}" if v else None, detail=DETAILS[v])
+        if kind in ("written", "verified"):
+            ev.segment, ev.token_start, ev.num_tokens, ev.nbytes = f"seg-{v}", 100 * v, 7 + v, 1000 + v
+            ev.checksums = json.dumps({"input_ids": f"crc32c:{v:08x}"})
+        if kind == "failed":
+            ev.reason = FAIL_REASONS[v]
+        if kind == "retired":
+            ev.reason = ["skipped", "removed_from_source"][v % 2]
+        if kind in ("superseded", "row_moved"):
+            ev.num_tokens = 5 + v if v != 2 else None
+            ev.reason = "source_changed" if kind == "superseded" else None
+        out.append(ev)
+    return out
+
+
+def _registry():
+    z = np.zeros(7, dtype=np.int32)
+    return [Sample(sid, i, z, z.astype(np.uint8), f"reg-{sid}") for i, sid in enumerate(SAMPLE_IDS)]
+
+
+def _rows(log: EventLog, view: str) -> list[tuple]:
+    return sorted(log.query(f"SELECT * FROM {view}")[1], key=lambda r: r[0])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=events_st)
+def test_samples_view_equals_its_reference_definition(tmp_path_factory, raw):
+    path = tmp_path_factory.mktemp("view") / "events.duckdb"
+    with EventLog(path) as log:
+        log.register_samples(_registry())
+        for _, batch in itertools.groupby(enumerate(_events(raw)), key=lambda p: p[0] // 5):
+            log.append([e for _, e in batch])
+        log.con.execute(REFERENCE_SAMPLES_VIEW)
+        cols = log.query("SELECT * FROM samples LIMIT 0")[0]
+        assert cols == log.query("SELECT * FROM samples_reference LIMIT 0")[0]
+        assert _rows(log, "samples") == _rows(log, "samples_reference")
+        types = log.query("SELECT column_name, column_type FROM (DESCRIBE samples)")[1]
+        assert types == log.query("SELECT column_name, column_type FROM (DESCRIBE samples_reference)")[1]
+        # progress folds the view: its counts are the view's
+        prog = log.progress()
+        counts = dict(log.query("SELECT state, count(*) FROM samples_reference GROUP BY 1")[1])
+        for state in ("pending", "started", "written", "verified", "failed", "retired"):
+            assert prog[state] == counts.get(state, 0)
