@@ -360,6 +360,7 @@ class Extractor:
             raise ModelError(f"--final-state '{final_state}': use one of {', '.join(FINAL_STATES)}")
         self.final_state = final_state
         self._pre: list[torch.Tensor] = []
+        self._keep_logits = True  # pass logits_to_keep=1 to a Hugging Face model (see _hf_states)
         self.spec, self.dtype_name, self.dtype = spec, dtype, DTYPES[dtype]
         self.device = pick_device(device)
         self.tokenizer = None
@@ -498,7 +499,7 @@ class Extractor:
             raise ModelError(f"{self.spec}: opened for metadata only (load_weights=False)")
         ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).unsqueeze(0).to(self.device)
         if self._hf:
-            states = self._model(input_ids=ids, output_hidden_states=True).hidden_states
+            states = self._hf_states(ids)
         else:
             states = self._model(ids)
         aux = torch.cat([states[i][0] for i in self.aux_layers], dim=-1)
@@ -512,6 +513,18 @@ class Extractor:
             raise SampleError(bad.reason, bad.message)
         return aux.to("cpu"), final.to("cpu")
 
+
+    def _hf_states(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The model's hidden states (HF's `output_hidden_states`). The language-model head runs on the last
+        position only (`logits_to_keep=1`): its logits are not wanted, and for all positions they cost a
+        vocabulary-wide matrix product and [n, vocab] float memory a sample (2 GB for 4k tokens of a 128k
+        vocabulary). The hidden states are the same either way: the head reads them, it does not feed them."""
+        if self._keep_logits:
+            try:
+                return self._model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
+            except TypeError:  # a model whose forward takes no logits_to_keep (older or custom code)
+                self._keep_logits = False
+        return self._model(input_ids=ids, output_hidden_states=True).hidden_states
 
     # -- batched extraction -------------------------------------------------------------------------------
     def can_pack(self) -> bool:
