@@ -26,7 +26,9 @@ CREATE TABLE IF NOT EXISTS events (
                                       --   row_moved (same tokens, another row)
                                       -- run: run_started, run_finished, segment_sealed, paused, resumed,
                                       --      verify_started, verify_finished, doctor, gpu_stats, gc, export, import,
-                                      --      source_changed, source_moved
+                                      --      source_changed, source_moved;
+                                      --      --ray runs: nodes_probed, worker_placed ({node, host, pid}),
+                                      --      worker_lost (a node or actor gone: {message, requeued})
     run_id      VARCHAR,              -- the run (or verify sweep) that wrote the event
     sample_id   VARCHAR,              -- NULL for run events
     fingerprint VARCHAR,              -- the sample's token fingerprint at the time of the event
@@ -39,7 +41,7 @@ CREATE TABLE IF NOT EXISTS events (
     nbytes      BIGINT,               -- written: compressed bytes of its chunk files; verified: bytes read
     checksums   VARCHAR,              -- written: JSON {field: "crc32c:xxxxxxxx"} of uncompressed bytes
     reason      VARCHAR,              -- failed: nonfinite, token_out_of_range, empty_sample, too_long,
-                                      --   worker_died, no_space, error, checksum_mismatch, missing_data,
+                                      --   worker_died, worker_lost, no_space, error, checksum_mismatch, missing_data,
                                       --   unreadable (verify: segment/token_start locate the damaged bytes);
                                       -- paused: high_watermark, flood, disk_full, min_free;
                                       -- run_finished: completed, interrupted, error;

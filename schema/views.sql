@@ -163,3 +163,38 @@ SELECT seq, ts, run_id, detail->>'$.context' AS context, c.name, c.status, c.sum
 FROM (SELECT seq, ts, run_id, detail, unnest(from_json(detail->'checks',
         '[{"name":"VARCHAR","status":"VARCHAR","summary":"VARCHAR","fix":"VARCHAR"}]')) AS c
       FROM events WHERE kind = 'doctor');
+
+-- One row per Ray node of each run with `--ray` (a node that held a worker): its workers, what they wrote, its
+-- throughput (samples written / time since its first worker was placed, to its last write), and whether it is
+-- gone (every worker it held was lost: the node or its actors died; their samples went back to pending).
+CREATE OR REPLACE VIEW nodes AS
+WITH placed AS (
+    SELECT run_id, worker, detail->>'$.node' AS node, detail->>'$.host' AS host, ts AS placed_at
+    FROM events WHERE kind = 'worker_placed'
+),
+lost AS (
+    SELECT run_id, worker, max(ts) AS lost_at FROM events WHERE kind = 'worker_lost' GROUP BY run_id, worker
+),
+wrote AS (
+    SELECT run_id, worker, count(*) AS written, sum(num_tokens) AS tokens, sum(nbytes) AS nbytes,
+           max(ts) AS last_written_at
+    FROM events WHERE kind = 'written' AND worker IS NOT NULL
+      AND run_id IN (SELECT run_id FROM placed) GROUP BY run_id, worker
+),
+per_node AS (
+    SELECT p.run_id, p.node, any_value(p.host) AS host, count(*) AS workers, count(l.lost_at) AS workers_lost,
+           coalesce(sum(w.written), 0) AS written, coalesce(sum(w.tokens), 0) AS tokens,
+           coalesce(sum(w.nbytes), 0) AS nbytes, min(p.placed_at) AS since, max(w.last_written_at) AS last_written_at,
+           max(l.lost_at) AS lost_at
+    FROM placed p LEFT JOIN lost l USING (run_id, worker) LEFT JOIN wrote w USING (run_id, worker)
+    GROUP BY p.run_id, p.node
+)
+SELECT run_id, node, host, workers, workers_lost, written, tokens, nbytes, since, last_written_at,
+       CASE WHEN written > 0 AND epoch(last_written_at - since) > 0
+            THEN written / epoch(last_written_at - since) END AS samples_per_s,
+       CASE WHEN written > 0 AND epoch(last_written_at - since) > 0
+            THEN tokens / epoch(last_written_at - since) END AS tokens_per_s,
+       CASE WHEN workers_lost = workers THEN 'gone' ELSE 'up' END AS state,
+       lost_at
+FROM per_node
+ORDER BY since, node;

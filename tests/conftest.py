@@ -23,6 +23,9 @@ from builder.run.create import init_build
 # mid-way need a steady stream of `written` events, so in tests a group waits at most this long (the test of
 # grouping itself sets its own bound).
 os.environ.setdefault("HSBUILD_GROUP_SECONDS", "0.3")
+# Ray (tests/run/test_ray.py): every node of a test cluster, and every driver, on the loopback address only
+# (read by Ray when it is imported: set before any test imports it)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Reference forward passes in tests compare bit for bit with what workers computed: same threading conditions.
 fix_threading()
 

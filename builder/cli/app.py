@@ -145,7 +145,8 @@ def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
                       verify_after_write=args.verify_after_write, allow_overcommit=args.allow_overcommit,
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
                       flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
-                      inflight=args.inflight, source=args.source, accept_source_changes=args.accept_source_changes)
+                      inflight=args.inflight, source=args.source, accept_source_changes=args.accept_source_changes,
+                      ray=args.ray)
     report = run_build(args.build, opts, resume=resume, echo=lambda m: print(m, file=sys.stderr))
     print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}"
           + (f", paused {report.pauses}x" if report.pauses else ""))
@@ -203,6 +204,13 @@ def status_lines(st: dict) -> list[str]:
         fit = "fits" if st.get("fits") else "DOES NOT FIT"
         lines.append(f"plan:    {human_bytes(st['projected_bytes'])} more projected ({st.get('basis')}); {fit} below "
                      f"the high watermark")
+    for n in st.get("nodes", []):
+        rate = f", {n['samples_per_s']:.2f} samples/s" if n.get("samples_per_s") else ""
+        gone = (f" | GONE since {str(n.get('lost_at'))[:19].replace('T', ' ')} ({n['workers_lost']} worker(s) lost; their samples "
+                "went back to pending)" if n.get("state") == "gone" else
+                f" | {n['workers_lost']} worker(s) lost" if n.get("workers_lost") else "")
+        lines.append(f"node:    {str(n.get('node'))[:12]} ({n.get('host')}): {n['workers']} worker(s), "
+                     f"{n['written']} written{rate}{gone}")
     if "ballast_bytes" in st:
         held = human_bytes(st["ballast_bytes"]) if st["ballast_bytes"] else "none now (a run creates it)"
         lines.append(f"ballast: {held} in .ballast: {st.get('ballast_purpose')}")
@@ -223,6 +231,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.get("failed"):
         _, rows = run_query(lay, "SELECT error, count(*) FROM samples WHERE state = 'failed' GROUP BY 1 ORDER BY 2 DESC")
         st["failed_by_reason"] = {r[0]: r[1] for r in rows}
+    cols, rows = run_query(lay, "SELECT * FROM nodes WHERE run_id = (SELECT arg_max(run_id, seq) FROM events "
+                                "WHERE kind = 'worker_placed')")
+    if rows:  # the last run on Ray: its nodes
+        st["nodes"] = [dict(zip(cols, r, strict=True)) for r in rows]
     fmt = _fmt(args)
     if fmt == "json":
         print_json(st)

@@ -138,6 +138,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=count, metavar="N",
                    help="in-process backend: pack samples into forward passes of up to N tokens, 0: one sample a "
                         "pass (default: config, 0); the states are the same, bit for bit")
+    p.add_argument("--ray", metavar="auto|HOST:PORT",
+                   help="workers as actors on this Ray cluster (`pip install 'hsbuild[ray]'`; docs/ray.md): every "
+                        "node writes into the shared build directory; the log stays on this node")
     p.add_argument("--source", metavar="NEWPATH",
                    help="the build's source moved here: accepted when it holds the registered samples (recorded in "
                         "the log; hsbuild.toml updated)")

@@ -117,7 +117,8 @@ def cmd_import(args: argparse.Namespace) -> int:
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
                       flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
                       imports=ImportOptions(args.dir, args.format, args.dump_final_state), source=args.source,
-                      accept_source_changes=args.accept_source_changes)
+                      accept_source_changes=args.accept_source_changes,
+                      ray=args.ray)
     report = run_build(args.build, opts, echo=lambda m: print(m, file=sys.stderr))
     d = report.dump
     bad = [{"path": p.path, "sample_id": p.sample_id, "reason": p.reason, "message": p.message}

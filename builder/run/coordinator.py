@@ -96,6 +96,7 @@ class RunOptions:
     imports: ImportOptions | None = None  # `hsbuild import`: states from a dump's files, not forward passes
     source: str | None = None  # the build's source moved here (--source): recorded, hsbuild.toml updated
     accept_source_changes: bool = False  # record changed/removed source rows instead of refusing them
+    ray: str | None = None  # workers as actors on this Ray cluster ('auto' or host:port); None: local processes
 
 
 @dataclass
@@ -136,6 +137,13 @@ class Coordinator:
         if self.opts.limit is not None and self.opts.limit < 0:
             raise UsageError(f"--limit {self.opts.limit}: must be 0 or more samples")
         check_device_spec(self.opts.device or self.cfg.device)
+        if self.opts.ray is not None:
+            from builder.run.ray_pool import check_address  # noqa: PLC0415
+
+            check_address(self.opts.ray)
+            if self.cfg.backend != "inprocess" or self.opts.imports is not None:
+                raise UsageError(f"--ray {self.opts.ray}: only for in-process extraction so far (this build's "
+                                 f"backend: {self.cfg.backend}); run without --ray")
         self.echo = echo
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
@@ -440,8 +448,43 @@ class Coordinator:
     def _threads(self) -> int:
         """Intra-op threads of each worker. Recorded in `run_started`: on the CPU, a forward pass's last bits can
         depend on how its reductions were split, so the same sample extracted with another thread count may
-        differ by an ulp (both are the model's output; a bit-exact comparison must use the same count)."""
+        differ by an ulp (both are the model's output; a bit-exact comparison must use the same count). A Ray
+        worker gets the CPUs its actor reserves (RAY_CPUS_PER_WORKER)."""
+        if self.opts.ray:
+            return max(1, int(RAY_CPUS_PER_WORKER))
         return max(1, (os.cpu_count() or 1) // self.workers)
+
+    def _start_worker(self, ctx, settings: WorkerSettings, flags: Flags, pool) -> tuple:
+        """A worker: a local process (spawned, its stop signals ignored), or an actor on the Ray cluster whose
+        handle looks like one (builder/run/ray_pool.py). Returns (process, the coordinator's end of its pipe)."""
+        if pool is not None:
+            handle = pool.start(settings, flags, settings.worker)
+            pl = handle.placement
+            self.emit(Event("worker_placed", worker=settings.worker,
+                            detail=detail(node=pl.node_id, host=pl.host, pid=pl.pid)))
+            self.echo(f"worker {settings.worker}: Ray actor on node {pl.node_id[:12]} ({pl.host}, pid {pl.pid})")
+            return handle, handle.conn
+        mine, theirs = ctx.Pipe(duplex=True)
+        p = ctx.Process(target=worker_main, args=(settings, theirs, flags), daemon=True,
+                        name=f"hsbuild-worker-{settings.worker}")
+        _start_ignoring_stop_signals(p)  # (starts it)
+        theirs.close()  # so a dead worker's pipe reads as EOF here
+        return p, mine
+
+    def _ray_pool(self):
+        """The Ray cluster's worker pool (--ray), after checking every node sees the build directory."""
+        from builder.run.ray_pool import RayPool  # noqa: PLC0415
+
+        pool = RayPool(self.opts.ray, RAY_CPUS_PER_WORKER)
+        problems, warnings = pool.probe(self.lay.root, self.run_id, self.opts.device or self.cfg.device)
+        for w in warnings:
+            self.echo(f"warning: {w}")
+        if problems:
+            pool.close()
+            raise UsageError(f"--ray {self.opts.ray}: {problems[0]}"
+                             + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        self.emit(Event("nodes_probed", detail=detail(nodes=[n["NodeID"] for n in pool.nodes()])))
+        return pool
 
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
         ctx = mp.get_context("spawn")
@@ -451,13 +494,15 @@ class Coordinator:
         procs: dict[int, mp.process.BaseProcess] = {}
         conns: dict[int, Connection] = {}  # reports from each worker (read here)
         outboxes: dict[int, _Outbox] = {}  # tasks and stops to each worker (sent by its outbox's thread)
+        pool = self._ray_pool() if self.opts.ray else None
         for w in range(self.workers):
             settings = WorkerSettings(
                 build_root=str(self.lay.root), data_root=str(self.lay.data), run_id=self.run_id, worker=w,
                 model=self.cfg.model, aux_layers=self.cfg.aux_layers, dtype=self.cfg.dtype,
                 device=self.opts.device or self.cfg.device, codec=self.cfg.codec, chunk_tokens=self.cfg.chunk_tokens,
                 max_tokens=self.cfg.max_tokens, threads=threads, verify_after_write=self.cfg.verify_after_write,
-                flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free, coordinator_pid=os.getpid(),
+                flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free,
+                coordinator_pid=0 if pool is not None else os.getpid(),
                 final_state=self.cfg.final_state, batch_tokens=self.cfg.batch_tokens,
                 vllm=(vllm_settings(self.cfg, meta, self.engine.model_name or self.cfg.model)
                       if self.engine is not None else None),
@@ -465,11 +510,8 @@ class Coordinator:
                                    meta["aux_layers"]), self.cfg.dtype, self.cfg.final_state,
                                    self.opts.imports.final_state) if self.opts.imports is not None else None),
                 final_norm=str(self.lay.final_norm) if self.lay.final_norm.exists() else None)
-            mine, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=worker_main, args=(settings, theirs, flags), daemon=True, name=f"hsbuild-worker-{w}")
-            _start_ignoring_stop_signals(p)
-            theirs.close()  # so a dead worker's pipe reads as EOF here
-            procs[w], conns[w] = p, mine
+            procs[w], conns[w] = self._start_worker(ctx, settings, flags, pool)
+            mine = conns[w]
             outboxes[w] = _Outbox(mine, f"hsbuild-worker-{w}")
         st = self._st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
                                   assigned={w: [] for w in procs}, alive=set(procs))
@@ -507,7 +549,7 @@ class Coordinator:
                         # read what it sent before exiting (`written`, `sealed`, `exit`) before judging it
                         self._drain(w, conns[w], p, st, by_id, meta, bar, report)
                         if w in st.alive:
-                            self._worker_died(w, p.exitcode, st, report)
+                            self._worker_died(w, p.exitcode, st, report, getattr(p, "lost", None))
                 now = time.monotonic()
                 if self.stop_requested and stop_since is None:
                     stop_since = now
@@ -528,6 +570,8 @@ class Coordinator:
                 self.flush(force=True)
             finally:
                 _stop_workers(procs, outboxes, st, SHUTDOWN_SECONDS)
+                if pool is not None:
+                    pool.close()
 
     def _dispatch(self, st: _Dispatch, outboxes: dict, by_id: dict[str, Sample], flags: Flags,
                   report: RunReport) -> None:
@@ -657,9 +701,26 @@ class Coordinator:
                 msg = conn.recv()
             except (EOFError, OSError):
                 proc.join(timeout=5)
-                self._worker_died(w, proc.exitcode, st, report)
+                self._worker_died(w, proc.exitcode, st, report, getattr(proc, "lost", None))
                 return
             self._handle(msg, st, by_id, meta, bar, report)
+
+    def _worker_lost(self, w: int, why: str, st: _Dispatch) -> None:
+        st.alive.discard(w)
+        in_hand = st.current.pop(w, None)
+        back = [*st.assigned.pop(w, []), *st.staged.pop(w, [])]
+        st.assigned[w] = []
+        st.in_flight.difference_update(back)
+        if in_hand is not None:
+            self.emit(Event("failed", sample_id=in_hand, attempt=st.attempts.get(in_hand), worker=w,
+                            reason="worker_lost", detail=detail(message=why)))
+        st.pending.extendleft(reversed(list(dict.fromkeys(back))))
+        self.emit(Event("worker_lost", worker=w, detail=detail(message=why, requeued=len(back))))
+        left = len(st.alive)
+        self.echo(f"\nworker {w} lost ({why}); its {len(back)} sample(s) go back to pending; {left} worker(s) go on")
+        if not left:
+            self.aborted = "every Ray worker is gone"
+            self.echo("stopping the run at a safe point; `hsbuild resume` continues")
 
     def _give_up_on(self, st: _Dispatch, procs: dict[int, mp.process.BaseProcess], grace: float) -> None:
         """Workers that did not stop within the grace period (hung, or frozen by SIGSTOP) are killed and named.
@@ -676,8 +737,14 @@ class Coordinator:
             st.pending.extendleft(sid for sid in reversed(st.assigned.pop(w, [])) if sid != in_hand)
             st.assigned[w] = []
 
-    def _worker_died(self, w: int, code: int | None, st: _Dispatch, report: RunReport) -> None:
-        """Its sample in hand failed (`worker_died`); samples only queued to it go back to pending; the run stops."""
+    def _worker_died(self, w: int, code: int | None, st: _Dispatch, report: RunReport,
+                     lost: str | None = None) -> None:
+        """Its sample in hand failed (`worker_died`); samples only queued to it go back to pending; the run stops.
+        A Ray worker that was `lost` (its node or actor gone, not its sample's fault): everything it held goes
+        back to pending (`worker_lost`, retried without limit) and the run goes on with the others."""
+        if lost is not None:
+            self._worker_lost(w, lost, st)
+            return
         st.alive.discard(w)
         in_hand = st.current.pop(w, None)
         self.echo(f"\nworker {w} died (exit code {code})" + (f" while on sample {in_hand}" if in_hand else ""))
@@ -695,6 +762,7 @@ class Coordinator:
         self.echo("stopping the run at a safe point; `hsbuild resume` continues")
 
 
+RAY_CPUS_PER_WORKER = float(os.environ.get("HSBUILD_RAY_CPUS", "1"))  # CPUs a Ray worker's actor reserves
 HUNG_SECONDS = float(os.environ.get("HSBUILD_SERVER_HUNG", "60"))  # an engine's server silent this long is hung
 PER_WORKER = 2  # samples handed to a worker at once: one in hand, one waiting ...
 QUEUE_SAMPLES = 64  # ... or more, while small: up to this many

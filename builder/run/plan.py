@@ -15,7 +15,7 @@ from builder.log.events import EventLog
 # Failure reasons that say the stored bytes were damaged (verify); such samples are always re-extracted.
 DAMAGE_REASONS = {"checksum_mismatch", "missing_data", "unreadable"}
 # Failures of the environment, not of the sample; retried without counting against --max-attempts.
-TRANSIENT_REASONS = {"no_space", "server_unavailable"}
+TRANSIENT_REASONS = {"no_space", "server_unavailable", "worker_lost"}  # worker_lost: a Ray node or actor gone
 # A dump file that could not be imported (`import_truncated`, ...): the sample is extracted by the next run.
 IMPORT_PREFIX = "import_"
 # A sample left `started` by runs that ended abruptly (crash, OOM kill, kill -9) is started again, until it

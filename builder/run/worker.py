@@ -130,15 +130,25 @@ class _SendLocked:
         return self._conn.recv()
 
 
-def _worker_loop(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma: no cover - subprocess
+def run_hosted(settings: WorkerSettings, conn, flags) -> None:
+    """The worker loop on a thread of a process that is not the coordinator's child (a Ray actor,
+    builder/run/ray_pool.py): no parent-death signal, no signal handlers; `conn` and `flags` are the host's."""
+    try:
+        _worker_loop(settings, conn, flags, hosted=True)
+    except (EOFError, BrokenPipeError):
+        pass
+
+
+def _worker_loop(settings: WorkerSettings, conn, flags: Flags, hosted: bool = False) -> None:  # pragma: no cover
     conn = _SendLocked(conn)
-    _die_with_parent()
-    if os.getppid() != settings.coordinator_pid:  # the coordinator died while this process was starting
-        os._exit(1)
-    # The coordinator decides when to stop: a Ctrl-C or SIGTERM to the whole process group must not kill a
-    # worker with a sample in hand. (Spawned with both ignored already; this keeps it so.)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not hosted:
+        _die_with_parent()
+        if os.getppid() != settings.coordinator_pid:  # the coordinator died while this process was starting
+            os._exit(1)
+        # The coordinator decides when to stop: a Ctrl-C or SIGTERM to the whole process group must not kill a
+        # worker with a sample in hand. (Spawned with both ignored already; this keeps it so.)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     wid = settings.worker
     try:
         torch.set_num_threads(max(1, settings.threads))

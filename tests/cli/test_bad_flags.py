@@ -59,6 +59,7 @@ RUN = [(["--workers", "0"], None), (["--workers", "-1"], None), (["--workers", "
        (["--min-free=-1G"], "--min-free"), (["--min-free", "lots"], None), (["--device", "tpu"], None),
        (["--device", "cuda:x"], None), (["--inflight", "0"], None), (["--launch"], None),
        (["--batch-tokens", "-1"], None), (["--batch-tokens", "many"], None),
+       (["--ray", "nowhere"], None), (["--ray", "head:99999"], None),
        (["--source", "/nonexistent.jsonl"], None), *WATERMARKS]
 
 

@@ -1,0 +1,155 @@
+"""One build filled by several nodes (`--ray`): Ray's own multi-node test cluster (`ray.cluster_utils.Cluster`,
+several raylets on this machine, all on 127.0.0.1) with the build directory shared by all of them (the same
+local directory). One node removed mid-run: its samples go back to pending and the others finish them; the
+driver SIGKILLed: `resume` with the same cluster finishes. Each time: every sample exactly once, verify clean,
+states bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import random_rows
+from test_run import assert_bit_exact
+
+from builder.formats.reader import HiddenStateDataset
+from builder.layout import layout
+from builder.log.events import EventLog
+from builder.log.query import run_query, status_snapshot
+from builder.run.coordinator import RunOptions, run_build
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+SLOW = "builtin:hidden=512,layers=4,vocab=1024,heads=4,kv_heads=2,intermediate=2048"
+NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
+
+
+@pytest.fixture
+def cluster():
+    """A head node and two more, one CPU each (every worker is an actor reserving one CPU: one per node)."""
+    assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"  # tests/conftest.py: loopback only
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    nodes = [c.add_node(**NODE) for _ in range(2)]
+    c.wait_for_nodes()
+    try:
+        yield c, nodes
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+
+
+def written_once(build) -> list[str]:
+    """The live samples, each exactly once, all states `written`/`verified`."""
+    ids = [item["sample_id"] for item in HiddenStateDataset(build)]
+    assert len(ids) == len(set(ids)), "a sample is live twice"
+    with EventLog(layout(build).events, read_only=True) as log:
+        states = {r["state"] for r in log.samples()}
+    assert states <= {"written", "verified"}, states
+    return ids
+
+
+def verify_clean(cli, build) -> None:
+    cp = cli("verify", build, "--json")
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+
+
+def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build, cli):
+    c, nodes = cluster
+    # big enough that each sample takes a while: the node goes while it still has work
+    build = make_build(rows=random_rows(48, seed=7, lo=400, hi=800), model=SLOW)
+    lay = layout(build)
+    removed: list[str] = []
+
+    def remove_a_node_once_samples_land() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:  # asked of the running coordinator (its query socket), as `hsbuild sql` would
+                placed = dict(run_query(lay, "SELECT json_extract_string(detail, '$.node'), worker FROM events "
+                                             "WHERE kind = 'worker_placed'")[1])
+                done = dict(run_query(lay, "SELECT worker, count(*) FROM events WHERE kind = 'written' "
+                                           "GROUP BY 1")[1])
+            except Exception:  # noqa: BLE001 - not running yet: look again
+                placed, done = {}, {}
+            # a node whose worker has written a sample, while most samples are still to do
+            victim = next((n for n in nodes if done.get(placed.get(n.node_id), 0) >= 1), None)
+            if victim is not None and sum(done.values()) < 24:
+                c.remove_node(victim)
+                removed.append(victim.node_id)
+                return
+            time.sleep(0.2)
+
+    remover = threading.Thread(target=remove_a_node_once_samples_land, daemon=True)
+    remover.start()
+    report = run_build(build, RunOptions(ray=c.address, workers=3))
+    remover.join(timeout=10)
+    assert removed, "no node was removed mid-run"
+    assert (report.outcome, report.exit_code) == ("completed", 0), report.messages
+    assert sorted(written_once(build)) == sorted(f"s{i:04d}" for i in range(48))
+    with EventLog(lay.events, read_only=True) as log:
+        _, lost = log.query("SELECT count(*) FROM events WHERE kind = 'worker_lost'")
+        _, per_node = log.query(
+            "SELECT json_extract_string(p.detail, '$.node') AS node, count(*) FROM events w JOIN events p "
+            "ON p.kind = 'worker_placed' AND p.run_id = w.run_id AND p.worker = w.worker "
+            "WHERE w.kind = 'written' GROUP BY 1")
+    assert lost == [(1,)]
+    assert len(per_node) >= 2  # the samples were written by more than one node
+    # status: per-node throughput, and the removed node shown gone
+    cp = cli("status", build, "--json")
+    nodes = {n["node"]: n for n in json.loads(cp.stdout)["nodes"]}
+    assert len(nodes) == 3 and nodes[removed[0]]["state"] == "gone" and nodes[removed[0]]["workers_lost"] == 1
+    assert sum(n["written"] for n in nodes.values()) == 48
+    others = [n for k, n in nodes.items() if k != removed[0]]
+    assert {n["state"] for n in others} == {"up"} and any(n["written"] for n in others)
+    assert all(n["samples_per_s"] > 0 for n in others if n["written"])
+    text = cli("status", build).stdout
+    assert f"node:    {removed[0][:12]} ({socket.gethostname()}): 1 worker(s)" in text and "GONE since" in text, text
+    verify_clean(cli, build)
+    assert assert_bit_exact(build, model=SLOW) == 48
+
+
+def test_the_driver_killed_then_resumed_on_the_same_cluster(cluster, make_build, cli):
+    c, _ = cluster
+    build = make_build(rows=random_rows(30, seed=8, lo=200, hi=400), model=SLOW)
+    lay = layout(build)
+    # samples land one by one (the driver passes HSBUILD_* settings on to its actors): the kill comes mid-run
+    env = {**os.environ, "HSBUILD_GROUP_SAMPLES": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--ray", c.address,
+                          "--workers", "2", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and status_snapshot(lay).get("done", 0) < 4 and p.poll() is None:
+            time.sleep(0.2)
+        assert p.poll() is None, p.communicate()[1]
+        assert status_snapshot(lay).get("done", 0) < 30, "the run ended before it could be killed"
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    cp = cli("resume", build, "--ray", c.address, "--workers", "2", "--no-progress", timeout=400)
+    assert cp.returncode == 0, cp.stderr
+    assert sorted(written_once(build)) == sorted(f"s{i:04d}" for i in range(30))
+    verify_clean(cli, build)
+    assert assert_bit_exact(build, model=SLOW) == 30
+    st = json.loads(cli("status", build, "--json").stdout)
+    assert st["done"] == 30
+    # the nodes of the resumed run: its two workers, on two nodes of the same cluster, none gone
+    assert sum(n["workers"] for n in st["nodes"]) == 2 and {n["state"] for n in st["nodes"]} == {"up"}
+
+
+def test_a_bad_ray_address_is_refused_before_anything_runs(make_build, cli):
+    build = make_build(2)
+    cp = cli("run", build, "--ray", "nowhere")
+    assert cp.returncode == 2 and cp.stderr.startswith("hsbuild run: error: --ray 'nowhere'"), cp.stderr
+    assert status_snapshot(layout(build)).get("done", 0) == 0
