@@ -13,19 +13,19 @@ finds the exact line and field for the error message.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from builder.errors import SourceError
 from builder.extract import arrow_source, chat
 from builder.extract.chat import CONVERSATION_FIELDS, ConversationError
+from builder.extract.samples import Sample, SourceSamples, fingerprint, fingerprints  # noqa: F401 (Sample: re-exported)
 from builder.layout import BuildLayout
 from builder.log.events import EventLog, open_log
 
@@ -36,32 +36,13 @@ PARQUET_SUFFIXES = {".parquet", ".pq"}
 # which takes text rows only
 Tokenizer = chat.Tokenizer | Callable[[str], list[int]]
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
-
-
-@dataclass
-class Sample:
-    sample_id: str
-    row: int
-    input_ids: np.ndarray  # int32 [n]
-    loss_mask: np.ndarray  # uint8 [n]
-    fingerprint: str
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
-def fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes())
-    h.update(b"|")
-    h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
-    return h.hexdigest()
+NARROW_INTS = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16)}  # fit int32
 
 
 def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
-                build: BuildLayout | None = None) -> list[Sample]:
+                build: BuildLayout | None = None) -> SourceSamples:
     """Load and validate every sample of a source file. Raises SourceError naming file, line and field.
+    The samples are held columnar (extract/samples.py): a Sample is made when one is indexed.
 
     With `vocab_size` (init), a sample without tokens or with a token id outside 0..vocab_size-1 is refused
     too. With `build` (a run, holding the build's lock), the same check runs against the vocabulary the build
@@ -87,7 +68,7 @@ class _Registered:
 
 
 def _load(path: Path, tokenizer: Tokenizer | None, vocab_size: int | None,
-          registered: Callable[[str, str], bool] | None) -> list[Sample]:
+          registered: Callable[[str, str], bool] | None) -> SourceSamples:
     if not path.exists():
         raise SourceError(path, "file not found; pass an existing .jsonl or .parquet file with --source")
     if path.is_dir():
@@ -283,16 +264,62 @@ def _json_line_numbers(path: Path) -> list[int]:
     return out
 
 
+class _ListColumn:
+    """A list column of the table: its values (numpy), offsets [n+1] and per-row nulls."""
+
+    def __init__(self, values: np.ndarray, offsets: np.ndarray, nulls: np.ndarray):
+        self.values, self.offsets, self.nulls = values, offsets, nulls
+        self.lengths = np.where(nulls, 0, np.diff(offsets))
+
+    def row(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+    def rows_with_values(self, bad: np.ndarray) -> np.ndarray:
+        """The rows (sorted, unique, not null) holding the value positions where `bad` is true."""
+        pos = np.flatnonzero(bad)
+        if not pos.size:
+            return pos
+        rows = np.unique(np.searchsorted(self.offsets, pos, side="right") - 1)
+        rows = rows[(rows >= 0) & (rows < self.nulls.shape[0])]  # values no row refers to: none of its business
+        return rows[~self.nulls[rows]]
+
+
+def _first(rows: np.ndarray, before: int) -> int | None:
+    """The first of these row numbers below `before` (rows need not be sorted)."""
+    rows = rows[rows < before]
+    return int(rows.min()) if rows.size else None
+
+
+def _copy_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray, src_off: np.ndarray, rows: np.ndarray) -> None:
+    """dst's range of each row = src's range of that row (same lengths), one copy per run of consecutive rows
+    (a source of token lists only is one copy)."""
+    if not rows.size:
+        return
+    cut = np.flatnonzero(np.diff(rows) != 1) + 1
+    for a, b in zip(rows[np.r_[0, cut]].tolist(), rows[np.r_[cut - 1, rows.size - 1]].tolist(), strict=True):
+        d0, d1 = int(dst_off[a]), int(dst_off[b + 1])
+        s0 = int(src_off[a])
+        dst[d0:d1] = src[s0 : s0 + (d1 - d0)]
+
+
 def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str, str], tokenizer: Tokenizer | None,
                         vocab_size: int | None = None,
-                        registered: Callable[[str, str], bool] | None = None) -> list[Sample]:
+                        registered: Callable[[str, str], bool] | None = None) -> SourceSamples:
+    """Validate the table's rows and hold them columnar. Checks run column by column (numpy), except for rows
+    to tokenize; the error raised is the one the first bad row's first failing check gives, as a row-by-row
+    pass would find it."""
     names = set(table.column_names)
-    lines = _json_line_numbers(path) if kind == "json" else None
     where = "line" if kind == "json" else "row"
+    line_cache: list[list[int]] = []
+
+    def label(row: int) -> int:
+        if kind == "json" and not line_cache:  # read only when an error names a line
+            line_cache.append(_json_line_numbers(path))
+        return _row_label(kind, row, line_cache[0] if line_cache else None)
 
     def fail(row: int, field: str, msg: str) -> SourceError:
         if kind == "json":
-            return SourceError(path, msg, line=_row_label(kind, row, lines), field=field)
+            return SourceError(path, msg, line=label(row), field=field)
         if kind == "arrow":  # rows counted from 0, as the sample ids (and speculators' hs_{i} files) count
             return SourceError(path, f"{msg} (row index {row})", field=field)
         return SourceError(path, f"{msg} (row {row + 1})", field=field)
@@ -305,15 +332,15 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
 
     n = table.num_rows
 
-    def list_column(name: str, ok_value, what: str) -> list[np.ndarray | None]:
-        """A list column as per-row numpy views (None for a missing value); a wrong type names the line."""
+    def list_column(name: str, ok_value, what: str) -> _ListColumn | None:
+        """A list column's values, offsets and nulls (None when absent); a wrong type names the line."""
         if name not in names:
-            return [None] * n
+            return None
         col = table.column(name).combine_chunks()
         is_list = pa.types.is_list(col.type) or pa.types.is_large_list(col.type)
         if is_list and pa.types.is_decimal(col.type.value_type) and col.type.value_type.scale == 0:
             # DuckDB types a JSON list column decimal when a value does not fit int64 (or signs mix with
-            # uint64-sized values); the per-row check below names the row of a value outside int32
+            # uint64-sized values); the range check below names the row of a value outside int32
             try:
                 col = col.cast(pa.list_(pa.int64()))
             except pa.ArrowInvalid:
@@ -326,73 +353,178 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
                 _scan_json_lines(path)
             first = next((i for i, v in enumerate(col.is_null().to_pylist()) if not v), 0)
             raise fail(first, name, f"must be a list of {what} (column type is {col.type})")
-        offsets = col.offsets.to_numpy()
+        offsets = col.offsets.to_numpy().astype(np.int64)
         if col.values.null_count:  # [1, null, 3]: a null inside a row's list
             pos = int(np.flatnonzero(col.values.is_null().to_numpy(zero_copy_only=False))[0])
             row = int(np.searchsorted(offsets, pos, side="right")) - 1
             raise fail(row, name, f"holds null at position {pos - int(offsets[row])}; give {what} only")
-        values = col.values.to_numpy(zero_copy_only=False)
-        nulls = col.is_null().to_numpy(zero_copy_only=False)
-        return [None if nulls[i] else values[offsets[i] : offsets[i + 1]] for i in range(n)]
+        return _ListColumn(col.values.to_numpy(zero_copy_only=False), offsets,
+                           col.is_null().to_numpy(zero_copy_only=False))
 
     # a dataset directory's sample i is row i, whatever its columns: speculators names its files hs_{i}
-    raw_ids = _id_column(path, kind, table, types, fail) if "id" in names and kind != "arrow" else None
+    sids = _sample_ids(path, kind, table, types, fail) if "id" in names and kind != "arrow" else _row_numbers(n)
 
-    ids_list = list_column("input_ids", pa.types.is_integer, "integers")
-    masks = list_column("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t), "0/1 integers")
-    texts = table.column("text").to_pylist() if "text" in names else [None] * n
-    seq_lens = table.column("seq_len").to_pylist() if kind == "arrow" and "seq_len" in names else None
-    convs = _conversation_rows(path, kind, table, names)
+    ids_col = list_column("input_ids", pa.types.is_integer, "integers")
+    mask_col = list_column("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t), "0/1 integers")
     tok = chat.as_tokenizer(tokenizer)
+    ids_null = ids_col.nulls if ids_col is not None else np.ones(n, dtype=bool)
+    mask_null = mask_col.nulls if mask_col is not None else np.ones(n, dtype=bool)
 
-    samples: list[Sample] = []
-    seen: dict[str, int] = {}
-    for i in range(n):
-        ids = ids_list[i]
-        mask = masks[i]
-        tokens_field = "input_ids"
-        if ids is None and convs is not None and any(convs[i].get(c) is not None for c in CONVERSATION_FIELDS):
-            ids, mask, tokens_field = _tokenize_conversation(i, convs[i], masks[i] is not None, tok, fail)
-        elif ids is None:
-            text = texts[i]
-            if text is None:
-                raise fail(i, "input_ids", MISSING)
-            if not isinstance(text, str):
-                raise fail(i, "text", "must be a string")
-            if tok is None:
-                raise fail(i, "text", "needs a tokenizer, but the model has none")
-            ids = np.asarray(tok.encode(text), dtype=np.int64)
-            tokens_field = "text"
-        ids = np.asarray(ids)
-        if seq_lens is not None and seq_lens[i] is not None and seq_lens[i] != ids.shape[0]:
-            raise fail(i, "seq_len", f"is {seq_lens[i]} but input_ids has {ids.shape[0]} tokens")
-        if ids.size and (ids.min() < INT32_MIN or ids.max() > INT32_MAX):
-            raise fail(i, tokens_field, "holds a value outside the 32-bit integer range")
-        ids32 = ids.astype(np.int32)
-        unusable = _unusable(ids32, vocab_size) if vocab_size is not None or registered is not None else None
-        if unusable and registered is None:
-            raise fail(i, tokens_field, unusable)
-        if mask is None:
-            mask8 = np.ones(ids32.shape[0], dtype=np.uint8)
-        else:
-            mask = np.asarray(mask)
-            if mask.shape[0] != ids32.shape[0]:
-                raise fail(i, "loss_mask", f"has {mask.shape[0]} entries but input_ids has {ids32.shape[0]}")
-            if mask.size and (mask.min() < 0 or mask.max() > 1):
-                raise fail(i, "loss_mask", "must hold only 0 and 1")
-            mask8 = mask.astype(np.uint8)
-        if raw_ids is not None and raw_ids[i] is not None:
-            sid = str(raw_ids[i])
-        else:
-            sid = str(i)
-        if sid in seen:
-            raise fail(i, "id", f"duplicate id '{sid}' (first seen at {where} {_row_label(kind, seen[sid], lines)})")
-        seen[sid] = i
-        fp = fingerprint(ids32, mask8)
-        if unusable and not registered(sid, fp):
-            raise fail(i, tokens_field, unusable)
-        samples.append(Sample(sid, i, ids32, mask8, fp))
-    return samples
+    # candidate errors (row, order of the check within a row, error): the least is raised
+    errors: list[tuple[int, int, SourceError]] = []
+    # rows without input_ids: tokenized here (their text, or their conversation with the chat template)
+    tokenized: dict[int, tuple[np.ndarray, np.ndarray | None, str]] = {}  # row -> (ids, mask or None, field)
+    m = n  # rows from m on are not looked at: row m could not be tokenized
+    todo = np.flatnonzero(ids_null)
+    if todo.size:
+        texts = table.column("text") if "text" in names else None
+        convs = _conversation_rows(path, kind, table, names)
+        for i in todo.tolist():
+            try:
+                if convs is not None and any(convs[i].get(c) is not None for c in CONVERSATION_FIELDS):
+                    tokenized[i] = _tokenize_conversation(i, convs[i], not mask_null[i], tok, fail)
+                    continue
+                text = texts[i].as_py() if texts is not None else None
+                if text is None:
+                    raise fail(i, "input_ids", MISSING)
+                if not isinstance(text, str):
+                    raise fail(i, "text", "must be a string")
+                if tok is None:
+                    raise fail(i, "text", "needs a tokenizer, but the model has none")
+                tokenized[i] = (np.asarray(tok.encode(text), dtype=np.int64), None, "text")
+            except SourceError as e:
+                errors.append((i, 0, e))
+                m = i
+                break
+        del convs
+
+    def field_of(i: int) -> str:
+        return tokenized[i][2] if i in tokenized else "input_ids"
+
+    def row_ids(i: int) -> np.ndarray:
+        return tokenized[i][0] if i in tokenized else ids_col.row(i)
+
+    def row_mask(i: int) -> np.ndarray | None:
+        if i in tokenized and tokenized[i][1] is not None:
+            return tokenized[i][1]
+        return None if mask_null[i] else mask_col.row(i)
+
+    lens = ids_col.lengths.copy() if ids_col is not None else np.zeros(n, dtype=np.int64)
+    for i, (ids, _, _) in tokenized.items():
+        lens[i] = ids.shape[0]
+    tok_rows = np.fromiter(tokenized, dtype=np.int64, count=len(tokenized))
+
+    # a dataset directory's `seq_len` column says how many tokens a row has
+    if kind == "arrow" and "seq_len" in names:
+        seq = table.column("seq_len").combine_chunks()
+        seq_null = seq.is_null().to_numpy(zero_copy_only=False)
+        seq_val = seq.fill_null(0).to_numpy(zero_copy_only=False)
+        r = _first(np.flatnonzero(~seq_null & (seq_val != lens)), m)
+        if r is not None:
+            errors.append((r, 1, fail(r, "seq_len", f"is {seq_val[r]} but input_ids has {lens[r]} tokens")))
+
+    # token ids in the 32-bit range
+    out_of_range = [i for i in tok_rows.tolist()
+                    if tokenized[i][0].size and (tokenized[i][0].min() < INT32_MIN or tokenized[i][0].max() > INT32_MAX)]
+    if ids_col is not None and ids_col.values.dtype not in NARROW_INTS:
+        v = ids_col.values
+        out_of_range += ids_col.rows_with_values((v < INT32_MIN) | (v > INT32_MAX)).tolist()
+    r = _first(np.asarray(out_of_range, dtype=np.int64), m)
+    if r is not None:
+        errors.append((r, 2, fail(r, field_of(r), "holds a value outside the 32-bit integer range")))
+
+    # tokens the model cannot take: none, or an id outside its vocabulary
+    checked = vocab_size is not None or registered is not None
+    unusable = np.flatnonzero(lens[:m] == 0) if checked else np.zeros(0, dtype=np.int64)
+    if vocab_size is not None:
+        oov = [i for i in tok_rows.tolist() if i < m and _unusable(tokenized[i][0], vocab_size)]
+        if ids_col is not None:
+            v = ids_col.values
+            oov += ids_col.rows_with_values((v < 0) | (v >= vocab_size)).tolist()
+        unusable = np.union1d(unusable, np.asarray(oov, dtype=np.int64))
+    unusable = unusable[unusable < m]
+    if registered is None and unusable.size:
+        r = int(unusable[0])
+        errors.append((r, 3, fail(r, field_of(r), _unusable(row_ids(r).astype(np.int32), vocab_size))))
+
+    # the loss mask: as long as the tokens, 0 and 1 only
+    if mask_col is not None:
+        r = _first(np.flatnonzero(~mask_null & (mask_col.lengths != lens)), m)
+        if r is not None:
+            errors.append((r, 4, fail(r, "loss_mask", f"has {mask_col.lengths[r]} entries but input_ids has "
+                                                      f"{lens[r]}")))
+        v = mask_col.values
+        bad = mask_col.rows_with_values((v < 0) | (v > 1)) if v.dtype != np.bool_ else np.zeros(0, np.int64)
+        r = _first(bad, m)
+        if r is not None:
+            errors.append((r, 5, fail(r, "loss_mask", "must hold only 0 and 1")))
+    conv_masks = [i for i in tok_rows.tolist() if i < m and tokenized[i][1] is not None and tokenized[i][1].size
+                  and (tokenized[i][1].min() < 0 or tokenized[i][1].max() > 1)]
+    if conv_masks:
+        errors.append((conv_masks[0], 5, fail(conv_masks[0], "loss_mask", "must hold only 0 and 1")))
+
+    # ids: each once
+    codes = sids.slice(0, m).dictionary_encode().indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    if codes.size and int(codes.max()) + 1 < codes.size:  # codes number the ids in order of first appearance
+        seen_before = np.empty_like(codes)
+        seen_before[0] = -1
+        np.maximum.accumulate(codes[:-1], out=seen_before[1:])
+        r = int(np.flatnonzero(codes <= seen_before)[0])
+        first = int(np.argmax(codes == codes[r]))
+        sid = sids[r].as_py()
+        errors.append((r, 6, fail(r, "id", f"duplicate id '{sid}' (first seen at {where} {label(first)})")))
+
+    # a build's run: unusable rows are refused unless registered exactly as they are (same id, same tokens)
+    stop = min(errors, key=lambda e: e[:2])[0] if errors else m
+    if registered is not None:
+        for r in unusable[unusable < stop].tolist():
+            ids32 = row_ids(r).astype(np.int32)
+            mask = row_mask(r)
+            mask8 = np.ones(ids32.shape[0], np.uint8) if mask is None else np.asarray(mask).astype(np.uint8)
+            if not registered(sids[r].as_py(), fingerprint(ids32, mask8)):
+                errors.append((r, 7, fail(r, field_of(r), _unusable(ids32, vocab_size))))
+                break
+    if errors:
+        raise min(errors, key=lambda e: e[:2])[2]
+
+    # hold them: two flat buffers
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    total = int(offsets[-1])
+    tokens = np.empty(total, dtype=np.int32)
+    if ids_col is not None:
+        _copy_rows(tokens, offsets, ids_col.values, ids_col.offsets, np.flatnonzero(~ids_null))
+    mask8 = np.ones(total, dtype=np.uint8)
+    if mask_col is not None:
+        _copy_rows(mask8, offsets, mask_col.values, mask_col.offsets, np.flatnonzero(~mask_null))
+    for i, (ids, mask, _) in tokenized.items():
+        tokens[offsets[i] : offsets[i + 1]] = ids
+        if mask is not None:
+            mask8[offsets[i] : offsets[i + 1]] = mask
+    starts = offsets[:-1]
+    return SourceSamples(sids, fingerprints(tokens, mask8, starts, lens), np.arange(n, dtype=np.int64), starts, lens,
+                         tokens, mask8)
+
+
+def _row_numbers(n: int) -> pa.StringArray:
+    return pa.array(np.arange(n, dtype=np.int64)).cast(pa.string())
+
+
+def _sample_ids(path: Path, kind: str, table: pa.Table, types: dict[str, str],
+                fail: Callable[[int, str, str], SourceError]) -> pa.StringArray:
+    """Each row's sample id: its `id` (a string, or an integer written in decimal), else its row number."""
+    n = table.num_rows
+    col = table.column("id").combine_chunks()
+    t = col.type
+    if types.get("id", "VARCHAR") in ID_TYPES and (pa.types.is_string(t) or pa.types.is_large_string(t)
+                                                   or pa.types.is_integer(t) or pa.types.is_null(t)):
+        ids = col.cast(pa.string())  # in Arrow: no Python object a row
+    else:
+        values = _id_column(path, kind, table, types, fail)
+        ids = pa.array([None if v is None else str(v) for v in values], pa.string())
+    if ids.null_count:
+        ids = pc.if_else(ids.is_null(), _row_numbers(n), ids)
+    return ids
 
 
 def _unusable(ids: np.ndarray, vocab_size: int | None) -> str | None:

@@ -1,0 +1,249 @@
+"""A source's samples held columnar: one Arrow array of ids, one of fingerprints, numpy arrays of rows and token
+counts, and every sample's tokens and loss mask in two flat buffers (int32 and uint8) with per-sample starts.
+
+A source of a million rows is a handful of arrays, not a million Python objects: about 40 bytes a row plus the
+id's characters, and 5 bytes a token (4 of the token id, 1 of the loss mask). A `Sample` (its tokens and mask
+views into the buffers, no copy) is made only when one is asked for (indexing, iteration); the hot paths
+(registration in the log, the plan, the source-change diff, the size projection, the dispatch) use the arrays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+FINGERPRINT_BYTES = 8
+ITER_CHUNK = 4096
+_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+
+
+@dataclass
+class Sample:
+    sample_id: str
+    row: int
+    input_ids: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # uint8 [n]
+    fingerprint: str
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
+    h = hashlib.blake2b(digest_size=FINGERPRINT_BYTES)
+    h.update(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes())
+    h.update(b"|")
+    h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def fingerprints(tokens: np.ndarray, mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.StringArray:
+    """`fingerprint` of every sample of the flat buffers, as one Arrow string array (no Python string a row)."""
+    n = len(starts)
+    digests = bytearray(n * FINGERPRINT_BYTES)
+    ids_view = memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B")
+    mask_view = memoryview(np.ascontiguousarray(mask, dtype=np.uint8)).cast("B")
+    blake2b = hashlib.blake2b
+    for i, (s, k) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+        h = blake2b(digest_size=FINGERPRINT_BYTES)
+        h.update(ids_view[4 * s : 4 * (s + k)])
+        h.update(b"|")
+        h.update(mask_view[s : s + k])
+        digests[i * FINGERPRINT_BYTES : (i + 1) * FINGERPRINT_BYTES] = h.digest()
+    return hex_strings(np.frombuffer(digests, dtype=np.uint8), FINGERPRINT_BYTES)
+
+
+def hex_strings(data: np.ndarray, width: int) -> pa.StringArray:
+    """Bytes (uint8, `width` a string) as lower-case hex strings, like `bytes.hex()`."""
+    n = len(data) // width if width else 0
+    out = np.empty(2 * len(data), dtype=np.uint8)
+    out[0::2] = _HEX[data >> 4]
+    out[1::2] = _HEX[data & 15]
+    offsets = np.arange(0, 2 * width * (n + 1), 2 * width, dtype=np.int32)
+    return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(out))
+
+
+class SourceSamples(Sequence[Sample]):
+    """A source's samples (or a selection of them, in any order), columnar. Index or iterate it for `Sample`s;
+    read `sample_ids`, `fingerprints`, `rows` and `num_tokens` for all of them at once."""
+
+    __slots__ = ("_ids", "_fps", "rows", "starts", "num_tokens", "tokens", "mask")
+
+    def __init__(self, sample_ids: pa.Array, fingerprints: pa.Array, rows: np.ndarray, starts: np.ndarray,
+                 num_tokens: np.ndarray, tokens: np.ndarray, mask: np.ndarray):
+        n = len(sample_ids)
+        if not (len(fingerprints) == len(rows) == len(starts) == len(num_tokens) == n):
+            raise ValueError("SourceSamples: columns of different lengths")
+        if tokens.shape != mask.shape:
+            raise ValueError("SourceSamples: tokens and mask buffers of different lengths")
+        self._ids = _strings(sample_ids)
+        self._fps = _strings(fingerprints)
+        self.rows = np.asarray(rows, dtype=np.int64)  # the row of the source file (0-based)
+        self.starts = np.asarray(starts, dtype=np.int64)  # where a sample's tokens start in `tokens` / `mask`
+        self.num_tokens = np.asarray(num_tokens, dtype=np.int64)
+        self.tokens = tokens  # int32, flat
+        self.mask = mask  # uint8, flat
+
+    # -- building ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_samples(cls, samples: Iterable[Sample]) -> SourceSamples:
+        """From Sample objects (tests, small lists): their tokens copied into the flat buffers."""
+        if isinstance(samples, SourceSamples):
+            return samples
+        samples = list(samples)
+        lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
+        starts = np.zeros(len(samples), dtype=np.int64)
+        if len(samples):
+            starts[1:] = np.cumsum(lengths)[:-1]
+        tokens = (np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]) if samples
+                  else np.zeros(0, dtype=np.int32))
+        mask = (np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples]) if samples
+                else np.zeros(0, dtype=np.uint8))
+        return cls(pa.array([s.sample_id for s in samples], pa.string()),
+                   pa.array([s.fingerprint for s in samples], pa.string()),
+                   np.array([s.row for s in samples], dtype=np.int64), starts, lengths, tokens, mask)
+
+    # -- the columns -----------------------------------------------------------------------------------------
+    @property
+    def sample_ids(self) -> pa.StringArray:
+        return self._ids
+
+    @property
+    def fingerprints(self) -> pa.StringArray:
+        return self._fps
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.num_tokens.sum())
+
+    def stored_tokens(self, max_tokens: int | None) -> int:
+        """The tokens the workers will store of these samples: each cut to `max_tokens` (as
+        space.capacity.stored_tokens counts them)."""
+        if max_tokens:
+            return int(np.minimum(self.num_tokens, max_tokens).sum())
+        return self.total_tokens
+
+    def table(self) -> pa.Table:
+        """sample_id, row_idx, fingerprint, num_tokens: what the log registers of each sample."""
+        return pa.table({"sample_id": self._ids, "row_idx": pa.array(self.rows, pa.int64()),
+                         "fingerprint": self._fps, "num_tokens": pa.array(self.num_tokens, pa.int64())})
+
+    def nbytes(self) -> int:
+        """Bytes these arrays hold (the flat buffers whole, even when this is a selection of them)."""
+        return (self._ids.nbytes + self._fps.nbytes + self.rows.nbytes + self.starts.nbytes
+                + self.num_tokens.nbytes + self.tokens.nbytes + self.mask.nbytes)
+
+    # -- selections --------------------------------------------------------------------------------------------
+    def take(self, indices: np.ndarray | Sequence[int]) -> SourceSamples:
+        """These samples at `indices` (in that order); the token buffers are shared, not copied."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
+            raise IndexError("SourceSamples.take: index out of range")
+        idx = np.where(idx < 0, idx + len(self), idx)
+        at = pa.array(idx, pa.int64())
+        return SourceSamples(self._ids.take(at), self._fps.take(at), self.rows[idx], self.starts[idx],
+                             self.num_tokens[idx], self.tokens, self.mask)
+
+    def positions(self, sample_ids: Iterable[str]) -> np.ndarray:
+        """The position of each of these ids here (-1 where absent)."""
+        wanted = pa.array(list(sample_ids), pa.string())
+        pos = pc.index_in(wanted, value_set=self._ids)
+        return pos.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+    # -- Sequence[Sample] ------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @overload
+    def __getitem__(self, i: int) -> Sample: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> SourceSamples: ...
+
+    def __getitem__(self, i: int | slice) -> Sample | SourceSamples:
+        if isinstance(i, slice):
+            return self.take(np.arange(len(self))[i])
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} of {n}")
+        i = int(i) % n if n else int(i)
+        s, k = int(self.starts[i]), int(self.num_tokens[i])
+        return Sample(self._ids[i].as_py(), int(self.rows[i]), self.tokens[s : s + k], self.mask[s : s + k],
+                      self._fps[i].as_py())
+
+    def __iter__(self) -> Iterator[Sample]:
+        for a in range(0, len(self), ITER_CHUNK):  # a chunk's ids at once: cheaper than scalar conversions
+            b = a + ITER_CHUNK
+            ids, fps = self._ids[a:b].to_pylist(), self._fps[a:b].to_pylist()
+            for sid, fp, row, s, k in zip(ids, fps, self.rows[a:b].tolist(), self.starts[a:b].tolist(),
+                                          self.num_tokens[a:b].tolist(), strict=True):
+                yield Sample(sid, row, self.tokens[s : s + k], self.mask[s : s + k], fp)
+
+    def __repr__(self) -> str:
+        return f"SourceSamples({len(self)} samples, {self.total_tokens} tokens)"
+
+
+def _strings(a: pa.Array | pa.ChunkedArray) -> pa.StringArray:
+    if isinstance(a, pa.ChunkedArray):
+        a = a.combine_chunks()
+    if a.type != pa.string():
+        a = a.cast(pa.string())
+    return a
+
+
+def as_source_samples(samples: Iterable[Sample]) -> SourceSamples:
+    """SourceSamples as they are; anything else (a list of Sample) converted."""
+    return samples if isinstance(samples, SourceSamples) else SourceSamples.from_samples(samples)
+
+
+def sample_ids(samples: Sequence[Sample]) -> pa.StringArray:
+    """The ids of these samples as one Arrow array."""
+    if isinstance(samples, SourceSamples):
+        return samples.sample_ids
+    return pa.array([s.sample_id for s in samples], pa.string())
+
+
+class Ids(Sequence[str]):
+    """Sample ids held as one Arrow array (a million of them are no million Python strings); compares equal to
+    a list of the same ids."""
+
+    __slots__ = ("_a",)
+
+    def __init__(self, a: pa.Array | None = None):
+        self._a = _strings(a) if a is not None else pa.array([], pa.string())
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return self._a.to_pylist()[i]
+        return self._a[i].as_py()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._a.to_pylist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Ids):
+            return self._a.equals(other._a)
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(other) == len(self) and list(other) == self._a.to_pylist()
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._a.to_pylist()) if len(self) <= 20 else f"Ids({len(self)} ids)"
