@@ -147,6 +147,7 @@ class Coordinator:
         self.echo = echo
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
+        self._landed = False  # a sample was written since the last watermark poll
         self.aborted: str | None = None  # a worker died: stop at a safe point, `resume` continues
         if self.opts.inflight is not None:
             if self.opts.inflight < 1:
@@ -531,7 +532,9 @@ class Coordinator:
                     self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
                 stopping = bool(self.stop_requested or self.aborted)
                 flags.stop = stopping
-                pause = self.space.poll()
+                # fresh figures as soon as samples landed: a fast writer crosses `high` between two timed polls
+                pause = self.space.poll(force=self._landed)
+                self._landed = False
                 if pause != self.paused_reason:
                     self._set_paused(pause, flags, report)
                 self._engine_watch(report)
@@ -636,6 +639,7 @@ class Coordinator:
                 st.done(wid, sid, requeue=True)
                 self._engine_unavailable(message, report)
             case Written(sample_id=sid, attempt=attempt, fingerprint=fp, location=loc):
+                self._landed = True
                 self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
                                 nbytes=loc.nbytes, checksums=json.dumps(loc.checksums, sort_keys=True),

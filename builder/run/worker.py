@@ -379,6 +379,7 @@ class _Group:
         try:
             w.commit(group)  # a failed group leaves nothing behind (SegmentWriter.commit)
         except OSError as e:
+            self.committing_bytes = 0  # nothing of it stayed on disk
             for it in items:
                 t = it.task
                 if is_disk_full(e):
@@ -386,6 +387,7 @@ class _Group:
                 else:
                     self._fail(t, "error", f"writing its group: {type(e).__name__}: {e}")
             return
+        self.committing_bytes = 0  # on disk now: the volume's own figures count it (not twice in a projection)
         for it in items:
             t, loc = it.task, it.location
             verified = False
