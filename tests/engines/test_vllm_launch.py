@@ -54,7 +54,7 @@ def _written(build: Path) -> int:
 
 
 def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path, tiny_llama, tmpfs):
-    n, inflight = 240, 4
+    n, inflight = 120, 4
     staging = tmpfs
     port = free_port()
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 21, vocab=VOCAB, hi=300))
@@ -128,7 +128,7 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
     staging = tmp_path / "staging"
     staging.mkdir()
     first = start_server(tmp_path, tiny_llama, staging)
-    n = 240
+    n = 120
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 8, vocab=VOCAB, hi=300))
     build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=first.url,
                        staging=str(staging), inflight=4).root
