@@ -39,6 +39,10 @@ class Watermarks:
 
 # The keys that decide what a stored sample looks like. A build holds one format: `init` records them (meta
 # `format`), and a config whose format keys differ is refused by every run, with or without --force.
+# The codec of a new build's arrays (`init --codec`), chosen on extracted states (tools/study_codecs.py): blosc's
+# lz4 after a bit shuffle stores bf16 states as small as zstd:1 or smaller, and encodes and decodes them faster.
+DEFAULT_CODEC = "blosc-lz4-bitshuffle:5"
+CODEC_SPECS = "zstd:LEVEL, blosc-lz4:LEVEL, blosc-zstd:LEVEL, blosc-lz4-bitshuffle:LEVEL, blosc-zstd-bitshuffle:LEVEL or none"
 FORMAT_KEYS = ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tokens", "backend", "final_state")
 POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "workers", "inflight", "batch_tokens")
 BACKENDS = ("inprocess", "vllm")
@@ -53,7 +57,7 @@ class BuildConfig:
     max_tokens: int | None = None
     max_attempts: int = 3
     dtype: str = "bfloat16"
-    codec: str = "zstd:1"
+    codec: str = DEFAULT_CODEC
     chunk_tokens: int = 128
     workers: int = 1
     device: str = "auto"

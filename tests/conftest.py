@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from powercut_fixture import powercut  # noqa: F401 (the power-cut fixture: tests/durability)
 from vllm_fixture import tiny_llama, vllm_server  # noqa: F401 (a real vLLM server: tests/engines)
 
@@ -93,3 +94,28 @@ def tmpfs(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); tests on a small volume skipped")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy()
+
+
+# A CPU forward pass is not always reproducible to the last bit across processes: twice in some hundred runs
+# (once in CI) a sample's states differed from a fresh forward by one bf16 ulp in a handful of values, with the
+# same thread count and MKL_DYNAMIC/OMP_DYNAMIC off. What storage must keep bit-exact is guarded by each
+# sample's CRC-32C, computed by the worker from the tensors it got and checked by every read; this comparison
+# says the stored states ARE the model's states for these tokens: equal bits, or at most this share of values
+# off by at most this many ulps (a lossy conversion, a shifted row or another layer changes far more).
+ULP_SLACK, ULP_SHARE = 2, 0.002
+
+
+def same_states(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
+    a, b = bits(got).astype(np.int32), bits(ref).astype(np.int32)
+    if np.array_equal(a, b):
+        return True, ""
+    off = a != b
+    ulps = np.abs(a - b)[off]
+    same_sign = ((a < 0) == (b < 0))[off].all()
+    ok = same_sign and int(ulps.max()) <= ULP_SLACK and off.mean() <= ULP_SHARE
+    return ok, (f"{int(off.sum())} of {a.size} values differ, by up to {int(ulps.max())} ulp(s), max abs diff "
+                f"{(got.float() - ref.float()).abs().max()}")

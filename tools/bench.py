@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=4, help="aux layers + the final hidden state")
     ap.add_argument("--chunk-tokens", type=int, help="default: what `init` would choose")
-    ap.add_argument("--codecs", default="zstd:1", help="comma-separated codecs to compare")
+    ap.add_argument("--codecs", default="blosc-lz4-bitshuffle:5,zstd:1", help="comma-separated codecs to compare")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-verify", action="store_true", help="skip the verify-throughput part (tools/bench_verify.py)")
     ap.add_argument("--dir", help="where to write (default: a temp dir on the current volume)")

@@ -40,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=100, help="demo samples (varied lengths, 4-1500 tokens)")
     ap.add_argument("--model", default="builtin", help="builtin (hidden 256, 8 layers), builtin:..., or a Hugging Face model directory")
-    ap.add_argument("--codecs", default="none,zstd:1,zstd:3,blosc-lz4:5,blosc-zstd:3",
+    ap.add_argument("--codecs", default="none,blosc-lz4-bitshuffle:5,zstd:1,zstd:3,blosc-lz4:5,blosc-zstd-bitshuffle:3",
                     help="comma-separated; the first is the baseline")
     ap.add_argument("--rounds", type=int, default=5, help="warm read rounds (median reported)")
     ap.add_argument("--dir", help="where to build (default: a temp dir on the current volume)")

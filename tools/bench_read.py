@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=256, help="MLP width (small: the build is faster)")
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--codec", default="zstd:1", help="the build's codec: zstd:1 (hsbuild's default), none, ...")
+    ap.add_argument("--codec", default="blosc-lz4-bitshuffle:5", help="the build's codec: blosc-lz4-bitshuffle:5 (hsbuild's default), zstd:1, none, ...")
     ap.add_argument("--chunk-tokens", type=int, help="default: what `init` chooses")
     ap.add_argument("--reads", type=int, help="samples read per pass (default: all)")
     ap.add_argument("--rounds", type=int, default=5, help="warm rounds (median reported)")

@@ -23,6 +23,7 @@ from builder.cli.args import out_flags as _out_flags
 from builder.cli.args import size as _size
 from builder.cli.output import print_json, print_rows
 from builder.cli.progress import progress_for
+from builder.config import CODEC_SPECS, DEFAULT_CODEC
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, HsbuildError
 from builder.humanize import human_bytes, human_seconds, pct
 
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="truncate longer samples to N tokens (at most the model's positions)")
     p.add_argument("--max-attempts", type=positive_int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--codec", default="zstd:1", help="zstd:LEVEL (default zstd:1), blosc-lz4:L, blosc-zstd:L, none")
+    p.add_argument("--codec", default=DEFAULT_CODEC,
+                   help=f"{CODEC_SPECS} (default {DEFAULT_CODEC}; -bitshuffle: bit shuffle, else byte shuffle)")
     p.add_argument("--chunk-tokens", type=positive_int, help="chunk length along the token axis (default: measured)")
     p.add_argument("--device", default="auto")
     p.add_argument("--staging", help="an existing staging directory: where an engine writes states (--backend "

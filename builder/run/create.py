@@ -12,7 +12,7 @@ from pathlib import Path
 import duckdb
 
 from builder import __version__
-from builder.config import BACKENDS, BuildConfig, Watermarks
+from builder.config import BACKENDS, DEFAULT_CODEC, BuildConfig, Watermarks
 from builder.errors import BuildExistsError, BuildReadOnlyError, ModelError, UsageError
 from builder.extract.model import Extractor, check_device_spec, suggest_chunk_tokens
 from builder.extract.source import load_source
@@ -43,7 +43,7 @@ def init_build(
     aux_layers: list[int] | None = None,
     max_tokens: int | None = None,
     force: bool = False,
-    codec: str = "zstd:1",
+    codec: str = DEFAULT_CODEC,
     dtype: str = "bfloat16",
     chunk_tokens: int | None = None,
     max_attempts: int = 3,

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import zarr.codecs as zc
 
+from builder.config import CODEC_SPECS
 from builder.errors import UsageError
 
 # what numcodecs' Zstd (libzstd) accepts, negative levels being the fast modes; zarr's ZstdCodec stops at 22
@@ -18,8 +19,13 @@ BLOSC_LEVELS = (0, 9)  # numcodecs' Blosc refuses any other clevel when it encod
 STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 
 
+BLOSC_NAMES = {"blosc-lz4": ("lz4", "shuffle"), "blosc-zstd": ("zstd", "shuffle"),
+               "blosc-lz4-bitshuffle": ("lz4", "bitshuffle"), "blosc-zstd-bitshuffle": ("zstd", "bitshuffle")}
+
+
 def parse_codec(spec: str) -> list:
-    """`zstd:LEVEL`, `blosc-lz4:LEVEL`, `blosc-zstd:LEVEL` or `none` (zarr's codecs, backed by numcodecs).
+    """`zstd:LEVEL`, `blosc-lz4:LEVEL`, `blosc-zstd:LEVEL` (byte shuffle), `blosc-lz4-bitshuffle:LEVEL`,
+    `blosc-zstd-bitshuffle:LEVEL` (bit shuffle) or `none` (zarr's codecs, backed by numcodecs).
     A level numcodecs would refuse (or silently clamp) is a UsageError naming --codec, so `init` refuses it
     instead of every sample failing later."""
     name, _, level_s = spec.partition(":")
@@ -36,13 +42,13 @@ def parse_codec(spec: str) -> list:
             raise UsageError(f"--codec '{spec}': zstd levels are {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]} "
                              "(1 is the default)")
         return [zc.ZstdCodec(level=1 if level is None else level)]
-    if name in ("blosc-lz4", "blosc-zstd"):
+    if name in BLOSC_NAMES:
         if level is not None and not BLOSC_LEVELS[0] <= level <= BLOSC_LEVELS[1]:
             raise UsageError(f"--codec '{spec}': blosc levels are {BLOSC_LEVELS[0]}..{BLOSC_LEVELS[1]} "
                              "(5 is the default)")
-        return [zc.BloscCodec(cname=name.split("-")[1], clevel=5 if level is None else level, shuffle="shuffle",
-                              typesize=2)]
-    raise UsageError(f"--codec '{spec}': use zstd:LEVEL, blosc-lz4:LEVEL, blosc-zstd:LEVEL or none")
+        cname, shuffle = BLOSC_NAMES[name]
+        return [zc.BloscCodec(cname=cname, clevel=5 if level is None else level, shuffle=shuffle, typesize=2)]
+    raise UsageError(f"--codec '{spec}': use {CODEC_SPECS}")
 
 
 def to_storage(t: torch.Tensor) -> np.ndarray:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import zarr
 
+from builder.config import DEFAULT_CODEC
 from builder.fsutil import atomic_write_bytes, fsync_path, fsync_paths
 from builder.store.codec import STORAGE_DTYPES, checksum, chunk_encoder, parse_codec, to_storage
 from builder.store.shard import ShardGeometry, encode_shard, shard_path
@@ -147,7 +148,7 @@ class SegmentWriter:
     hidden_size: int
     n_aux: int
     chunk_tokens: int
-    codec: str = "zstd:1"
+    codec: str = DEFAULT_CODEC
     dtype: str = "bfloat16"
     shard_chunks: int = 0  # 0: chosen from the chunk size (shard_chunks_for)
     cursor: int = 0  # the next free token address

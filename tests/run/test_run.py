@@ -11,9 +11,8 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
-from conftest import random_rows, write_jsonl
+from conftest import random_rows, same_states, write_jsonl
 from torch.utils.data import DataLoader
 
 from builder.config import BuildConfig
@@ -28,10 +27,6 @@ from builder.verify.checks import check_location
 MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 
 
-def bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.int16).numpy()
-
-
 def _threads_by_sample(log: EventLog) -> dict[str, int]:
     """The intra-op thread count each sample was extracted with (its `written` run's `run_started`)."""
     threads = {run: int(t) for run, t in log.query(
@@ -39,27 +34,6 @@ def _threads_by_sample(log: EventLog) -> dict[str, int]:
         if t is not None}
     return {sid: threads[run] for sid, run in log.query(
         "SELECT sample_id, run_id FROM events WHERE kind = 'written' ORDER BY seq")[1] if run in threads}
-
-
-# A CPU forward pass is not always reproducible to the last bit across processes: twice in some hundred runs
-# (once in CI) a sample's states differed from a fresh forward by one bf16 ulp in a handful of values, with the
-# same thread count and MKL_DYNAMIC/OMP_DYNAMIC off. What storage must keep bit-exact is guarded by each
-# sample's CRC-32C, computed by the worker from the tensors it got and checked by every read; this comparison
-# says the stored states ARE the model's states for these tokens: equal bits, or at most this share of values
-# off by at most this many ulps (a lossy conversion, a shifted row or another layer changes far more).
-ULP_SLACK, ULP_SHARE = 2, 0.002
-
-
-def _same_states(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
-    a, b = bits(got).astype(np.int32), bits(ref).astype(np.int32)
-    if np.array_equal(a, b):
-        return True, ""
-    off = a != b
-    ulps = np.abs(a - b)[off]
-    same_sign = ((a < 0) == (b < 0))[off].all()
-    ok = same_sign and int(ulps.max()) <= ULP_SLACK and off.mean() <= ULP_SHARE
-    return ok, (f"{int(off.sum())} of {a.size} values differ, by up to {int(ulps.max())} ulp(s), max abs diff "
-                f"{(got.float() - ref.float()).abs().max()}")
 
 
 def assert_bit_exact(build, model=MODEL, max_tokens=None) -> int:
@@ -86,7 +60,7 @@ def assert_bit_exact(build, model=MODEL, max_tokens=None) -> int:
             for name, ref in (("hidden_state", final), ("aux_hidden_state", aux)):
                 got = item[name]
                 assert got.shape == ref.shape, (sid, name, got.shape, ref.shape)
-                ok, how = _same_states(got, ref)
+                ok, how = same_states(got, ref)
                 if not ok:
                     raise AssertionError(f"{sid} ({len(ids)} tokens, {threads.get(sid, default)} threads): {name} "
                                          f"differs from a fresh forward: {how}")

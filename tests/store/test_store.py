@@ -40,7 +40,7 @@ def same_shard(mine, zarrs, shard_chunks: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("codec", ["zstd:1", "zstd:3", "none", "blosc-lz4:5"])
+@pytest.mark.parametrize("codec", ["zstd:1", "zstd:3", "none", "blosc-lz4:5", "blosc-lz4-bitshuffle:5", "blosc-zstd-bitshuffle:3"])
 def test_shards_equal_zarrs_own_and_read_back_bit_exact(tmp_path, codec):
     """A group written directly is, shard file for shard file, what zarr writes for the same data, and reads
     back bit-exact through zarr."""

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 from conftest import ROOMY, random_rows, write_jsonl
-from numcodecs import Zstd
 
 from builder.config import load_config
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
+from builder.store.direct import FieldLayout
 from builder.store.segment import field_geometry, sample_files
 from builder.store.shard import EMPTY, read_index
 from builder.verify.sweep import SweepOptions, SweepSummary, run_sweep
@@ -94,16 +94,24 @@ def file_set(build: Path) -> dict[str, str]:
 # -- faults ------------------------------------------------------------------------------------------------
 
 
+class _Raw:
+    """codec `none`: the chunk's bytes as they are."""
+
+    @staticmethod
+    def decode(b: bytes) -> bytes:
+        return b
+
+
 def flip_bit(chunk: Path, valid_bytes: int) -> int:
-    """Flip one bit of the first zstd inner chunk of a shard file so that it still decodes, to different bytes
-    inside the sample's rows (silent corruption: only the checksum can tell). The shard's index is untouched.
-    Returns the byte offset flipped."""
+    """Flip one bit of the first inner chunk of a shard file so that it still decodes (with the field's codec:
+    zstd, blosc or none), to different bytes inside the sample's rows (silent corruption: only the checksum can
+    tell). The shard's index is untouched. Returns the byte offset flipped."""
     whole = chunk.read_bytes()
     _, shard_chunks = field_geometry(chunk.parent.parent, chunk.parent.name)
     idx = read_index(chunk, shard_chunks)
     off, n = next((int(o), int(k)) for o, k in idx.tolist() if o != EMPTY)
     data = whole[off : off + n]
-    codec = Zstd()
+    codec = FieldLayout.of(chunk.parent.parent, chunk.parent.name).codec or _Raw()
     orig = np.frombuffer(codec.decode(data), dtype=np.uint8)[:valid_bytes]
     mid = len(data) // 2
     for pos in sorted(range(len(data)), key=lambda i: abs(i - mid)):
