@@ -22,11 +22,13 @@ Layout 1 segments (one file per chunk, `c/<i>` and `c/<i>/0`, no manifests) are 
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +40,7 @@ import zarr
 from builder.config import DEFAULT_CODEC
 from builder.fsutil import atomic_write_bytes, fsync_path, fsync_paths
 from builder.store.codec import STORAGE_DTYPES, checksum, chunk_encoder, parse_codec, to_storage
-from builder.store.shard import ShardGeometry, encode_shard, shard_path
+from builder.store.shard import ShardGeometry, shard_parts, shard_path
 
 FIELDS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 DIMS = {"input_ids": 1, "loss_mask": 1, "hidden_state": 2, "aux_hidden_state": 2}
@@ -112,17 +114,28 @@ def new_segment_name(run_id: str, worker: int) -> str:
     return f"seg-{run_id[:8]}-w{worker:02d}-{uuid.uuid4().hex[:6]}"
 
 
-def _write_once(path: Path, data: bytes) -> int:
-    """Create `path` (never an existing one), write `data` whole and fsync it."""
+IOV_MAX = 1024  # buffers a writev(2) takes at most (Linux)
+
+
+def _write_once(path: Path, data: bytes | list[bytes]) -> int:
+    """Create `path` (never an existing one), write `data` (bytes, or buffers written one after another with
+    gather writes, no copy into one) whole and fsync it."""
+    views = deque(v for v in (memoryview(b).cast("B") for b in ([data] if isinstance(data, bytes | bytearray)
+                                                                  else data)) if len(v))
+    total = sum(len(v) for v in views)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[os.write(fd, view):]
+        while views:
+            n = os.writev(fd, list(itertools.islice(views, IOV_MAX)))
+            while n:  # a short write: drop what went out, resume mid-buffer
+                if n >= len(views[0]):
+                    n -= len(views.popleft())
+                else:
+                    views[0], n = views[0][n:], 0
         os.fsync(fd)
     finally:
         os.close(fd)
-    return len(data)
+    return total
 
 
 @dataclass
@@ -314,7 +327,7 @@ class SegmentWriter:
             self.groups += 1
         return [s.location for s in staged]
 
-    def _shard_jobs(self, chunks: dict[str, dict[int, bytes]]) -> list[tuple[Path, bytes]]:
+    def _shard_jobs(self, chunks: dict[str, dict[int, bytes]]) -> list[tuple[Path, list[bytes]]]:
         jobs = []
         sc = self.shard_chunks
         for fld, by_idx in chunks.items():
@@ -322,7 +335,7 @@ class SegmentWriter:
             for idx, data in by_idx.items():
                 shards.setdefault(idx // sc, [None] * sc)[idx % sc] = data
             for s, inner in sorted(shards.items()):
-                jobs.append((shard_path(self.path, fld, DIMS[fld], s), encode_shard(inner)))
+                jobs.append((shard_path(self.path, fld, DIMS[fld], s), shard_parts(inner)))
         return jobs
 
     def drop_staged(self) -> list[str]:

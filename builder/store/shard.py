@@ -58,17 +58,25 @@ def shard_path(seg_dir: Path, fld: str, fld_dims: int, index: int) -> Path:
     return seg_dir / fld / shard_key(fld_dims, index)
 
 
-def encode_shard(chunks: list[bytes | None]) -> bytes:
-    """A shard file from its encoded inner chunks (None: absent), index at the end."""
-    body = bytearray()
+def shard_parts(chunks: list[bytes | None]) -> list[bytes]:
+    """A shard file from its encoded inner chunks (None: absent), as the buffers to write one after another
+    (the present chunks, then the index and its CRC-32C): written with one gather write, never copied into one."""
+    parts: list[bytes] = []
+    offset = 0
     index = np.full((len(chunks), 2), EMPTY, dtype="<u8")
     for i, c in enumerate(chunks):
         if c is None:
             continue
-        index[i] = (len(body), len(c))
-        body += c
+        index[i] = (offset, len(c))
+        offset += len(c)
+        parts.append(c)
     raw_index = index.tobytes()
-    return bytes(body) + raw_index + struct.pack("<I", crc32c.crc32c(raw_index))
+    return [*parts, raw_index + struct.pack("<I", crc32c.crc32c(raw_index))]
+
+
+def encode_shard(chunks: list[bytes | None]) -> bytes:
+    """A shard file from its encoded inner chunks (None: absent), index at the end, as one bytes."""
+    return b"".join(shard_parts(chunks))
 
 
 def decode_index(tail: bytes, shard_chunks: int) -> np.ndarray:
