@@ -54,7 +54,7 @@ def _written(build: Path) -> int:
 
 
 def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path, tiny_llama, tmpfs):
-    n, inflight = 120, 4
+    n, inflight = 240, 4
     staging = tmpfs
     port = free_port()
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 21, vocab=VOCAB, hi=300))
