@@ -182,8 +182,8 @@ def make_source(path: Path, rows: int, tokens: int) -> Path:
     try:
         con.execute(f"""
             COPY (SELECT 'sample-' || lpad(i::VARCHAR, 8, '0') AS id,
-                         list_transform(range(n), x -> (3 + hash(i * 7919 + x) % 30000)::INTEGER) AS input_ids,
-                         list_transform(range(n), x -> (x >= n // 3)::INTEGER) AS loss_mask
+                         list_transform(range(n), lambda x: (3 + hash(i * 7919 + x) % 30000)::INTEGER) AS input_ids,
+                         list_transform(range(n), lambda x: (x >= n // 3)::INTEGER) AS loss_mask
                   FROM (SELECT i, ({tokens} // 2 + hash(i) % ({tokens} + 1))::BIGINT AS n FROM range({rows}) t(i)))
             TO '{tmp}' (FORMAT {fmt})""")
     finally:
