@@ -3,20 +3,19 @@ counts, and every sample's tokens and loss mask in two flat buffers (int32 and u
 
 A source of a million rows is a handful of arrays, not a million Python objects: about 40 bytes a row plus the
 id's characters, and 5 bytes a token (4 of the token id, 1 of the loss mask). A `Sample` (its tokens and mask
-views into the buffers, no copy) is made only when one is asked for (indexing, iteration); the hot paths
-(registration in the log, the plan, the source-change diff, the size projection, the dispatch) use the arrays.
+views into the buffers, no copy) is made only when one is asked for (indexing, iteration): every consumer reads
+the source as a sequence of Samples so far.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 FINGERPRINT_BYTES = 8
 ITER_CHUNK = 4096
@@ -72,7 +71,7 @@ def hex_strings(data: np.ndarray, width: int) -> pa.StringArray:
 
 class SourceSamples(Sequence[Sample]):
     """A source's samples (or a selection of them, in any order), columnar. Index or iterate it for `Sample`s;
-    read `sample_ids`, `fingerprints`, `rows` and `num_tokens` for all of them at once."""
+    `rows` and `num_tokens` hold those of all of them at once."""
 
     __slots__ = ("_ids", "_fps", "rows", "starts", "num_tokens", "tokens", "mask")
 
@@ -91,54 +90,10 @@ class SourceSamples(Sequence[Sample]):
         self.tokens = tokens  # int32, flat
         self.mask = mask  # uint8, flat
 
-    # -- building ---------------------------------------------------------------------------------------------
-    @classmethod
-    def from_samples(cls, samples: Iterable[Sample]) -> SourceSamples:
-        """From Sample objects (tests, small lists): their tokens copied into the flat buffers."""
-        if isinstance(samples, SourceSamples):
-            return samples
-        samples = list(samples)
-        lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
-        starts = np.zeros(len(samples), dtype=np.int64)
-        if len(samples):
-            starts[1:] = np.cumsum(lengths)[:-1]
-        tokens = (np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]) if samples
-                  else np.zeros(0, dtype=np.int32))
-        mask = (np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples]) if samples
-                else np.zeros(0, dtype=np.uint8))
-        return cls(pa.array([s.sample_id for s in samples], pa.string()),
-                   pa.array([s.fingerprint for s in samples], pa.string()),
-                   np.array([s.row for s in samples], dtype=np.int64), starts, lengths, tokens, mask)
-
     # -- the columns -----------------------------------------------------------------------------------------
-    @property
-    def sample_ids(self) -> pa.StringArray:
-        return self._ids
-
-    @property
-    def fingerprints(self) -> pa.StringArray:
-        return self._fps
-
     @property
     def total_tokens(self) -> int:
         return int(self.num_tokens.sum())
-
-    def stored_tokens(self, max_tokens: int | None) -> int:
-        """The tokens the workers will store of these samples: each cut to `max_tokens` (as
-        space.capacity.stored_tokens counts them)."""
-        if max_tokens:
-            return int(np.minimum(self.num_tokens, max_tokens).sum())
-        return self.total_tokens
-
-    def table(self) -> pa.Table:
-        """sample_id, row_idx, fingerprint, num_tokens: what the log registers of each sample."""
-        return pa.table({"sample_id": self._ids, "row_idx": pa.array(self.rows, pa.int64()),
-                         "fingerprint": self._fps, "num_tokens": pa.array(self.num_tokens, pa.int64())})
-
-    def nbytes(self) -> int:
-        """Bytes these arrays hold (the flat buffers whole, even when this is a selection of them)."""
-        return (self._ids.nbytes + self._fps.nbytes + self.rows.nbytes + self.starts.nbytes
-                + self.num_tokens.nbytes + self.tokens.nbytes + self.mask.nbytes)
 
     # -- selections --------------------------------------------------------------------------------------------
     def take(self, indices: np.ndarray | Sequence[int]) -> SourceSamples:
@@ -150,12 +105,6 @@ class SourceSamples(Sequence[Sample]):
         at = pa.array(idx, pa.int64())
         return SourceSamples(self._ids.take(at), self._fps.take(at), self.rows[idx], self.starts[idx],
                              self.num_tokens[idx], self.tokens, self.mask)
-
-    def positions(self, sample_ids: Iterable[str]) -> np.ndarray:
-        """The position of each of these ids here (-1 where absent)."""
-        wanted = pa.array(list(sample_ids), pa.string())
-        pos = pc.index_in(wanted, value_set=self._ids)
-        return pos.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
 
     # -- Sequence[Sample] ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -196,54 +145,3 @@ def _strings(a: pa.Array | pa.ChunkedArray) -> pa.StringArray:
     if a.type != pa.string():
         a = a.cast(pa.string())
     return a
-
-
-def as_source_samples(samples: Iterable[Sample]) -> SourceSamples:
-    """SourceSamples as they are; anything else (a list of Sample) converted."""
-    return samples if isinstance(samples, SourceSamples) else SourceSamples.from_samples(samples)
-
-
-def sample_ids(samples: Sequence[Sample]) -> pa.StringArray:
-    """The ids of these samples as one Arrow array."""
-    if isinstance(samples, SourceSamples):
-        return samples.sample_ids
-    return pa.array([s.sample_id for s in samples], pa.string())
-
-
-class Ids(Sequence[str]):
-    """Sample ids held as one Arrow array (a million of them are no million Python strings); compares equal to
-    a list of the same ids."""
-
-    __slots__ = ("_a",)
-
-    def __init__(self, a: pa.Array | None = None):
-        self._a = _strings(a) if a is not None else pa.array([], pa.string())
-
-    def __len__(self) -> int:
-        return len(self._a)
-
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[str]: ...
-
-    def __getitem__(self, i: int | slice) -> str | list[str]:
-        if isinstance(i, slice):
-            return self._a.to_pylist()[i]
-        return self._a[i].as_py()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._a.to_pylist())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Ids):
-            return self._a.equals(other._a)
-        if isinstance(other, Sequence) and not isinstance(other, str):
-            return len(other) == len(self) and list(other) == self._a.to_pylist()
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return repr(self._a.to_pylist()) if len(self) <= 20 else f"Ids({len(self)} ids)"
