@@ -125,7 +125,7 @@ def flock_holders(st: os.stat_result, text: str | None = None) -> list[int] | No
     return out
 
 
-def _probe(fd: int) -> bool:
+def flock_held(fd: int) -> bool:
     """Held? by taking LOCK_SH for an instant (the fallback: it can make a concurrent LOCK_EX|LOCK_NB fail,
     which the owner's retry absorbs)."""
     try:
@@ -149,7 +149,7 @@ def inspect_lock(lay: BuildLayout) -> LockState:
         holders = flock_holders(st)
         if holders is None or (not holders and info and not info.get("proc_locks")):
             # /proc/locks cannot tell, or the recorded owner could not see its own lock there
-            return LockState(_probe(fd), info, how="probe")
+            return LockState(flock_held(fd), info, how="probe")
         return LockState(bool(holders), info)
     finally:
         os.close(fd)

@@ -72,16 +72,12 @@ class _ActorConn:
     def poll(self, timeout: float | None = 0.0) -> bool:
         if self._peeked:
             return True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
-            try:
-                self._peeked.append(self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait())
-                return True
-            except queue.Empty:
-                pass
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
+        try:  # None: wait for one, as Connection.poll(None) does
+            self._peeked.append(self.inbox.get(timeout=timeout) if timeout is None or timeout > 0
+                                else self.inbox.get_nowait())
+        except queue.Empty:
+            return False
+        return True
 
     def recv(self) -> object:
         return self._peeked.pop(0) if self._peeked else self.inbox.get()
@@ -111,12 +107,10 @@ def node_preflight(build_root: Path, probe_path: Path, device: str) -> NodeRepor
     into the build directory (the driver then reads it back); try to take `hsbuild.lock` without blocking (it
     must be busy: taken here, flock would not exclude a second run from this node); run doctor's GPU checks
     for the build's device."""
-    import errno  # noqa: PLC0415
-    import fcntl  # noqa: PLC0415
-
     from builder.config import load_config  # noqa: PLC0415
     from builder.doctor.checks import Context, check_gpus  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
+    from builder.log.lock import flock_held  # noqa: PLC0415
 
     host = socket.gethostname()
     write_error = None
@@ -132,13 +126,9 @@ def node_preflight(build_root: Path, probe_path: Path, device: str) -> NodeRepor
         lock_error = f"cannot open {lay.lock}: {e}"
     else:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            lock_free = False
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                lock_error = f"flock on {lay.lock}: {e}"
-        else:
-            lock_free = True  # released at once: closing the descriptor drops the flock
+            lock_free = not flock_held(fd)
+        except OSError as e:  # flock refused outright (ENOLCK: an NFS mount without lock support, ...)
+            lock_error = f"flock on {lay.lock}: {e}"
         finally:
             os.close(fd)
     gpu_checks: list[dict] = []
