@@ -140,7 +140,33 @@ def cmd_init(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _standby_for(args: argparse.Namespace):
+    """The run's local workers, spawned before the coordinator's module is imported, so that the seconds both
+    spend importing torch overlap (builder/run/standby.py). None with --ray, or when the build cannot be read
+    (the run then says why)."""
+    if getattr(args, "ray", None):
+        return None
+    from builder.config import load_config  # noqa: PLC0415
+    from builder.layout import layout  # noqa: PLC0415
+    from builder.run.standby import Standby  # noqa: PLC0415
+
+    try:
+        workers = args.workers if args.workers is not None else load_config(layout(args.build).require()).workers
+    except Exception:  # noqa: BLE001 - the coordinator reports a build it cannot read, in its own words
+        return None
+    return Standby(workers) if isinstance(workers, int) and 0 < workers <= 256 else None
+
+
 def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
+    standby = _standby_for(args)
+    try:
+        return _run(args, resume, standby)
+    finally:
+        if standby is not None:
+            standby.close()
+
+
+def _run(args: argparse.Namespace, resume: bool, standby) -> int:
     from builder.run.coordinator import RunOptions, run_build  # noqa: PLC0415
 
     opts = RunOptions(workers=args.workers, limit=args.limit, max_attempts=args.max_attempts, device=args.device,
@@ -148,7 +174,7 @@ def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
                       flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
                       inflight=args.inflight, source=args.source, accept_source_changes=args.accept_source_changes,
-                      ray=args.ray)
+                      ray=args.ray, standby=standby)
     report = run_build(args.build, opts, resume=resume, echo=lambda m: print(m, file=sys.stderr))
     print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}"
           + (f", paused {report.pauses}x" if report.pauses else ""))

@@ -16,7 +16,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from builder.errors import ModelError, SampleError
 from builder.extract.backends.base import check_finite
 from builder.extract.chat import ConversationError, hf_chat
 from builder.extract.final_norm import FINAL_STATES, FinalNorm, read_final_norm
+from builder.extract.threads import FIXED_THREADING, fix_threading  # noqa: F401 - re-exported
 from builder.extract.weights import directory_fingerprint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -290,19 +290,6 @@ def check_device_spec(device: str) -> None:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
         raise ModelError(f"--device '{device}': use auto, cpu, cuda or cuda:N")
-
-
-# Run-to-run reproducibility of a CPU forward pass (MKL's and OpenMP's documented conditions): a fixed thread
-# count (recorded per run) and no dynamic thread adjustment, which both libraries may otherwise apply per call.
-# Workers are spawned with these set, so a sample extracted again later has the same bits.
-FIXED_THREADING = {"MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
-
-
-def fix_threading(env: dict[str, str] | None = None) -> None:
-    """Set FIXED_THREADING in `env` (default: this process's environment) unless the user set them."""
-    target = os.environ if env is None else env
-    for key, value in FIXED_THREADING.items():
-        target.setdefault(key, value)
 
 
 def pick_device(device: str) -> torch.device:

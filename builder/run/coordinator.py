@@ -34,8 +34,9 @@ from builder.errors import (
 )
 from builder.extract.backends.dump import DumpSettings
 from builder.extract.backends.vllm import staging_usage
-from builder.extract.model import check_device_spec, fix_threading
+from builder.extract.model import check_device_spec
 from builder.extract.source import Sample, load_source
+from builder.extract.threads import fix_threading
 from builder.humanize import human_bytes, pct
 from builder.layout import layout
 from builder.log.events import Event, EventBatch, detail, open_log
@@ -67,7 +68,8 @@ from builder.run.messages import (
 from builder.run.plan import INTERRUPTED_EXTRA, Plan, make_plan
 from builder.run.rebuild import adopt, unlogged
 from builder.run.source_changes import diff_source, record_source, refusal
-from builder.run.worker import Flags, WorkerSettings, worker_main
+from builder.run.standby import Flags, Standby, start_ignoring_stop_signals
+from builder.run.worker import WorkerSettings, worker_main
 from builder.space.capacity import measured_bytes_per_token, project, stored_tokens
 from builder.space.watermarks import SpaceMonitor
 from builder.store.codec import parse_codec
@@ -97,6 +99,9 @@ class RunOptions:
     source: str | None = None  # the build's source moved here (--source): recorded, hsbuild.toml updated
     accept_source_changes: bool = False  # record changed/removed source rows instead of refusing them
     ray: str | None = None  # workers as actors on this Ray cluster ('auto' or host:port); None: local processes
+    # local workers already spawned (the CLI starts them before importing this module); the run owns and closes
+    # it. None: the run spawns its own as soon as it holds the lock
+    standby: Standby | None = None
 
 
 @dataclass
@@ -116,6 +121,7 @@ class RunReport:
 
 class Coordinator:
     def __init__(self, build: str | Path, opts: RunOptions | None = None, echo=print):
+        self.standby: Standby | None = None
         self.lay = layout(build).require()
         self.opts = opts or RunOptions()
         self.cfg = load_config(self.lay)
@@ -204,8 +210,14 @@ class Coordinator:
 
     # -- the run ----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> RunReport:
-        lock = BuildLock(self.lay, "run", self.run_id, take_over=self.opts.take_over).acquire()
         try:
+            lock = BuildLock(self.lay, "run", self.run_id, take_over=self.opts.take_over).acquire()
+        except BaseException:
+            if self.opts.standby is not None:
+                self.opts.standby.close()
+            raise
+        try:
+            self.standby = self._standby()
             # validate the source before the log is even opened: bad input changes nothing
             self.source = self._source_path()
             samples = load_source(self.source, _tokenizer_for(self.cfg), build=self.lay)
@@ -216,7 +228,20 @@ class Coordinator:
             finally:
                 self.log.close()
         finally:
+            if self.standby is not None:
+                self.standby.close()  # the workers not taken (nothing to do, a refusal, an error)
             lock.release()
+
+    def _standby(self) -> Standby | None:
+        """The run's local workers, spawned now so that their imports overlap the source, the plan and the
+        preflight (or the CLI's, spawned before the coordinator was even imported). None with --ray."""
+        given = self.opts.standby
+        if given is not None and (self.opts.ray or given.workers != self.workers):
+            given.close()
+            given = None
+        if given is not None or self.opts.ray:
+            return given
+        return Standby(self.workers)
 
     def _run_locked(self, lock: BuildLock, resume: bool, samples: list[Sample]) -> RunReport:
         meta = self.meta = self.log.meta()
@@ -465,10 +490,13 @@ class Coordinator:
                             detail=detail(node=pl.node_id, host=pl.host, pid=pl.pid)))
             self.echo(f"worker {settings.worker}: Ray actor on node {pl.node_id[:12]} ({pl.host}, pid {pl.pid})")
             return handle, handle.conn
+        ready = self.standby.take(settings.worker, settings) if self.standby is not None else None
+        if ready is not None:
+            return ready
         mine, theirs = ctx.Pipe(duplex=True)
         p = ctx.Process(target=worker_main, args=(settings, theirs, flags), daemon=True,
                         name=f"hsbuild-worker-{settings.worker}")
-        _start_ignoring_stop_signals(p)  # (starts it)
+        start_ignoring_stop_signals(p)  # (starts it)
         theirs.close()  # so a dead worker's pipe reads as EOF here
         return p, mine
 
@@ -490,7 +518,8 @@ class Coordinator:
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
         ctx = mp.get_context("spawn")
         fix_threading()  # inherited by the spawned workers before their first forward pass
-        flags = Flags(ctx)
+        # the standby workers hold the run's flags since they were spawned
+        flags = self.standby.flags if self.standby is not None else Flags(ctx)
         threads = self._threads()
         procs: dict[int, mp.process.BaseProcess] = {}
         conns: dict[int, Connection] = {}  # reports from each worker (read here)
@@ -828,23 +857,6 @@ class _Dispatch:
         self.in_flight.discard(sid)
         if requeue:
             self.pending.appendleft(sid)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def _start_ignoring_stop_signals(p: mp.process.BaseProcess) -> None:
-    """Start a worker process that ignores SIGINT and SIGTERM from its first instruction: an ignored signal
-    stays ignored across exec, so the coordinator ignores them for the moment of the spawn. A Ctrl-C or a
-    `kill -TERM -- -PGID` (systemd, `timeout`) then reaches the coordinator alone, which stops the workers at
-    a safe point; none is killed with a sample in hand. (A signal arriving in those few milliseconds is
-    ignored by the coordinator too.)"""
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
-    try:
-        p.start()
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
 
 
 class _Outbox:

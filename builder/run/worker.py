@@ -41,6 +41,7 @@ from builder.run.messages import (
     Unreachable,
     Written,
 )
+from builder.run.standby import Flags
 from builder.store.segment import Location, SegmentWriter, StagedGroup, is_disk_full, new_segment_name
 
 
@@ -67,32 +68,6 @@ class WorkerSettings:
     final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
     dump: object | None = None  # extract.backends.dump.DumpSettings: an import; None: extraction
     batch_tokens: int | None = None  # in-process: pack samples into forward passes of up to this many tokens
-
-
-class Flags:
-    """Run-wide flags shared with the workers, lock-free (a RawArray of bytes): a worker killed at any moment
-    cannot leave a lock held that would stall the others (multiprocessing's Queue and Event can)."""
-
-    def __init__(self, ctx):
-        self._a = ctx.RawArray("b", 2)
-        self._a[1] = 1
-
-    @property
-    def stop(self) -> bool:
-        return bool(self._a[0])
-
-    @stop.setter
-    def stop(self, v: bool) -> None:
-        self._a[0] = int(v)
-
-    @property
-    def gate_open(self) -> bool:
-        """Writes may start. Closed while writers are paused (disk watermarks)."""
-        return bool(self._a[1])
-
-    @gate_open.setter
-    def gate_open(self, v: bool) -> None:
-        self._a[1] = int(v)
 
 
 def _die_with_parent() -> None:

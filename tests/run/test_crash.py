@@ -18,7 +18,7 @@ from builder.log.events import EventLog
 from builder.verify.checks import check_location
 
 KILLS = 12
-N = 1500
+N = 700
 
 
 def _files(root: Path) -> dict[str, int]:

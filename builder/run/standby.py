@@ -1,0 +1,123 @@
+"""Worker processes started before the coordinator needs them.
+
+A spawned worker spends seconds importing torch and the model code before it can take a sample; so does the
+coordinator, on its own imports, source, plan and preflight. `Standby` spawns the run's workers first (the CLI
+does so before it even imports the coordinator): each imports what extraction needs, then waits on its pipe
+for its `WorkerSettings`; the coordinator hands each one its settings once it has a plan (`take`). Nothing here
+imports torch.
+
+A standby worker owns nothing and touches nothing until it has its settings: one never taken (nothing to do, a
+refusal, an error) is killed by `close`; one whose coordinator died reads EOF on its pipe and exits.
+Workers are spawned with SIGINT and SIGTERM ignored (the coordinator decides when they stop).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+from multiprocessing.connection import Connection
+
+from builder.extract.threads import fix_threading
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Flags:
+    """Run-wide flags shared with the workers, lock-free (a RawArray of bytes): a worker killed at any moment
+    cannot leave a lock held that would stall the others (multiprocessing's Queue and Event can)."""
+
+    def __init__(self, ctx):
+        self._a = ctx.RawArray("b", 2)
+        self._a[1] = 1
+
+    @property
+    def stop(self) -> bool:
+        return bool(self._a[0])
+
+    @stop.setter
+    def stop(self, v: bool) -> None:
+        self._a[0] = int(v)
+
+    @property
+    def gate_open(self) -> bool:
+        """Writes may start. Closed while writers are paused (disk watermarks)."""
+        return bool(self._a[1])
+
+    @gate_open.setter
+    def gate_open(self, v: bool) -> None:
+        self._a[1] = int(v)
+
+
+def start_ignoring_stop_signals(p: mp.process.BaseProcess) -> None:
+    """Start a worker process that ignores SIGINT and SIGTERM from its first instruction: an ignored signal
+    stays ignored across exec, so this process ignores them for the moment of the spawn. A Ctrl-C or a
+    `kill -TERM -- -PGID` (systemd, `timeout`) then reaches the coordinator alone, which stops the workers at
+    a safe point; none is killed with a sample in hand. (A signal arriving in those few milliseconds is
+    ignored by the coordinator too.)"""
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        p.start()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def standby_main(conn: Connection, flags: Flags) -> None:  # pragma: no cover - subprocess
+    """A spawned worker: import extraction's code now, then wait for the settings (None or EOF: not needed)."""
+    from builder.run.worker import worker_main  # noqa: PLC0415 - torch and the model code, while the coordinator starts
+
+    try:
+        settings = conn.recv()
+    except (EOFError, OSError):
+        return
+    if settings is None:
+        return
+    worker_main(settings, conn, flags)
+
+
+class Standby:
+    """`workers` processes spawned now, waiting for their settings."""
+
+    def __init__(self, workers: int):
+        fix_threading()  # inherited by the spawned workers: read when torch loads there
+        self.ctx = mp.get_context("spawn")
+        self.flags = Flags(self.ctx)
+        self.workers = workers
+        self._slots: dict[int, tuple[mp.process.BaseProcess, Connection]] = {}
+        try:
+            for w in range(workers):
+                mine, theirs = self.ctx.Pipe(duplex=True)
+                p = self.ctx.Process(target=standby_main, args=(theirs, self.flags), daemon=True,
+                                     name=f"hsbuild-worker-{w}")
+                start_ignoring_stop_signals(p)
+                theirs.close()  # so a dead worker's pipe reads as EOF here
+                self._slots[w] = (p, mine)
+        except BaseException:
+            self.close()
+            raise
+
+    def take(self, w: int, settings) -> tuple[mp.process.BaseProcess, Connection] | None:
+        """Worker `w`, given its settings: (its process, the coordinator's end of its pipe); None if there is no
+        such standby worker or it is gone (the caller starts one)."""
+        slot = self._slots.pop(w, None)
+        if slot is None:
+            return None
+        p, conn = slot
+        try:
+            conn.send(settings)
+        except OSError:  # it died while waiting (killed from outside): not this run's worker
+            conn.close()
+            p.join(timeout=1)
+            return None
+        return p, conn
+
+    def close(self) -> None:
+        """Stop every worker not taken. They hold nothing yet (no file, no sample), so they are killed at once
+        rather than waited for: one may still be importing torch for seconds."""
+        slots, self._slots = list(self._slots.values()), {}
+        for p, conn in slots:
+            conn.close()
+            if p.is_alive():
+                p.kill()
+        for p, _ in slots:
+            p.join(timeout=5)
