@@ -51,8 +51,13 @@ def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size
     if build is not None:
         with open_log(build.events, read_only=True) as log:
             recorded = log.meta().get("vocab_size")
-            return _load(Path(path), tokenizer, None if recorded is None else int(recorded), _Registered(log))
-    return _load(Path(path), tokenizer, vocab_size, None)
+            out = _load(Path(path), tokenizer, None if recorded is None else int(recorded), _Registered(log))
+    else:
+        out = _load(Path(path), tokenizer, vocab_size, None)
+    # the file's Arrow table is gone now, but Arrow's allocator keeps what it freed: hand it back to the OS
+    # (200k rows x 256 tokens from parquet: 810 MB resident after loading without this, 363 MB with it)
+    pa.default_memory_pool().release_unused()
+    return out
 
 
 class _Registered:
