@@ -56,3 +56,34 @@ CREATE TABLE IF NOT EXISTS events (
 -- One writer at a time: a second writer re-using a seq number fails loudly instead of interleaving. An index
 -- rather than a PRIMARY KEY in the table so that the same statement upgrades logs created without it.
 CREATE UNIQUE INDEX IF NOT EXISTS events_seq ON events (seq);
+
+-- Derived, not truth: a checkpoint of the fold (schema/views.sql, `sample_fold`) over the events up to seq
+-- `upto`, so that reading a sample's state folds only the events after it (a log of millions of events answers
+-- in a fraction of a second). Written by the log's owner in one transaction (table and mark together), replaced
+-- whole, never edited; valid forever because events are append-only. Emptying both tables changes no answer of
+-- any view, only its speed (tests/log/test_scale_view.py checks the views at every checkpoint).
+CREATE TABLE IF NOT EXISTS fold_checkpoint (
+    sample_id     VARCHAR,
+    mseq          BIGINT,     -- its last started/written/failed/superseded/retired event, and that event's:
+    mkind         VARCHAR,
+    m_num_tokens  BIGINT,
+    m_nbytes      BIGINT,
+    m_detail      VARCHAR,
+    m_segment     VARCHAR,
+    m_token_start BIGINT,
+    m_checksums   VARCHAR,
+    m_reason      VARCHAR,
+    m_disk_bytes  BIGINT,     -- written: its detail's disk_bytes (read once here, not from JSON at every query)
+    vseq          BIGINT,     -- its last verified event, and when
+    vts           TIMESTAMP,
+    starts        BIGINT,     -- started events, all of them
+    attempts      BIGINT,     -- started events since its last superseded (all of them if none)
+    updated_at    TIMESTAMP,  -- its last started/written/verified/failed/superseded/retired event's ts
+    cseq          BIGINT,     -- its last superseded/row_moved event, and that event's source row:
+    c_fingerprint VARCHAR,
+    c_num_tokens  BIGINT,
+    c_row_idx     BIGINT
+);
+CREATE TABLE IF NOT EXISTS fold_checkpoint_mark (
+    upto BIGINT NOT NULL      -- fold_checkpoint folds the events with seq <= upto (no row: none)
+);

@@ -1,5 +1,61 @@
 -- Views users query with `hsbuild sql`. Re-created on every open (they hold no data).
 
+-- Per sample with events: the fold's state (what `samples` reads), from the checkpoint (fold_checkpoint, the
+-- events up to fold_checkpoint_mark.upto, schema/events.sql) combined with the events after it. Every part of
+-- the state combines exactly: the last event of a kind is the tail's if the tail has one, counts add up, and
+-- attempts restart at a `superseded` in the tail. Without a checkpoint the tail is the whole log.
+CREATE OR REPLACE VIEW sample_fold AS
+WITH tail AS (
+    SELECT seq, ts, kind, sample_id, fingerprint, num_tokens, nbytes, detail, segment, token_start, checksums, reason
+    FROM events
+    WHERE seq > (SELECT coalesce(max(upto), 0) FROM fold_checkpoint_mark) AND sample_id IS NOT NULL
+      AND kind IN ('started', 'written', 'verified', 'failed', 'superseded', 'retired', 'row_moved')
+),
+t AS (
+    SELECT sample_id,
+           max(seq) FILTER (WHERE kind NOT IN ('verified', 'row_moved')) AS mseq,
+           max(seq) FILTER (WHERE kind = 'verified') AS vseq,
+           arg_max(ts, seq) FILTER (WHERE kind = 'verified') AS vts,
+           count(*) FILTER (WHERE kind = 'started') AS starts,
+           max(seq) FILTER (WHERE kind = 'superseded') AS eseq,
+           max(ts) FILTER (WHERE kind <> 'row_moved') AS updated_at,
+           max(seq) FILTER (WHERE kind IN ('superseded', 'row_moved')) AS cseq
+    FROM tail GROUP BY sample_id
+),
+tm AS (SELECT e.* FROM tail e JOIN t ON e.seq = t.mseq),
+tc AS (SELECT e.sample_id, e.fingerprint, e.num_tokens, TRY_CAST(json_extract(e.detail, '$.row') AS BIGINT) AS row_idx
+       FROM tail e JOIN t ON e.seq = t.cseq),
+tr AS (SELECT e.sample_id, count(*) AS n FROM tail e JOIN t ON e.sample_id = t.sample_id AND e.seq > t.eseq
+       WHERE e.kind = 'started' GROUP BY e.sample_id)
+SELECT
+    coalesce(t.sample_id, f.sample_id) AS sample_id,
+    CASE WHEN t.mseq IS NULL THEN f.mseq ELSE t.mseq END AS mseq,
+    CASE WHEN t.mseq IS NULL THEN f.mkind ELSE tm.kind END AS mkind,
+    CASE WHEN t.mseq IS NULL THEN f.m_num_tokens ELSE tm.num_tokens END AS m_num_tokens,
+    CASE WHEN t.mseq IS NULL THEN f.m_nbytes ELSE tm.nbytes END AS m_nbytes,
+    CASE WHEN t.mseq IS NULL THEN f.m_detail ELSE tm.detail END AS m_detail,
+    CASE WHEN t.mseq IS NULL THEN f.m_segment ELSE tm.segment END AS m_segment,
+    CASE WHEN t.mseq IS NULL THEN f.m_token_start ELSE tm.token_start END AS m_token_start,
+    CASE WHEN t.mseq IS NULL THEN f.m_checksums ELSE tm.checksums END AS m_checksums,
+    CASE WHEN t.mseq IS NULL THEN f.m_reason ELSE tm.reason END AS m_reason,
+    CASE WHEN t.mseq IS NULL THEN f.m_disk_bytes
+         WHEN tm.kind = 'written' THEN TRY_CAST(json_extract(tm.detail, '$.disk_bytes') AS BIGINT) END AS m_disk_bytes,
+    CASE WHEN t.vseq IS NULL THEN f.vseq ELSE t.vseq END AS vseq,
+    CASE WHEN t.vseq IS NULL THEN f.vts ELSE t.vts END AS vts,
+    coalesce(f.starts, 0) + coalesce(t.starts, 0) AS starts,
+    CASE WHEN t.eseq IS NOT NULL THEN coalesce(tr.n, 0) ELSE coalesce(f.attempts, 0) + coalesce(t.starts, 0) END
+        AS attempts,
+    greatest(f.updated_at, t.updated_at) AS updated_at,
+    CASE WHEN t.cseq IS NULL THEN f.cseq ELSE t.cseq END AS cseq,
+    CASE WHEN t.cseq IS NULL THEN f.c_fingerprint ELSE tc.fingerprint END AS c_fingerprint,
+    CASE WHEN t.cseq IS NULL THEN f.c_num_tokens ELSE tc.num_tokens END AS c_num_tokens,
+    CASE WHEN t.cseq IS NULL THEN f.c_row_idx ELSE tc.row_idx END AS c_row_idx
+FROM fold_checkpoint f
+FULL OUTER JOIN t ON f.sample_id = t.sample_id
+LEFT JOIN tm ON tm.sample_id = t.sample_id
+LEFT JOIN tc ON tc.sample_id = t.sample_id
+LEFT JOIN tr ON tr.sample_id = t.sample_id;
+
 -- One row per source sample: the fold of its events.
 --   state: the kind of its last started/written/failed event ('pending' if none), except that a `written`
 --   followed by a `verified` is 'verified'. A `verified` that does not follow the current `written` is stale
@@ -9,67 +65,36 @@
 --   there, its old data no longer live), a `retired` event (removed from the source, or skipped) makes it
 --   'retired' (retired_reason says which, retired_note why). fingerprint, row_idx and source_tokens are the
 --   current source's (the last `superseded`/`row_moved` event's, else the registration's).
---   Written for speed (a log of millions of events): one aggregation per sample over its events gives the seq of
---   its last started/written/failed/superseded/retired event, which is then read back by `seq` (unique); the
---   source changes, rare, are folded apart.
+--   Written for speed (a log of millions of events): `sample_fold` folds only the events after the last
+--   checkpoint of the fold, and each sample's state is read from it in one join.
 CREATE OR REPLACE VIEW samples AS
-WITH per_sample AS (
-    SELECT sample_id,
-           max(seq) FILTER (WHERE kind <> 'verified') AS mseq,       -- the last started/written/failed/...
-           max(seq) FILTER (WHERE kind = 'verified') AS vseq,
-           arg_max(ts, seq) FILTER (WHERE kind = 'verified') AS vts,
-           count(*) FILTER (WHERE kind = 'started') AS starts,
-           max(ts) AS updated_at
-    FROM events
-    WHERE sample_id IS NOT NULL AND kind IN ('started', 'written', 'verified', 'failed', 'superseded', 'retired')
-    GROUP BY sample_id
-),
-current_src AS (  -- the last superseded/row_moved event's source row, and the last superseded (a restart)
-    SELECT sample_id,
-           max(seq) FILTER (WHERE kind = 'superseded') AS eseq,
-           arg_max_null(fingerprint, seq) AS fingerprint,
-           arg_max_null(num_tokens, seq) AS num_tokens,
-           arg_max_null(TRY_CAST(json_extract(detail, '$.row') AS BIGINT), seq) AS row_idx
-    FROM events
-    WHERE sample_id IS NOT NULL AND kind IN ('superseded', 'row_moved')
-    GROUP BY sample_id
-),
-restarted AS (  -- attempts of samples that started over: their `started` events after the last `superseded`
-    SELECT e.sample_id, count(*) AS attempts
-    FROM events e JOIN current_src c ON e.sample_id = c.sample_id AND e.seq > c.eseq
-    WHERE e.kind = 'started'
-    GROUP BY e.sample_id
-)
 SELECT
     s.sample_id,
-    coalesce(c.row_idx, s.row_idx) AS row_idx,
-    coalesce(c.fingerprint, s.fingerprint) AS fingerprint,
+    coalesce(f.c_row_idx, s.row_idx) AS row_idx,
+    coalesce(f.c_fingerprint, s.fingerprint) AS fingerprint,
     CASE
-        WHEN m.kind IS NULL OR m.kind = 'superseded' THEN 'pending'
-        WHEN m.kind = 'written' AND p.vseq > p.mseq THEN 'verified'
-        ELSE m.kind
+        WHEN f.mkind IS NULL OR f.mkind = 'superseded' THEN 'pending'
+        WHEN f.mkind = 'written' AND f.vseq > f.mseq THEN 'verified'
+        ELSE f.mkind
     END AS state,
-    CASE WHEN c.eseq IS NULL THEN coalesce(p.starts, 0) ELSE coalesce(r.attempts, 0) END AS attempts,
-    coalesce(c.num_tokens, s.num_tokens) AS source_tokens,
-    CASE WHEN m.kind = 'written' THEN m.num_tokens END AS num_tokens,
-    CASE WHEN m.kind = 'written' THEN m.nbytes END AS nbytes,
+    coalesce(f.attempts, 0) AS attempts,
+    coalesce(f.c_num_tokens, s.num_tokens) AS source_tokens,
+    CASE WHEN f.mkind = 'written' THEN f.m_num_tokens END AS num_tokens,
+    CASE WHEN f.mkind = 'written' THEN f.m_nbytes END AS nbytes,
     -- what the sample takes on disk: its share of its group's allocated blocks (shard files and manifest)
-    CASE WHEN m.kind = 'written' THEN TRY_CAST(json_extract(m.detail, '$.disk_bytes') AS BIGINT) END AS disk_bytes,
-    CASE WHEN m.kind = 'written' THEN m.segment END AS segment,
-    CASE WHEN m.kind = 'written' THEN m.token_start END AS token_start,
-    CASE WHEN m.kind = 'written' THEN m.checksums END AS checksums,
-    CASE WHEN m.kind = 'failed' THEN m.reason END AS error,
-    CASE WHEN m.kind = 'failed' THEN m.detail END AS error_detail,
-    CASE WHEN m.kind = 'written' AND p.vseq > p.mseq THEN p.vts END AS verified_at,
-    p.updated_at,
-    CASE WHEN m.kind = 'retired' THEN m.reason END AS retired_reason,
-    CASE WHEN m.kind = 'retired' THEN json_extract_string(m.detail, '$.note') END AS retired_note,
-    coalesce(p.starts, 0) AS starts  -- every start ever (numbers the next attempt)
+    CASE WHEN f.mkind = 'written' THEN f.m_disk_bytes END AS disk_bytes,
+    CASE WHEN f.mkind = 'written' THEN f.m_segment END AS segment,
+    CASE WHEN f.mkind = 'written' THEN f.m_token_start END AS token_start,
+    CASE WHEN f.mkind = 'written' THEN f.m_checksums END AS checksums,
+    CASE WHEN f.mkind = 'failed' THEN f.m_reason END AS error,
+    CASE WHEN f.mkind = 'failed' THEN f.m_detail END AS error_detail,
+    CASE WHEN f.mkind = 'written' AND f.vseq > f.mseq THEN f.vts END AS verified_at,
+    f.updated_at,
+    CASE WHEN f.mkind = 'retired' THEN f.m_reason END AS retired_reason,
+    CASE WHEN f.mkind = 'retired' THEN json_extract_string(f.m_detail, '$.note') END AS retired_note,
+    coalesce(f.starts, 0) AS starts  -- every start ever (numbers the next attempt)
 FROM source_samples s
-LEFT JOIN per_sample p ON p.sample_id = s.sample_id
-LEFT JOIN events m ON m.seq = p.mseq AND m.sample_id = p.sample_id
-LEFT JOIN current_src c ON c.sample_id = s.sample_id
-LEFT JOIN restarted r ON r.sample_id = s.sample_id;
+LEFT JOIN sample_fold f ON f.sample_id = s.sample_id;
 
 -- One row: how far the build is. Retired samples (removed from the source, or skipped) are not counted in
 -- total; `retired` counts them. The recent rates cover the last 60 s of writes, and only while the build is

@@ -254,6 +254,52 @@ def child_source(path: str, fn: str) -> dict:
             "peak_rss": peak_rss(), "held": samples is not None}
 
 
+def child_fold(build: str, op: str) -> dict:
+    """Clear the fold's checkpoint (changes no answer, only speed), or take one as an owner closing would."""
+    from builder.layout import layout  # noqa: PLC0415
+    from builder.log.events import EventLog  # noqa: PLC0415
+
+    path = layout(build).events
+    before = path.stat().st_size
+    t0 = time.perf_counter()
+    with EventLog(path) as log:
+        if op == "clear":
+            log.con.execute("BEGIN TRANSACTION")
+            log.con.execute("DELETE FROM fold_checkpoint")
+            log.con.execute("DELETE FROM fold_checkpoint_mark")
+            log.con.execute("COMMIT")
+            log._fold_upto = 0
+            log.con.execute("CHECKPOINT")
+        else:
+            log.checkpoint_fold()
+            log.con.execute("CHECKPOINT")
+        secs = time.perf_counter() - t0
+        log._fold_upto = log._seq  # closing must not checkpoint again (the cleared build stays cleared)
+    return {"s": secs, "before": before, "after": path.stat().st_size}
+
+
+def measure_log(build: str, repeat: int, startup: float, rows: list) -> None:
+    res, wall, rss = run_child(["plan", build])
+    rows.append(("make_plan (resume's replay)", f"{res['plan_s']:.2f}", mib(rss),
+                 f"open log {res['open_s']:.2f} s; todo {res['summary']['todo']:,}, done {res['summary']['done']:,}"))
+    rows.append(("  Sample list (index only)", f"{res['list_s']:.2f}", mib(res["list_rss"]) + " held",
+                 "the plan's input, 1 token each"))
+    for name, cmd in (("hsbuild status --json", [*hsbuild(), "status", build, "--json"]),
+                      ("hsbuild sql (state counts)", [*hsbuild(), "sql", build,
+                                                      "SELECT state, count(*) FROM samples GROUP BY 1"])):
+        walls, peak, out = [], 0, ""
+        for _ in range(repeat):
+            out, wall, rss = run_cmd(cmd)
+            walls.append(wall)
+            peak = max(peak, rss)
+        rows.append((name, f"{min(walls):.2f}", mib(peak),
+                     f"worst {max(walls):.2f} s; less start-up {min(walls) - startup:.2f} s"))
+        if name.startswith("hsbuild status"):
+            st = json.loads(out)
+            print(f"status: total {st['total']:,}, done {st['done']:,}, failed {st['failed']:,}, "
+                  f"retired {st['retired']:,}, failed_by_reason {st.get('failed_by_reason')}")
+
+
 def run_child(args: list[str], timeout: float = 3600) -> tuple[dict, float, int]:
     """(its JSON, wall seconds, peak RSS bytes) of `python bench_scale.py --child ...`."""
     return run_cmd([sys.executable, __file__, "--child", *args], timeout, parse=True)
@@ -310,6 +356,8 @@ def main() -> None:
             res = {"path": str(make_source(Path(rest[0]), int(rest[1]), int(rest[2])))}
         elif kind == "plan":
             res = child_plan(*rest)
+        elif kind == "fold":
+            res = child_fold(*rest)
         else:
             res = child_source(*rest)  # "load", PATH, FN
         print(json.dumps(res))
@@ -333,29 +381,15 @@ def main() -> None:
               f"({info['events'] / a.samples:.2f} a sample), log {mib(info['log_bytes'])}, synthesized in "
               f"{info['synth_s']:.1f} s; states {info['states']}")
 
-        res, wall, rss = run_child(["plan", build])
-        rows.append(("make_plan (resume's replay)", f"{res['plan_s']:.2f}", mib(rss),
-                     f"open log {res['open_s']:.2f} s; todo {res['summary']['todo']:,}, done {res['summary']['done']:,}"))
-        rows.append(("  Sample list (index only)", f"{res['list_s']:.2f}", mib(res["list_rss"]) + " held",
-                     "the plan's input, 1 token each"))
-
-        _, wall, rss = run_cmd([*hsbuild(), "--version"])
-        startup = wall
-        rows.append(("hsbuild --version (start-up)", f"{wall:.2f}", mib(rss), ""))
-        for name, cmd in (("hsbuild status --json", [*hsbuild(), "status", build, "--json"]),
-                          ("hsbuild sql (state counts)", [*hsbuild(), "sql", build,
-                                                          "SELECT state, count(*) FROM samples GROUP BY 1"])):
-            walls, peak, out = [], 0, ""
-            for _ in range(a.repeat):
-                out, wall, rss = run_cmd(cmd)
-                walls.append(wall)
-                peak = max(peak, rss)
-            rows.append((name, f"{min(walls):.2f}", mib(peak),
-                         f"worst {max(walls):.2f} s; less start-up {min(walls) - startup:.2f} s"))
-            if name.startswith("hsbuild status"):
-                st = json.loads(out)
-                print(f"status: total {st['total']:,}, done {st['done']:,}, failed {st['failed']:,}, "
-                      f"retired {st['retired']:,}, failed_by_reason {st.get('failed_by_reason')}")
+        _, startup, rss = run_cmd([*hsbuild(), "--version"])
+        rows.append(("hsbuild --version (start-up)", f"{startup:.2f}", mib(rss), ""))
+        run_child(["fold", build, "clear"])  # (a kept build may hold one)
+        rows.append(("-- the whole log folded (no checkpoint of the fold)", "", "", ""))
+        measure_log(build, a.repeat, startup, rows)
+        res, wall, rss = run_child(["fold", build, "checkpoint"])
+        rows.append(("-- checkpoint of the fold, as a run's end leaves it", f"{res['s']:.2f}", mib(rss),
+                     f"log {mib(res['before'])} -> {mib(res['after'])}"))
+        measure_log(build, a.repeat, startup, rows)
 
         if not a.no_source:
             t = a.source_tokens

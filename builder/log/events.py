@@ -115,6 +115,9 @@ def _holder(message: str) -> str:
 
 
 CHECKPOINT_BYTES = 4 << 20  # DuckDB folds its WAL into the database file once the WAL holds this much
+# An owner checkpoints the fold (`fold_checkpoint`, schema/events.sql) once this many events came after the last
+# one: reading states then folds at most about this many events besides the checkpoint's one row per sample.
+FOLD_CHECKPOINT_EVENTS = 100_000
 
 
 class EventLog:
@@ -146,6 +149,7 @@ class EventLog:
                 self.con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_BYTES}B'")
                 self._apply_schema()
             self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            self._fold_upto = self._read_fold_upto()
         except duckdb.Error as e:
             self.con.close()
             if isinstance(e, duckdb.IOException | duckdb.CatalogException | duckdb.SerializationException
@@ -192,6 +196,8 @@ class EventLog:
         if row and json.loads(row[0]) == digest:
             return
         try:
+            # the fold's checkpoint is derived (emptying it changes no answer): made anew in the new layout
+            self.con.execute("DROP TABLE IF EXISTS fold_checkpoint; DROP TABLE IF EXISTS fold_checkpoint_mark")
             self.con.execute((d / "events.sql").read_text())
             self.con.execute((d / "views.sql").read_text())
             self.set_meta({"schema_digest": digest})
@@ -207,7 +213,63 @@ class EventLog:
                                     "free space and try again") from e
             raise
 
+    def _read_fold_upto(self) -> int:
+        try:
+            return int(self.con.execute("SELECT coalesce(max(upto), 0) FROM fold_checkpoint_mark").fetchone()[0])
+        except duckdb.CatalogException:  # a log from before fold checkpoints, opened read-only
+            return 0
+
+    def fold_tail(self) -> int:
+        """Events after the fold's checkpoint (what reading a state folds besides it)."""
+        return self._seq - self._fold_upto
+
+    def checkpoint_fold(self) -> int:
+        """Checkpoint the fold at the last event: `sample_fold` (checkpoint + tail) becomes the checkpoint, in one
+        transaction with its mark. Changes no answer of any view, only how many events they fold. Returns the
+        seq it folds up to."""
+        cur = self.con.cursor()
+        try:
+            cur.execute("BEGIN TRANSACTION")
+            upto = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            cur.execute("CREATE OR REPLACE TEMP TABLE _fold_next AS SELECT * FROM sample_fold")
+            # dropped and made anew, not emptied: DuckDB reuses a dropped table's blocks, not deleted rows' (a
+            # DELETE + INSERT grew a 1M-sample log by the checkpoint's size, 84 MiB, at every checkpoint)
+            cur.execute("CREATE TEMP TABLE _fold_columns AS SELECT * FROM fold_checkpoint LIMIT 0")
+            cur.execute("DROP TABLE fold_checkpoint")
+            cur.execute("CREATE TABLE fold_checkpoint AS SELECT * FROM _fold_columns")
+            cur.execute("INSERT INTO fold_checkpoint BY NAME SELECT * FROM _fold_next")
+            cur.execute("DROP TABLE _fold_columns")
+            cur.execute("DELETE FROM fold_checkpoint_mark")
+            cur.execute("INSERT INTO fold_checkpoint_mark VALUES (?)", [upto])
+            cur.execute("DROP TABLE _fold_next")
+            cur.execute("COMMIT")
+        except BaseException:
+            try:
+                cur.execute("ROLLBACK")
+            except duckdb.Error:
+                pass
+            raise
+        finally:
+            cur.close()
+        self._fold_upto = upto
+        self._sync_dir()
+        return upto
+
+    def maybe_checkpoint_fold(self, every: int | None = None) -> bool:
+        """Checkpoint the fold when `every` (default FOLD_CHECKPOINT_EVENTS) events came after the last
+        checkpoint. A checkpoint is a cache: one that cannot be written (a full disk) is skipped, never an
+        error."""
+        if self.read_only or self.fold_tail() < (FOLD_CHECKPOINT_EVENTS if every is None else every):
+            return False
+        try:
+            self.checkpoint_fold()
+        except duckdb.Error:
+            return False
+        return True
+
     def close(self) -> None:
+        if not self.read_only:
+            self.maybe_checkpoint_fold()
         try:
             self.con.close()
         except duckdb.Error as e:  # a checkpoint on a full disk: the committed events stay in the WAL

@@ -7,7 +7,8 @@ transaction ends with `COMMIT`), so the guard is structural:
   network access, no extensions loaded or installed, configuration frozen), only for the query.
 - An owner: its one read-write instance never runs user SQL. The query runs in a throwaway in-memory
   instance, locked down the same way (and unable to spill to disk), holding Arrow snapshots of `events`
-  (cached by the owner and topped up by `seq`), `meta` and `source_samples`, and the views of
+  (cached by the owner and topped up by `seq`), `meta`, `source_samples` and the fold's checkpoint (cached
+  until it is replaced), and the views of
   schema/views.sql as TEMP views. One query at a time; the snapshot cache is dropped when unused.
 
 Every query runs under a watchdog that interrupts it after a timeout (or when asked, e.g. an owner appeared).
@@ -139,6 +140,8 @@ class LiveReplica:
         self._lock = threading.Lock()  # one replica query at a time: bounded memory and CPU
         self._events: pa.Table | None = None
         self._last_seq = 0
+        self._fold: pa.Table | None = None  # the fold's checkpoint (schema/events.sql), as of mark `_fold_upto`
+        self._fold_upto = -1
         self._used = time.monotonic()
         self._views = temp_views_sql()
 
@@ -151,6 +154,10 @@ class LiveReplica:
             delta = cur.sql("SELECT * FROM events WHERE seq > ? ORDER BY seq", params=[self._last_seq]).to_arrow_table()
             meta = cur.sql("SELECT * FROM meta").to_arrow_table()
             source = cur.sql("SELECT * FROM source_samples").to_arrow_table()
+            mark = cur.sql("SELECT * FROM fold_checkpoint_mark").to_arrow_table()
+            upto = mark["upto"][0].as_py() if mark.num_rows else 0
+            if self._fold is None or self._fold_upto != upto:  # replaced whole, rarely: re-read only then
+                self._fold, self._fold_upto = cur.sql("SELECT * FROM fold_checkpoint").to_arrow_table(), upto
             cur.execute("COMMIT")
         finally:
             cur.close()
@@ -160,7 +167,8 @@ class LiveReplica:
             self._events = pa.concat_tables([self._events, delta])
         if delta.num_rows:
             self._last_seq = delta["seq"][-1].as_py()
-        return {"events": self._events, "meta": meta, "source_samples": source}
+        return {"events": self._events, "meta": meta, "source_samples": source, "fold_checkpoint": self._fold,
+                "fold_checkpoint_mark": mark}
 
     def query(self, sql: str, timeout: float = QUERY_TIMEOUT_S) -> tuple[list[str], list[tuple]]:
         with self._lock:
@@ -183,5 +191,6 @@ class LiveReplica:
         if self._events is not None and time.monotonic() - self._used > idle and self._lock.acquire(blocking=False):
             try:
                 self._events, self._last_seq = None, 0
+                self._fold, self._fold_upto = None, -1
             finally:
                 self._lock.release()

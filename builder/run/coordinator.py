@@ -594,6 +594,8 @@ class Coordinator:
                 if stats:
                     self.emit(Event("gpu_stats", detail=detail(devices=stats)))
                 self.flush()
+                if self.paused_reason is None and not stopping:  # (a cache: never while space is short)
+                    self.log.maybe_checkpoint_fold()  # status and sql stay fast on a long first run
                 bar.update(note=f"PAUSED: {self.paused_reason}" if self.paused_reason else "")
         finally:
             flags.stop, flags.gate_open = True, True

@@ -12,7 +12,7 @@ import itertools
 import json
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from builder.extract.source import Sample
@@ -123,14 +123,29 @@ def _rows(log: EventLog, view: str) -> list[tuple]:
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(raw=events_st)
-def test_samples_view_equals_its_reference_definition(tmp_path_factory, raw):
+@given(raw=events_st, cuts=st.lists(st.booleans(), min_size=12, max_size=12))
+# a state split across a checkpoint: attempts before and after it, a restart after it, a `verified` after it
+@example(raw=[("started", "a", 0, 0)] * 3, cuts=[True] + [False] * 11)
+@example(raw=[("started", "a", 0, 0), ("started", "a", 0, 1), ("superseded", "a", 1, 2), ("started", "a", 2, 0)],
+         cuts=[True, False, True] + [False] * 9)
+@example(raw=[("started", "b", 0, 0), ("written", "b", 1, 1), ("row_moved", "b", 1, 1), ("verified", "b", 0, 1),
+              ("started", "b", 3, 0)], cuts=[False, True] + [False] * 10)
+def test_samples_view_equals_its_reference_definition(tmp_path_factory, raw, cuts):
+    """Also with the fold checkpointed (schema/events.sql, `fold_checkpoint`) after any of the batches, more than
+    once, and with a sample registered after a checkpoint: the checkpoint changes no answer."""
     path = tmp_path_factory.mktemp("view") / "events.duckdb"
     with EventLog(path) as log:
-        log.register_samples(_registry())
-        for _, batch in itertools.groupby(enumerate(_events(raw)), key=lambda p: p[0] // 5):
-            log.append([e for _, e in batch])
+        log.register_samples(_registry()[:3])
         log.con.execute(REFERENCE_SAMPLES_VIEW)
+        for k, (_, batch) in enumerate(itertools.groupby(enumerate(_events(raw)), key=lambda p: p[0] // 2)):
+            log.append([e for _, e in batch])
+            if cuts[k % len(cuts)]:
+                log.checkpoint_fold()
+                assert log.fold_tail() == 0
+                assert _rows(log, "samples") == _rows(log, "samples_reference")
+        log.register_samples(_registry()[3:])  # "d": registered last (it may have events already)
+        if cuts[-1]:
+            log.checkpoint_fold()
         cols = log.query("SELECT * FROM samples LIMIT 0")[0]
         assert cols == log.query("SELECT * FROM samples_reference LIMIT 0")[0]
         assert _rows(log, "samples") == _rows(log, "samples_reference")
@@ -141,3 +156,22 @@ def test_samples_view_equals_its_reference_definition(tmp_path_factory, raw):
         counts = dict(log.query("SELECT state, count(*) FROM samples_reference GROUP BY 1")[1])
         for state in ("pending", "started", "written", "verified", "failed", "retired"):
             assert prog[state] == counts.get(state, 0)
+
+
+def test_the_live_replica_answers_as_the_file_across_checkpoints(tmp_path):
+    """`hsbuild sql` during a run (the owner's in-memory replica, log/sandbox.py) sees the same states as the
+    file, before and after the owner replaces the fold's checkpoint."""
+    from builder.log.sandbox import LiveReplica
+
+    raw = [(k, sid, i % 5, i % 4) for i, (k, sid) in enumerate(itertools.product(KINDS, SAMPLE_IDS[:3] + ["x"]))]
+    events = _events(raw)
+    with EventLog(tmp_path / "events.duckdb") as log:
+        log.register_samples(_registry())
+        log.con.execute(REFERENCE_SAMPLES_VIEW)
+        replica = LiveReplica(log)
+        for part in (events[:10], events[10:20], events[20:]):
+            log.append(part)
+            assert sorted(replica.query("SELECT * FROM samples")[1]) == _rows(log, "samples_reference")
+            log.checkpoint_fold()
+            assert sorted(replica.query("SELECT * FROM samples")[1]) == _rows(log, "samples_reference")
+        assert replica.query("SELECT count(*) FROM fold_checkpoint")[1][0][0] > 0

@@ -149,3 +149,28 @@ def test_interrupted_limits_count_attempts_since_the_restart_and_without_imports
         assert _fields(got) == _fields(want)
         assert got.interrupted == ["s0", "s1"] and got.interrupted_final == ["s2"]
         assert got.failed_final == ["s3"] and got.attempts["s0"] == 5
+
+
+def test_a_run_checkpoints_the_fold_and_no_answer_changes(make_build, monkeypatch):
+    """A real run, with the checkpoint threshold lowered so that the coordinator checkpoints the fold during the
+    run and at its end (schema/events.sql, `fold_checkpoint`): every state, and the plan of a resume, are those
+    of the whole log folded (the checkpoint emptied), and a resume after it finds nothing to do."""
+    import builder.log.events as events_mod
+    from builder.layout import layout
+    from builder.run.coordinator import RunOptions, run_build
+
+    monkeypatch.setattr(events_mod, "FOLD_CHECKPOINT_EVENTS", 7)
+    build = make_build(12)
+    assert run_build(build, RunOptions(workers=1, limit=9), echo=lambda m: None).written == 9
+    with EventLog(layout(build).events) as log:
+        assert log.query("SELECT count(*) FROM fold_checkpoint_mark WHERE upto > 0")[1][0][0] == 1
+        assert log.fold_tail() < 7
+        checkpointed = sorted(log.query("SELECT * FROM samples")[1])
+        log.con.execute("DELETE FROM fold_checkpoint; DELETE FROM fold_checkpoint_mark")
+        log._fold_upto = 0
+        assert sorted(log.query("SELECT * FROM samples")[1]) == checkpointed
+        monkeypatch.setattr(events_mod, "FOLD_CHECKPOINT_EVENTS", 10**9)  # this close leaves it emptied
+    assert sum(1 for r in checkpointed if r[3] == "written") == 9
+    monkeypatch.setattr(events_mod, "FOLD_CHECKPOINT_EVENTS", 7)
+    again = run_build(build, RunOptions(workers=1), resume=True, echo=lambda m: None)
+    assert again.written == 3 and again.plan.done == 9
