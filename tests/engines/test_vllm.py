@@ -130,7 +130,7 @@ def _written_live(build: Path) -> int:
 
 
 def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server):
-    n = 300
+    n = 420  # enough that the run is still going at its 3rd kill: a run starts in seconds and writes fast
     build = _init(tmp_path, vllm_server, n, seed=11)
     rng = random.Random(5)
     kills = mid_run = 0
@@ -139,12 +139,12 @@ def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server):
         p = subprocess.Popen(hsbuild_cmd("resume", build, "--no-progress", "--inflight", "8"),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if i % 3 == 0:  # any moment, start-up and probe included
-            time.sleep(rng.uniform(0.5, 6.0))
+            time.sleep(rng.uniform(0.5, 4.0))
         else:  # once this run is writing, a random moment later
             deadline = time.monotonic() + 120
             while p.poll() is None and time.monotonic() < deadline and _written_live(build) <= max(before, 0):
                 time.sleep(0.2)
-            time.sleep(rng.uniform(0.0, 1.5))
+            time.sleep(rng.uniform(0.0, 0.8))
         if p.poll() is not None:
             assert p.returncode == 0
             break
