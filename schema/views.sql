@@ -96,8 +96,8 @@ SELECT
 FROM source_samples s
 LEFT JOIN sample_fold f ON f.sample_id = s.sample_id;
 
--- One row: how far the build is. Retired samples (removed from the source, or skipped) are not counted in
--- total; `retired` counts them. The recent rates cover the last 60 s of writes, and only while the build is
+-- One row: how far the build is, from one pass over the fold (what `status` shows, all of it). Retired samples
+-- (removed from the source, or skipped) are not counted in total; `retired` counts them. The recent rates cover the last 60 s of writes, and only while the build is
 -- being extracted: NULL once a run finished after the last write, or no write came for 10 minutes.
 CREATE OR REPLACE VIEW progress AS
 WITH st AS (SELECT * FROM samples),
@@ -127,7 +127,18 @@ counts AS (
         coalesce(sum(least(source_tokens, coalesce((SELECT TRY_CAST(json_extract(value, '$.max_tokens') AS BIGINT)
                                                     FROM meta WHERE key = 'format'), source_tokens)))
                  FILTER (WHERE state <> 'retired'), 0) AS tokens_total,
-        coalesce(sum(nbytes) FILTER (WHERE state IN ('written', 'verified')), 0) AS bytes_done
+        coalesce(sum(nbytes) FILTER (WHERE state IN ('written', 'verified')), 0) AS bytes_done,
+        -- what the capacity projection needs (space/capacity.py), from this same pass over the fold: the bytes
+        -- the done samples take on disk, and the samples still to extract (failed ones included: a resume
+        -- retries them) with their tokens as they will be stored
+        coalesce(sum(coalesce(disk_bytes, nbytes)) FILTER (WHERE state IN ('written', 'verified')), 0)
+            AS disk_bytes_done,
+        count(*) FILTER (WHERE state NOT IN ('written', 'verified', 'retired')) AS todo_samples,
+        coalesce(sum(least(source_tokens, coalesce((SELECT TRY_CAST(json_extract(value, '$.max_tokens') AS BIGINT)
+                                                    FROM meta WHERE key = 'format'), source_tokens)))
+                 FILTER (WHERE state NOT IN ('written', 'verified', 'retired')), 0) AS todo_tokens,
+        -- failed samples per reason (a map; NULL when none failed)
+        histogram(coalesce(error, 'unknown')) FILTER (WHERE state = 'failed') AS failed_by_reason
     FROM st
 )
 SELECT

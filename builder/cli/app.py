@@ -248,17 +248,14 @@ def status_lines(st: dict) -> list[str]:
 def cmd_status(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query, status_snapshot  # noqa: PLC0415
-    from builder.space.capacity import capacity_for  # noqa: PLC0415
+    from builder.space.capacity import capacity_of  # noqa: PLC0415
     from builder.space.watermarks import ballast_info  # noqa: PLC0415
 
     lay = layout(args.build).require()
-    st = status_snapshot(lay)
-    if not st.get("running"):
-        st.update(capacity_for(lay))
+    # one pass over the fold: the progress row carries the projection's inputs and the failures per reason
+    st = status_snapshot(lay, offline_extra=lambda log, prog: capacity_of(lay, log, prog))
     st.update(ballast_info(lay))
-    if st.get("failed"):
-        _, rows = run_query(lay, "SELECT error, count(*) FROM samples WHERE state = 'failed' GROUP BY 1 ORDER BY 2 DESC")
-        st["failed_by_reason"] = {r[0]: r[1] for r in rows}
+    st["failed_by_reason"] = dict(sorted((st.get("failed_by_reason") or {}).items(), key=lambda kv: (-kv[1], kv[0])))
     cols, rows = run_query(lay, "SELECT * FROM nodes WHERE run_id = (SELECT arg_max(run_id, seq) FROM events "
                                 "WHERE kind = 'worker_placed')")
     if rows:  # the last run on Ray: its nodes

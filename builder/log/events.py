@@ -40,6 +40,47 @@ def schema_dir() -> Path:
     return Path(str(resources.files("builder") / "_schema"))
 
 
+def schema_digest() -> str:
+    """The digest of schema/*.sql an owner records in meta `schema_digest` once the log has that schema."""
+    d = schema_dir()
+    ddl = (d / "events.sql").read_text() + (d / "views.sql").read_text()
+    return hashlib.blake2b(ddl.encode(), digest_size=8).hexdigest()
+
+
+def temp_views_sql() -> str:
+    """schema/views.sql with every view a TEMP view (which shadows a view of the same name in the file)."""
+    views = (schema_dir() / "views.sql").read_text()
+    return re.sub(r"CREATE\s+OR\s+REPLACE\s+VIEW", "CREATE OR REPLACE TEMP VIEW", views, flags=re.IGNORECASE)
+
+
+def read_with_current_views(con: duckdb.DuckDBPyConnection) -> None:
+    """On a read-only connection to a log whose schema an older hsbuild wrote (no owner has opened it since):
+    this version's views as TEMP views, which shadow the file's, over empty TEMP fold-checkpoint tables where
+    the file has none (an empty checkpoint changes no answer). Best effort: a log too old for them keeps its
+    own views."""
+    try:
+        row = con.execute("SELECT value FROM meta WHERE key = 'schema_digest'").fetchone()
+        if row and json.loads(row[0]) == schema_digest():
+            return
+        have = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE NOT temporary").fetchall()}
+    except duckdb.Error:
+        return
+    ddl = (schema_dir() / "events.sql").read_text()
+    try:
+        con.execute("BEGIN TRANSACTION")  # all of them or none
+        for table in ("fold_checkpoint", "fold_checkpoint_mark"):
+            m = re.search(rf"CREATE TABLE IF NOT EXISTS {table} \((.*?)\n\);", ddl, re.S)
+            if table not in have and m:
+                con.execute(f"CREATE TEMP TABLE {table} ({m.group(1)}\n)")
+        con.execute(temp_views_sql())
+        con.execute("COMMIT")
+    except duckdb.Error:
+        try:
+            con.execute("ROLLBACK")
+        except duckdb.Error:
+            pass
+
+
 class RegisteredSample(Protocol):
     """What the log records of a source sample (extract.source.Sample has these)."""
 
@@ -148,6 +189,8 @@ class EventLog:
                 # checkpoint as the log grows: the WAL (what a lost WAL file would take with it) stays small
                 self.con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_BYTES}B'")
                 self._apply_schema()
+            else:
+                read_with_current_views(self.con)
             self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
             self._fold_upto = self._read_fold_upto()
         except duckdb.Error as e:
@@ -187,8 +230,7 @@ class EventLog:
         """Create tables and views; re-create views only when schema/*.sql changed (opening changes nothing).
         This is also the migration of an existing log (e.g. the unique index on `seq`)."""
         d = schema_dir()
-        ddl = (d / "events.sql").read_text() + (d / "views.sql").read_text()
-        digest = hashlib.blake2b(ddl.encode(), digest_size=8).hexdigest()
+        digest = schema_digest()
         try:
             row = self.con.execute("SELECT value FROM meta WHERE key = 'schema_digest'").fetchone()
         except duckdb.CatalogException:
@@ -378,7 +420,8 @@ class EventLog:
         return self.query_dicts("SELECT * FROM progress")[0]
 
     def query(self, sql: str, params: Sequence[object] = ()) -> tuple[list[str], list[tuple]]:
-        cur = self.con.cursor()
+        # read-only: on the connection itself, where an older log's TEMP views live (a cursor would not see them)
+        cur = self.con if self.read_only else self.con.cursor()
         try:
             res = cur.execute(sql, list(params))
             cols = [d[0] for d in res.description] if res.description else []
@@ -386,7 +429,8 @@ class EventLog:
         except duckdb.Error as e:
             raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from e
         finally:
-            cur.close()
+            if cur is not self.con:
+                cur.close()
 
     def query_dicts(self, sql: str, params: Sequence[object] = ()) -> list[dict]:
         cols, rows = self.query(sql, params)

@@ -194,12 +194,15 @@ def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S) -> t
     return reply["columns"], reply["rows"]
 
 
-def status_snapshot(lay: BuildLayout) -> dict:
-    """Progress plus live state (paused, free space, ...) from the owner, or from the file when idle."""
+def status_snapshot(lay: BuildLayout, offline_extra: Callable[[EventLog, dict], dict] | None = None) -> dict:
+    """Progress plus live state (paused, free space, ...) from the owner, or from the file when idle. With no
+    owner, `offline_extra(log, progress)` adds what the owner would have (e.g. the capacity projection) from
+    the same open log."""
 
     def offline() -> dict:
         with EventLog(lay.events, read_only=True) as log:
-            return log.progress()
+            prog = log.progress()
+            return {**prog, **(offline_extra(log, prog) if offline_extra is not None else {})}
 
     reply = _ask_or_read(lay, {"op": "status"}, offline)
     if "offline" in reply:

@@ -16,7 +16,6 @@ Every query runs under a watchdog that interrupts it after a timeout (or when as
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import duckdb
 import pyarrow as pa
 
 from builder.errors import BuildLockedError, LogDamagedError, QueryError, ReadOnlyQueryError
-from builder.log.events import EventLog, schema_dir
+from builder.log.events import EventLog, read_with_current_views, temp_views_sql
 
 QUERY_TIMEOUT_S = 30.0  # default limit of one `hsbuild sql` query
 MAX_TIMEOUT_S = 3600.0
@@ -120,15 +119,11 @@ def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
         raise _damaged(path, e) from e
     except duckdb.Error as e:
         raise _damaged(path, e) from e
+    read_with_current_views(con)
     try:
         return run_guarded(con, sql, timeout, interrupt_if)
     finally:
         con.close()
-
-
-def temp_views_sql() -> str:
-    views = (schema_dir() / "views.sql").read_text()
-    return re.sub(r"CREATE\s+OR\s+REPLACE\s+VIEW", "CREATE OR REPLACE TEMP VIEW", views, flags=re.IGNORECASE)
 
 
 class LiveReplica:

@@ -193,7 +193,7 @@ class Coordinator:
     def status(self) -> dict:
         prog = self.log.progress()
         return {"running": True, "run_id": self.run_id, "pid": os.getpid(), "workers": self.workers,
-                **prog, **project(self.log, self.cfg, self.space, self.meta), **self.space.snapshot(),
+                **prog, **project(self.log, self.space, self.meta, progress=prog), **self.space.snapshot(),
                 "paused": self.paused_reason is not None or self.engine_down is not None,
                 "pause_reason": self.paused_reason or ("server_unavailable" if self.engine_down is not None else None),
                 **self._engine_status()}

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from builder.config import BuildConfig, load_config
+from builder.config import load_config
 from builder.humanize import human_bytes, pct
 from builder.layout import BuildLayout
 from builder.log.events import EventLog, open_log
 from builder.space.watermarks import SpaceMonitor
 
 
-def project(log: EventLog, cfg: BuildConfig, mon: SpaceMonitor, meta: dict | None = None) -> dict:
+def project(log: EventLog, mon: SpaceMonitor, meta: dict | None = None, progress: dict | None = None) -> dict:
     """Projected size of the samples not yet done (measured bytes/token once samples are written, else the
-    uncompressed estimate), against the room below the high watermark."""
+    uncompressed estimate), against the room below the high watermark. `progress` (the `progress` view's row,
+    which carries the figures this needs) saves a second pass over the fold when the caller has it."""
     meta = meta if meta is not None else log.meta()
-    cap = cfg.max_tokens
-    done_bytes, done_tokens, remaining, remaining_samples = log.query(
-        "SELECT sum(coalesce(disk_bytes, nbytes)) FILTER (WHERE state IN ('written', 'verified')), "
-        "sum(num_tokens) FILTER (WHERE state IN ('written', 'verified')), "
-        "sum(CASE WHEN ? IS NULL THEN source_tokens ELSE least(source_tokens, ?) END) "
-        "FILTER (WHERE state NOT IN ('written', 'verified')), "
-        "count(*) FILTER (WHERE state NOT IN ('written', 'verified')) FROM samples", [cap, cap])[1][0]
-    p = mon.projection(int(remaining or 0), meta, _per_token(done_bytes, done_tokens), int(remaining_samples or 0))
+    return project_from(progress if progress is not None else log.progress(), mon, meta)
+
+
+def project_from(progress: dict, mon: SpaceMonitor, meta: dict) -> dict:
+    """`project` given the `progress` view's row: done bytes on disk and tokens, and the samples still to
+    extract (failed ones included, retired ones not) with their tokens as they will be stored."""
+    done_bytes, done_tokens = progress["disk_bytes_done"], progress["tokens_done"]
+    p = mon.projection(int(progress["todo_tokens"] or 0), meta, _per_token(done_bytes, done_tokens),
+                       int(progress["todo_samples"] or 0))
     p["final_bytes"] = int((done_bytes or 0) + p["projected_bytes"])
     return p
 
@@ -45,13 +47,18 @@ def _per_token(nbytes: int | None, tokens: int | None) -> float | None:
     return nbytes / tokens if nbytes and tokens else None
 
 
-def capacity_for(lay: BuildLayout) -> dict:
-    """Projection and disk figures for a build no process owns."""
+def capacity_of(lay: BuildLayout, log: EventLog, progress: dict | None = None) -> dict:
+    """Projection and disk figures for a build no process owns, from its open log (and its `progress` row, if
+    read already)."""
     cfg = load_config(lay)
     mon = SpaceMonitor(lay, cfg)
+    return {**project(log, mon, progress=progress), **mon.snapshot(), "paused": False, "pause_reason": None}
+
+
+def capacity_for(lay: BuildLayout) -> dict:
+    """`capacity_of` a build no process owns, opening its log."""
     with open_log(lay.events, read_only=True, wait=5.0) as log:
-        p = project(log, cfg, mon)
-    return {**p, **mon.snapshot(), "paused": False, "pause_reason": None}
+        return capacity_of(lay, log)
 
 
 def describe_capacity(lay: BuildLayout) -> list[str]:

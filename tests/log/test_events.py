@@ -59,3 +59,24 @@ def test_a_log_two_writers_already_interleaved_is_named_on_upgrade(make_build):
         EventLog(lay.events)
     assert "share a seq number" in str(e.value)
     assert seqs(lay.events) == [1, 1]  # read-only opening still works, and nothing was changed
+
+
+def test_status_and_sql_read_a_log_an_older_hsbuild_wrote_with_this_versions_views(make_build, cli):
+    """A user upgrades hsbuild and asks `status` (read-only: nothing upgrades the file) of a build an older
+    version left: older views (here a `progress` without the projection's inputs) and no fold checkpoint.
+    Both answer with this version's views, and the file is left exactly as it was."""
+    build = make_build(5)
+    cli("run", build, "--no-progress", check=True)
+    lay = layout(build)
+    con = duckdb.connect(str(lay.events))
+    con.execute("CREATE OR REPLACE VIEW progress AS SELECT 1 AS total")
+    con.execute("DROP TABLE fold_checkpoint; DROP TABLE fold_checkpoint_mark")
+    con.execute("UPDATE meta SET value = ? WHERE key = 'schema_digest'", [json.dumps("older")])
+    con.close()
+    before = lay.events.read_bytes()
+    st = json.loads(cli("status", build, "--json", check=True).stdout)
+    assert (st["total"], st["done"], st["todo_samples"], st["failed_by_reason"]) == (5, 5, 0, {})
+    assert st["final_bytes"] >= st["disk_bytes_done"] > 0
+    out = cli("sql", build, "SELECT total, written, todo_samples FROM progress", "--csv", check=True).stdout
+    assert out.split() == ["total,written,todo_samples", "5,5,0"]
+    assert lay.events.read_bytes() == before

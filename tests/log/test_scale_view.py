@@ -156,6 +156,16 @@ def test_samples_view_equals_its_reference_definition(tmp_path_factory, raw, cut
         counts = dict(log.query("SELECT state, count(*) FROM samples_reference GROUP BY 1")[1])
         for state in ("pending", "started", "written", "verified", "failed", "retired"):
             assert prog[state] == counts.get(state, 0)
+        # ... and so are what `status` takes from the same pass: failures per reason, the projection's inputs
+        reasons = log.query("SELECT coalesce(error, 'unknown'), count(*) FROM samples_reference "
+                            "WHERE state = 'failed' GROUP BY 1")[1]
+        assert (prog["failed_by_reason"] or {}) == dict(reasons)
+        todo, todo_tokens, disk = log.query(
+            "SELECT count(*) FILTER (WHERE state NOT IN ('written', 'verified', 'retired')), "
+            "coalesce(sum(source_tokens) FILTER (WHERE state NOT IN ('written', 'verified', 'retired')), 0), "
+            "coalesce(sum(coalesce(disk_bytes, nbytes)) FILTER (WHERE state IN ('written', 'verified')), 0) "
+            "FROM samples_reference")[1][0]
+        assert (prog["todo_samples"], prog["todo_tokens"], prog["disk_bytes_done"]) == (todo, todo_tokens, disk)
 
 
 def test_the_live_replica_answers_as_the_file_across_checkpoints(tmp_path):
