@@ -102,7 +102,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"{len(report.damaged)} damaged sample(s) NOT exported:", file=sys.stderr)
             print_rows(["sample_id", "reason", "message"],
                        [[d["sample_id"], d["reason"], d["message"]] for d in report.damaged[:50]], "table",
-                       out=sys.stderr)
+                       out=sys.stderr, whole=["sample_id"])
             b = shlex.quote(args.build)
             print(f"repair: hsbuild verify {b} && hsbuild resume {b}, then run this export again", file=sys.stderr)
     return EXIT_SAMPLES_FAILED if report.damaged else EXIT_OK
@@ -134,7 +134,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         if bad:
             print_rows(["path", "sample_id", "reason", "message"],
                        [[b["path"], b["sample_id"] or "", b["reason"], b["message"]] for b in bad],
-                       _fmt(args) if _fmt(args) == "csv" else "table")
+                       _fmt(args) if _fmt(args) == "csv" else "table", whole=["path", "sample_id"])
             print(f"their samples are left for extraction: hsbuild resume {shlex.quote(args.build)}")
     if report.outcome == "interrupted":
         print("interrupted at a safe point; run the same import again to continue")

@@ -256,7 +256,7 @@ class Coordinator:
             report.dump = index_dump(self.opts.imports, samples, self.cfg.max_tokens)
             self.dump_files = report.dump.files
             plan.todo = [s for s in plan.todo if s.sample_id in self.dump_files][: self.opts.limit]
-            done = sum(1 for sid in self.dump_files if plan.attempts.get(sid) is not None) - len(plan.todo)
+            done = len(self.dump_files) - len(plan.todo)  # (every file matched a source sample)
             self.echo(f"import: {report.dump.scanned} file(s) in {self.opts.imports.dir}, "
                       f"{len(self.dump_files)} sample(s) matched ({max(done, 0)} already in the build), "
                       f"{len(report.dump.problems)} file(s) unusable; {len(plan.todo)} to import now")

@@ -272,3 +272,19 @@ def test_the_demos_next_hint_runs_as_printed_without_the_venv_on_path(tmp_path):
     cp = subprocess.run(["bash", "-c", hint], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert cp.returncode == 0, (hint, cp.stderr)
     assert "written" in cp.stdout and "3" in cp.stdout, cp.stdout
+
+
+def test_a_table_never_cuts_the_paths_and_ids_a_user_acts_on():
+    """`hsbuild import` lists unusable dump files: a deep path (longer than a table column) is printed whole,
+    where a long message beside it is cut."""
+    import io
+
+    from builder.cli.output import print_rows
+
+    path = "/data/" + "/".join(f"dir{i:03d}" for i in range(30)) + "/data_3.ckpt"
+    message = "x" * (MAX_WIDTH + 50)
+    out = io.StringIO()
+    print_rows(["path", "reason", "message"], [[path, "truncated", message]], "table", out=out, whole=["path"])
+    row = out.getvalue().splitlines()[2]
+    assert row.startswith(path + "  truncated  ")
+    assert row.endswith("x" * (MAX_WIDTH - 1) + "…")

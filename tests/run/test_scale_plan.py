@@ -37,7 +37,7 @@ def reference_plan(log: EventLog, samples: list[Sample], max_attempts: int, limi
     for s in samples:
         row = states.get(s.sample_id)
         state = row["state"] if row else "pending"
-        plan.attempts[s.sample_id] = row["starts"] if row else 0
+        starts = row["starts"] if row else 0
         attempts = (row["attempts"] if row else 0) - imported.get(s.sample_id, 0)
         if state == "retired":
             plan.retired += 1
@@ -48,6 +48,7 @@ def reference_plan(log: EventLog, samples: list[Sample], max_attempts: int, limi
         if state == "started":
             if attempts >= max_attempts + INTERRUPTED_EXTRA:
                 plan.interrupted_final.append(s.sample_id)
+                plan.attempts[s.sample_id] = starts
                 continue
             plan.interrupted.append(s.sample_id)
         elif state == "failed":
@@ -62,6 +63,7 @@ def reference_plan(log: EventLog, samples: list[Sample], max_attempts: int, limi
         else:
             plan.pending.append(s.sample_id)
         plan.todo.append(s)
+        plan.attempts[s.sample_id] = starts
     plan.total -= plan.retired
     if limit is not None:
         plan.todo = plan.todo[:limit]
