@@ -48,6 +48,20 @@ def random_rows(n: int, seed: int = 0, vocab: int = 1024, lo: int = 5, hi: int =
     return rows
 
 
+# Tests that start heavy shared things run one after the other in one xdist worker (pyproject's addopts: -n 2
+# --dist loadgroup): the vLLM engine tests share one session server (and start more of their own), and two Ray
+# test clusters at once would crowd 2 cores.
+XDIST_GROUPS = {"engines": "vllm", "test_ray.py": "ray", "test_node_preflight.py": "ray"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath))
+        group = XDIST_GROUPS.get(path.name) or XDIST_GROUPS.get(path.parent.name)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _private_weights_cache(tmp_path, monkeypatch):
     """Model-file digests (extract/weights.py) are cached per test, never in the user's ~/.cache."""
