@@ -4,8 +4,15 @@ samples are encoded) against `torch.save` + fsync (one .pt file a sample, what
 EAGLE-3 data pipelines do today) and against a raw sequential write of the same bytes, on the same synthetic
 bf16 states, in one run. Prints throughput (MB/s of uncompressed state bytes), ratios and bytes on disk.
 
-    python tools/bench.py                      # 2048 tokens x 4096 hidden x 4 layers a sample, 8 samples
-    python tools/bench.py --samples 4 --hidden 1024 --codecs zstd:1,blosc-lz4:5,none
+    python tools/bench.py                      # 2048 tokens x 1024 hidden x 4 states a sample, 8 samples
+    python tools/bench.py --samples 4 --codecs zstd:1,blosc-lz4:5,none
+    python tools/bench.py --states random --hidden 4096   # random normals (the shape of an 8B model)
+
+The states are extracted (`--states extracted`, the default): hsbuild's own Extractor runs the built-in
+Llama-architecture model at the benchmark's hidden size (deterministic random weights, no download) over random
+token ids, so the codecs see a forward pass's activations (outliers, structure) rather than random normals, which
+compress worse than real states and made the default codec look slower than it is. A CPU forward pass at hidden
+4096 takes about a minute a sample here, hence the smaller default hidden size for extracted states.
 
 Then, on the same shape, verify throughput against a plain read + decode + crc32c loop (tools/bench_verify.py).
 """
@@ -37,6 +44,25 @@ def synthetic(tokens: int, hidden: int, layers: int, seed: int) -> tuple:
     ids = np.random.default_rng(seed).integers(0, 150000, tokens).astype(np.int32)
     mask = np.ones(tokens, dtype=np.uint8)
     return ids, mask, aux, final
+
+
+def extracted(tokens: int, hidden: int, layers: int, count: int, seed: int) -> list[tuple]:
+    """`count` samples of states the built-in model computes at this hidden size (layers - 1 aux states + the
+    final one; 8 decoder layers), as `synthetic` shapes them."""
+    from builder.extract.model import Extractor  # noqa: PLC0415
+
+    heads = max(1, hidden // 128)
+    spec = (f"builtin:hidden={hidden},layers=8,vocab=32000,heads={heads},kv_heads={max(1, heads // 4)},"
+            f"intermediate={hidden * 11 // 4}")
+    ex = Extractor(spec, aux_layers=[2, 4, 6][: layers - 1] or None, device="cpu")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        ids = rng.integers(3, ex.vocab_size, tokens).astype(np.int32)
+        aux, final = ex.extract(ids)
+        out.append((ids, np.ones(tokens, dtype=np.uint8), aux.to(torch.bfloat16).contiguous(),
+                    final.to(torch.bfloat16).contiguous()))
+    return out
 
 
 def logical_bytes(s: tuple) -> int:
@@ -132,8 +158,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=4, help="aux layers + the final hidden state")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4, help="aux layers + the final hidden state (2..4)")
+    ap.add_argument("--states", choices=["extracted", "random"], default="extracted",
+                    help="states of the built-in model (default) or random normals")
     ap.add_argument("--chunk-tokens", type=int, help="default: what `init` would choose")
     ap.add_argument("--codecs", default="blosc-lz4-bitshuffle:5,zstd:1", help="comma-separated codecs to compare")
     ap.add_argument("--repeat", type=int, default=3)
@@ -143,11 +171,17 @@ def main() -> None:
 
     if args.chunk_tokens is None:
         args.chunk_tokens = suggest_chunk_tokens(args.hidden, args.layers - 1, args.tokens)
-    samples = [synthetic(args.tokens, args.hidden, args.layers, i) for i in range(args.samples)]
+    t0 = time.perf_counter()
+    if args.states == "extracted":
+        samples = extracted(args.tokens, args.hidden, args.layers, args.samples, 0)
+    else:
+        samples = [synthetic(args.tokens, args.hidden, args.layers, i) for i in range(args.samples)]
+    made = time.perf_counter() - t0
     total = sum(logical_bytes(s) for s in samples)
     base = Path(tempfile.mkdtemp(prefix="hsbuild-bench-", dir=args.dir or "."))
-    print(f"{args.samples} samples x {args.tokens} tokens x {args.hidden} hidden x {args.layers} layers, bf16: "
-          f"{total / 1e6:.0f} MB of states; chunk {args.chunk_tokens} tokens; median of {args.repeat} rounds")
+    print(f"{args.samples} samples x {args.tokens} tokens x {args.hidden} hidden x {args.layers} states, bf16, "
+          f"{args.states} ({made:.0f} s to make): {total / 1e6:.0f} MB of states; chunk {args.chunk_tokens} tokens; "
+          f"median of {args.repeat} rounds")
     methods = [("torch.save+fsync", lambda d: bench_torch_save(d, samples)),
                ("raw write+fsync", lambda d: bench_raw(d, samples))]
     for codec in args.codecs.split(","):

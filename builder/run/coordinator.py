@@ -740,16 +740,25 @@ class Coordinator:
                 return
             self._handle(msg, st, by_id, meta, bar, report)
 
-    def _worker_lost(self, w: int, why: str, st: _Dispatch) -> None:
+    @staticmethod
+    def _take_back(w: int, st: _Dispatch, keep: str | None = None) -> list[str]:
+        """Worker `w` is gone: out of the dispatch, and every sample it held (queued to it, in hand, or staged in
+        its group and never made durable) back to the front of pending, in order, except `keep`. Returns them."""
         st.alive.discard(w)
-        in_hand = st.current.pop(w, None)
-        back = [*st.assigned.pop(w, []), *st.staged.pop(w, [])]
+        st.current.pop(w, None)
+        held = list(dict.fromkeys([*st.assigned.pop(w, []), *st.staged.pop(w, [])]))
         st.assigned[w] = []
-        st.in_flight.difference_update(back)
+        st.in_flight.difference_update(held)
+        back = [sid for sid in held if sid != keep]
+        st.pending.extendleft(reversed(back))
+        return back
+
+    def _worker_lost(self, w: int, why: str, st: _Dispatch) -> None:
+        in_hand = st.current.get(w)
+        back = self._take_back(w, st)  # its sample in hand too: not the sample's fault, retried without limit
         if in_hand is not None:
             self.emit(Event("failed", sample_id=in_hand, attempt=st.attempts.get(in_hand), worker=w,
                             reason="worker_lost", detail=detail(message=why)))
-        st.pending.extendleft(reversed(list(dict.fromkeys(back))))
         self.emit(Event("worker_lost", worker=w, detail=detail(message=why, requeued=len(back))))
         left = len(st.alive)
         self.echo(f"\nworker {w} lost ({why}); its {len(back)} sample(s) go back to pending; {left} worker(s) go on")
@@ -762,15 +771,13 @@ class Coordinator:
         The sample in hand stays `started` for `resume` (not charged a failure); queued ones go back to pending."""
         for w in sorted(st.alive):
             p = procs[w]
-            in_hand = st.current.pop(w, None)
+            in_hand = st.current.get(w)
             self.echo(f"\nworker {w} (pid {p.pid}) did not stop within {grace:g} s; killing it (still safe)"
                       + (f"; its sample {in_hand} is left for `hsbuild resume`, not counted as failed"
                          if in_hand else "; it held no sample"))
             p.kill()
             p.join(timeout=5)
-            st.alive.discard(w)
-            st.pending.extendleft(sid for sid in reversed(st.assigned.pop(w, [])) if sid != in_hand)
-            st.assigned[w] = []
+            self._take_back(w, st, keep=in_hand)
 
     def _worker_died(self, w: int, code: int | None, st: _Dispatch, report: RunReport,
                      lost: str | None = None) -> None:
@@ -780,19 +787,14 @@ class Coordinator:
         if lost is not None:
             self._worker_lost(w, lost, st)
             return
-        st.alive.discard(w)
-        in_hand = st.current.pop(w, None)
+        in_hand = st.current.get(w)
         self.echo(f"\nworker {w} died (exit code {code})" + (f" while on sample {in_hand}" if in_hand else ""))
-        for sid in st.assigned.pop(w, []):
-            if sid == in_hand:
-                self.emit(Event("failed", sample_id=sid, attempt=st.attempts.get(sid), worker=w,
-                                reason="worker_died", detail=detail(exitcode=code)))
-                report.failed += 1
-            else:
-                st.pending.appendleft(sid)
-        st.assigned[w] = []
-        for sid in st.staged.pop(w, []):  # staged in its group, never made durable: extracted again
-            st.pending.appendleft(sid)
+        held = in_hand is not None and in_hand in st.assigned.get(w, [])
+        self._take_back(w, st, keep=in_hand)
+        if held:
+            self.emit(Event("failed", sample_id=in_hand, attempt=st.attempts.get(in_hand), worker=w,
+                            reason="worker_died", detail=detail(exitcode=code)))
+            report.failed += 1
         self.aborted = f"worker {w} died (exit code {code})"
         self.echo("stopping the run at a safe point; `hsbuild resume` continues")
 
