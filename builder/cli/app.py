@@ -245,6 +245,11 @@ def status_lines(st: dict) -> list[str]:
     return lines
 
 
+# the nodes of the last run on Ray (none for a local run)
+LAST_RUN_NODES = ("SELECT * FROM nodes WHERE run_id = (SELECT arg_max(run_id, seq) FROM events "
+                  "WHERE kind = 'worker_placed')")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query, status_snapshot  # noqa: PLC0415
@@ -252,14 +257,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     from builder.space.watermarks import ballast_info  # noqa: PLC0415
 
     lay = layout(args.build).require()
+
+    def offline_extra(log, prog: dict) -> dict:  # with no owner: all of it from one open log
+        return {**capacity_of(lay, log, prog), "nodes": log.query_dicts(LAST_RUN_NODES)}
+
     # one pass over the fold: the progress row carries the projection's inputs and the failures per reason
-    st = status_snapshot(lay, offline_extra=lambda log, prog: capacity_of(lay, log, prog))
+    st = status_snapshot(lay, offline_extra=offline_extra)
     st.update(ballast_info(lay))
     st["failed_by_reason"] = dict(sorted((st.get("failed_by_reason") or {}).items(), key=lambda kv: (-kv[1], kv[0])))
-    cols, rows = run_query(lay, "SELECT * FROM nodes WHERE run_id = (SELECT arg_max(run_id, seq) FROM events "
-                                "WHERE kind = 'worker_placed')")
-    if rows:  # the last run on Ray: its nodes
+    if "nodes" not in st:  # a run is going: ask it
+        cols, rows = run_query(lay, LAST_RUN_NODES)
         st["nodes"] = [dict(zip(cols, r, strict=True)) for r in rows]
+    if not st["nodes"]:  # only a run on Ray has nodes
+        del st["nodes"]
     fmt = _fmt(args)
     if fmt == "json":
         print_json(st)

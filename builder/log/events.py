@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -22,10 +23,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import duckdb
-import pyarrow as pa
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 from builder.errors import BuildLockedError, DiskFullError, LogConflictError, LogDamagedError, QueryError
 from builder.fsutil import fsync_path
@@ -115,13 +118,18 @@ class Event:
     seq: int | None = None
 
 
-ARROW_SCHEMA = pa.schema([
-    ("seq", pa.int64()), ("ts", pa.timestamp("us")), ("kind", pa.string()), ("run_id", pa.string()),
-    ("sample_id", pa.string()), ("fingerprint", pa.string()), ("attempt", pa.int32()), ("worker", pa.int32()),
-    ("segment", pa.string()), ("token_start", pa.int64()), ("num_tokens", pa.int64()), ("nbytes", pa.int64()),
-    ("checksums", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
-])
-COLUMNS = [f.name for f in ARROW_SCHEMA]
+COLUMNS = ["seq", "ts", "kind", "run_id", "sample_id", "fingerprint", "attempt", "worker", "segment", "token_start",
+           "num_tokens", "nbytes", "checksums", "reason", "detail"]
+
+
+@functools.cache
+def arrow_schema() -> pa.Schema:
+    """The events table as Arrow (pyarrow is imported only by what writes: `status` and `sql` start faster)."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    types = {"seq": pa.int64(), "ts": pa.timestamp("us"), "attempt": pa.int32(), "worker": pa.int32(),
+             "token_start": pa.int64(), "num_tokens": pa.int64(), "nbytes": pa.int64()}
+    return pa.schema([(c, types.get(c, pa.string())) for c in COLUMNS])
 
 
 def detail(**kw: object) -> str:
@@ -333,6 +341,7 @@ class EventLog:
         """Commit a batch of events in one transaction. Raises DiskFullError when the volume is full (nothing
         of the batch is committed; it may be appended again), LogConflictError when another process appended
         to the log since this one last did."""
+        import pyarrow as pa  # noqa: PLC0415
         if not events:
             return
         now = utcnow()
@@ -345,7 +354,7 @@ class EventLog:
                 ev.ts = now
             for c in COLUMNS:
                 cols[c].append(getattr(ev, c))
-        batch = pa.Table.from_pydict(cols, schema=ARROW_SCHEMA)
+        batch = pa.Table.from_pydict(cols, schema=arrow_schema())
         cur = self.con.cursor()
         try:
             cur.register("_batch", batch)
@@ -379,6 +388,7 @@ class EventLog:
             "stops; what it committed is kept. See `hsbuild doctor` (storage.locking) and docs/design.md")
 
     def set_meta(self, items: dict[str, object]) -> None:
+        import pyarrow as pa  # noqa: PLC0415
         rows = pa.Table.from_pydict({"key": list(items), "value": [json.dumps(v, default=str) for v in items.values()]})
         cur = self.con.cursor()
         cur.register("_meta", rows)
@@ -391,6 +401,7 @@ class EventLog:
 
     def register_samples(self, samples: Iterable[RegisteredSample]) -> int:
         """Register source samples not yet known; returns how many were added."""
+        import pyarrow as pa  # noqa: PLC0415
         samples = list(samples)
         if not samples:
             return 0

@@ -20,12 +20,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
-import pyarrow as pa
 
 from builder.errors import BuildLockedError, LogDamagedError, QueryError, ReadOnlyQueryError
 from builder.log.events import EventLog, read_with_current_views, temp_views_sql
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 QUERY_TIMEOUT_S = 30.0  # default limit of one `hsbuild sql` query
 MAX_TIMEOUT_S = 3600.0
@@ -159,6 +162,8 @@ class LiveReplica:
         if self._events is None:
             self._events = delta
         elif delta.num_rows:
+            import pyarrow as pa  # noqa: PLC0415 (only an owner's replica needs it)
+
             self._events = pa.concat_tables([self._events, delta])
         if delta.num_rows:
             self._last_seq = delta["seq"][-1].as_py()
