@@ -203,10 +203,11 @@ def main() -> None:
                 shutil.rmtree(d, ignore_errors=True)
         t_pt, t_raw, b_pt = (statistics.median(times["torch.save+fsync"]), statistics.median(times["raw write+fsync"]),
                              sizes["torch.save+fsync"])
-        print(f"{'method':22s} {'MB/s':>8s} {'vs torch.save':>14s} {'vs raw':>8s} {'on disk':>10s} {'vs .pt':>7s}")
+        w = max(len(name) for name, _ in methods)
+        print(f"{'method':{w}s} {'MB/s':>8s} {'vs torch.save':>14s} {'vs raw':>8s} {'on disk':>10s} {'vs .pt':>7s}")
         for name, _ in methods:
             t, b = statistics.median(times[name]), sizes[name]
-            print(f"{name:22s} {total / t / 1e6:8.0f} {t_pt / t:13.2f}x {t_raw / t:7.2f}x {b / 1e6:8.0f} MB "
+            print(f"{name:{w}s} {total / t / 1e6:8.0f} {t_pt / t:13.2f}x {t_raw / t:7.2f}x {b / 1e6:8.0f} MB "
                   f"{b / b_pt:6.2f}x")
     finally:
         shutil.rmtree(base, ignore_errors=True)
