@@ -78,6 +78,7 @@ CREATE TABLE IF NOT EXISTS fold_checkpoint (
     vts           TIMESTAMP,
     starts        BIGINT,     -- started events, all of them
     attempts      BIGINT,     -- started events since its last superseded (all of them if none)
+    imports       BIGINT,     -- of those, the starts of imports (detail origin 'import': no extraction attempt)
     updated_at    TIMESTAMP,  -- its last started/written/verified/failed/superseded/retired event's ts
     cseq          BIGINT,     -- its last superseded/row_moved event, and that event's source row:
     c_fingerprint VARCHAR,

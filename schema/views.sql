@@ -17,6 +17,8 @@ t AS (
            max(seq) FILTER (WHERE kind = 'verified') AS vseq,
            arg_max(ts, seq) FILTER (WHERE kind = 'verified') AS vts,
            count(*) FILTER (WHERE kind = 'started') AS starts,
+           count(*) FILTER (WHERE kind = 'started' AND detail IS NOT NULL
+                            AND json_extract_string(detail, '$.origin') = 'import') AS imports,
            max(seq) FILTER (WHERE kind = 'superseded') AS eseq,
            max(ts) FILTER (WHERE kind <> 'row_moved') AS updated_at,
            max(seq) FILTER (WHERE kind IN ('superseded', 'row_moved')) AS cseq
@@ -25,7 +27,10 @@ t AS (
 tm AS (SELECT e.* FROM tail e JOIN t ON e.seq = t.mseq),
 tc AS (SELECT e.sample_id, e.fingerprint, e.num_tokens, TRY_CAST(json_extract(e.detail, '$.row') AS BIGINT) AS row_idx
        FROM tail e JOIN t ON e.seq = t.cseq),
-tr AS (SELECT e.sample_id, count(*) AS n FROM tail e JOIN t ON e.sample_id = t.sample_id AND e.seq > t.eseq
+tr AS (SELECT e.sample_id, count(*) AS n,
+              count(*) FILTER (WHERE e.detail IS NOT NULL AND json_extract_string(e.detail, '$.origin') = 'import')
+                  AS ni
+       FROM tail e JOIN t ON e.sample_id = t.sample_id AND e.seq > t.eseq
        WHERE e.kind = 'started' GROUP BY e.sample_id)
 SELECT
     coalesce(t.sample_id, f.sample_id) AS sample_id,
@@ -45,6 +50,8 @@ SELECT
     coalesce(f.starts, 0) + coalesce(t.starts, 0) AS starts,
     CASE WHEN t.eseq IS NOT NULL THEN coalesce(tr.n, 0) ELSE coalesce(f.attempts, 0) + coalesce(t.starts, 0) END
         AS attempts,
+    CASE WHEN t.eseq IS NOT NULL THEN coalesce(tr.ni, 0) ELSE coalesce(f.imports, 0) + coalesce(t.imports, 0) END
+        AS imports,
     greatest(f.updated_at, t.updated_at) AS updated_at,
     CASE WHEN t.cseq IS NULL THEN f.cseq ELSE t.cseq END AS cseq,
     CASE WHEN t.cseq IS NULL THEN f.c_fingerprint ELSE tc.fingerprint END AS c_fingerprint,

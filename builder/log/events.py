@@ -58,22 +58,21 @@ def temp_views_sql() -> str:
 
 def read_with_current_views(con: duckdb.DuckDBPyConnection) -> None:
     """On a read-only connection to a log whose schema an older hsbuild wrote (no owner has opened it since):
-    this version's views as TEMP views, which shadow the file's, over empty TEMP fold-checkpoint tables where
-    the file has none (an empty checkpoint changes no answer). Best effort: a log too old for them keeps its
-    own views."""
+    this version's views as TEMP views, which shadow the file's, over empty TEMP fold-checkpoint tables that
+    shadow the file's (whose columns may be an older version's; an empty checkpoint changes no answer, the
+    whole log is folded). Best effort: a log too old for them keeps its own views."""
     try:
         row = con.execute("SELECT value FROM meta WHERE key = 'schema_digest'").fetchone()
         if row and json.loads(row[0]) == schema_digest():
             return
-        have = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE NOT temporary").fetchall()}
     except duckdb.Error:
         return
     ddl = (schema_dir() / "events.sql").read_text()
     try:
         con.execute("BEGIN TRANSACTION")  # all of them or none
-        for table in ("fold_checkpoint", "fold_checkpoint_mark"):
+        for table in ("fold_checkpoint", "fold_checkpoint_mark"):  # (an older checkpoint's columns may differ)
             m = re.search(rf"CREATE TABLE IF NOT EXISTS {table} \((.*?)\n\);", ddl, re.S)
-            if table not in have and m:
+            if m:
                 con.execute(f"CREATE TEMP TABLE {table} ({m.group(1)}\n)")
         con.execute(temp_views_sql())
         con.execute("COMMIT")

@@ -50,39 +50,24 @@ class Plan:
                 "retired": self.retired}
 
 
-IMPORT_STARTS_SQL = (
-    "WITH resets AS (SELECT sample_id, max(seq) AS rseq FROM events WHERE kind = 'superseded' GROUP BY 1) "
-    "SELECT e.sample_id, count(*) AS n FROM events e LEFT JOIN resets r USING (sample_id) WHERE e.kind = 'started' "
-    # (an import's `started` carries detail; most carry none, so this skips the JSON of nearly all)
-    "AND e.detail IS NOT NULL AND json_extract_string(e.detail, '$.origin') = 'import' "
-    "AND e.seq > coalesce(r.rseq, 0) GROUP BY 1")
-
-
-def import_starts(log: EventLog) -> dict[str, int]:
-    """Per sample, the `started` events of imports since it last started over (`superseded`): reading a dump
-    file is no extraction attempt."""
-    _, rows = log.query(IMPORT_STARTS_SQL)
-    return dict(rows)
-
-
 # The samples' states as small codes (the plan reads a million rows as numpy arrays, not as dicts). Read from
 # `sample_fold` directly, not through `samples`: a semi-join with source_samples (which the view's join amounts
 # to: only registered samples have a state) costs less than that view's join (0.5 s instead of 0.8 at a million
-# samples). The codes follow the `samples` view's state rule (schema/views.sql), written and verified both DONE;
-# tests/run/test_scale_plan.py checks the plan against a replay of the `samples` view.
+# samples). The codes follow the `samples` view's state rule (schema/views.sql), written and verified both DONE.
+# Attempts leave out the starts of imports (reading a dump file is no extraction attempt), which the fold keeps
+# apart (`imports`), so the plan reads no event but the fold's tail. tests/run/test_scale_plan.py checks the plan
+# against a replay of the `samples` view and of the events.
 PENDING, DONE, RETIRED, STARTED, FAILED = range(5)
 PLAN_SQL = f"""
-WITH imported AS ({IMPORT_STARTS_SQL})
 SELECT p.pos,
        CASE f.mkind WHEN 'written' THEN {DONE} WHEN 'retired' THEN {RETIRED} WHEN 'started' THEN {STARTED}
                     WHEN 'failed' THEN {FAILED} ELSE {PENDING} END::TINYINT AS code,
        coalesce(f.starts, 0)::BIGINT AS starts,
-       (coalesce(f.attempts, 0) - coalesce(i.n, 0))::BIGINT AS attempts,
+       (coalesce(f.attempts, 0) - coalesce(f.imports, 0))::BIGINT AS attempts,
        CASE WHEN f.mkind = 'failed' THEN f.m_reason END AS error
 FROM _plan_samples p
 LEFT JOIN (SELECT * FROM sample_fold WHERE sample_id IN (SELECT sample_id FROM source_samples)) f
        ON f.sample_id = p.sample_id
-LEFT JOIN imported i ON i.sample_id = p.sample_id
 """
 
 

@@ -63,14 +63,19 @@ def test_a_log_two_writers_already_interleaved_is_named_on_upgrade(make_build):
 
 def test_status_and_sql_read_a_log_an_older_hsbuild_wrote_with_this_versions_views(make_build, cli):
     """A user upgrades hsbuild and asks `status` (read-only: nothing upgrades the file) of a build an older
-    version left: older views (here a `progress` without the projection's inputs) and no fold checkpoint.
+    version left: older views (here a `progress` without the projection's inputs) and a fold checkpoint of an
+    older layout.
     Both answer with this version's views, and the file is left exactly as it was."""
     build = make_build(5)
     cli("run", build, "--no-progress", check=True)
     lay = layout(build)
     con = duckdb.connect(str(lay.events))
     con.execute("CREATE OR REPLACE VIEW progress AS SELECT 1 AS total")
-    con.execute("DROP TABLE fold_checkpoint; DROP TABLE fold_checkpoint_mark")
+    # an older checkpoint layout (no `imports`), empty, yet marked as folding every event: were it read, every
+    # sample would look pending
+    con.execute("ALTER TABLE fold_checkpoint DROP COLUMN imports")
+    con.execute("DELETE FROM fold_checkpoint; DELETE FROM fold_checkpoint_mark")
+    con.execute("INSERT INTO fold_checkpoint_mark SELECT max(seq) FROM events")
     con.execute("UPDATE meta SET value = ? WHERE key = 'schema_digest'", [json.dumps("older")])
     con.close()
     before = lay.events.read_bytes()
