@@ -42,9 +42,10 @@ MAX_WIDTH = 100  # a table column is at most this wide (--json/--csv print every
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO,
                 whole: Sequence[str] = ()) -> int:
     """A plain table, each column as wide as its widest value but at most MAX_WIDTH. A longer one-line value is
-    cut (…), except in the columns named in `whole`, which are as wide as their widest value. A value with line breaks (an EXPLAIN plan, a TOML config) is printed whole, one line under the other:
-    it is preformatted, so its lines are never cut, and a line wider than the column runs past it instead of
-    widening every row. Returns how many values were cut."""
+    cut (…), except in the columns named in `whole`, which are as wide as their widest value. A value with line
+    breaks (an EXPLAIN plan, a TOML config) is printed whole, one line under the other: it is preformatted, so
+    its lines are never cut, and a line wider than the column runs past it instead of widening every row.
+    Returns how many values were cut."""
     cut = 0
 
     def lines(v: object, keep: bool = False) -> list[str]:

@@ -179,7 +179,7 @@ class SpaceMonitor:
             for u in usages:
                 if self.wm.min_free and u.free < self.wm.min_free:
                     self._paused = "min_free"
-                elif u.usage >= self.wm.high and self.wm.high < 1.0:  # 1.0: no high watermark (a full
+                elif self.wm.high < 1.0 and u.usage >= self.wm.high:  # 1.0: off, as for flood (a full
                     self._paused = "high_watermark"  # volume then pauses by the disk-full path, `disk_full`)
         else:
             clear = all(u.usage < self.wm.low and not (self.wm.min_free and u.free < self.wm.min_free)
