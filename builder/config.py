@@ -43,7 +43,9 @@ class Watermarks:
 # lz4 after a bit shuffle stores bf16 states as small as zstd:1 or smaller, and encodes and decodes them faster.
 DEFAULT_CODEC = "blosc-lz4-bitshuffle:5"
 CODEC_SPECS = "zstd:LEVEL, blosc-lz4:LEVEL, blosc-zstd:LEVEL, blosc-lz4-bitshuffle:LEVEL, blosc-zstd-bitshuffle:LEVEL or none"
-FORMAT_KEYS = ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tokens", "backend", "final_state")
+FORMAT_KEYS = ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tokens", "backend", "final_state",
+               "quantize")
+QUANTIZE = ("none", "fp8")  # how states are stored: exactly, or fp8 with a scale a token (opt-in, lossy)
 POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "workers", "inflight", "batch_tokens")
 BACKENDS = ("inprocess", "vllm")
 UNKNOWN = object()  # a value at init that an old build did not record
@@ -68,6 +70,7 @@ class BuildConfig:
     inflight: int | None = None  # vllm: requests in flight (default 16)
     batch_tokens: int | None = None  # inprocess: samples packed into one forward pass up to this many tokens
     final_state: str = "post_norm"  # what `hidden_state` holds: the final norm's output, or its input
+    quantize: str = "none"  # none: states stored exactly; fp8: float8_e4m3fn with a float32 scale a token (lossy)
     engine_connector: str = "ExampleHiddenStatesConnector"  # the server's KV connector (serve-command, --launch)
     engine_connector_module: str | None = None  # its module, when not vLLM's own (kv_connector_module_path)
     engine_args: list[str] = field(default_factory=list)  # appended to the server command (--tensor-parallel-size 8)
@@ -122,6 +125,8 @@ class BuildConfig:
             raise UsageError(f"{path}: engine_args = {cfg.engine_args!r}: must be a list of strings")
         if not isinstance(cfg.aux_layers, list) or not all(isinstance(i, int) for i in cfg.aux_layers):
             raise UsageError(f"{path}: aux_layers = {cfg.aux_layers!r}: must be a list of integers")
+        if cfg.quantize not in QUANTIZE:
+            raise UsageError(f"{path}: quantize = {cfg.quantize!r}: use one of {', '.join(QUANTIZE)}")
         if cfg.backend not in BACKENDS:
             raise UsageError(f"{path}: backend = {cfg.backend!r}: use one of {', '.join(BACKENDS)}")
         cfg.watermarks.validate()
@@ -133,7 +138,7 @@ class BuildConfig:
     def format_fields(self) -> dict:
         """The values of the format keys: everything that changes the bytes a sample produces. Keys added
         after the first release appear only when not at their default, so older builds keep their fingerprint."""
-        later = {"backend": "inprocess", "final_state": "post_norm"}
+        later = {"backend": "inprocess", "final_state": "post_norm", "quantize": "none"}
         return {k: getattr(self, k) for k in FORMAT_KEYS if later.get(k, object()) != getattr(self, k)}
 
     def fingerprint(self) -> str:

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--final-state", default="post_norm", choices=["post_norm", "pre_norm"],
                    help="hidden_state: the final norm's output (HF hidden_states[L], SpecForge) or its input "
                    "(vLLM's layer L, speculators); the norm is kept in the build so the other can be derived")
+    p.add_argument("--quantize", default="none", choices=["none", "fp8"],
+                   help="fp8: store states lossy as float8_e4m3fn with a float32 scale a token (about half the "
+                   "bytes; read back dequantized, each sample's error in its written event); default: exact")
     p.add_argument("--low", type=fraction, default=0.85)
     p.add_argument("--high", type=fraction, default=0.90)
     p.add_argument("--flood", type=fraction, default=0.95)
@@ -129,12 +132,16 @@ def cmd_init(args: argparse.Namespace) -> int:
                      force=args.force, codec=args.codec, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
                      max_attempts=args.max_attempts, device=args.device, staging=args.staging,
                      watermarks=Watermarks(args.low, args.high, args.flood, args.min_free), backend=args.backend,
-                     server=args.server, inflight=args.inflight, final_state=args.final_state)
+                     server=args.server, inflight=args.inflight, final_state=args.final_state,
+                     quantize=args.quantize)
     if args.batch_tokens is not None:  # not a format key: the states are the same, bit for bit
         cfg = BuildConfig.from_toml(lay.config)
         cfg.batch_tokens = args.batch_tokens
         cfg.save(lay.config)
     print(f"created build {lay.root}")
+    if args.quantize == "fp8":
+        print("states stored as fp8 (float8_e4m3fn, a float32 scale a token): lossy, about half the bytes; each "
+              "sample's error is recorded in its written event")
     for line in describe_capacity(lay):
         print(line)
     return EXIT_OK

@@ -529,7 +529,7 @@ class Coordinator:
             settings = WorkerSettings(
                 build_root=str(self.lay.root), data_root=str(self.lay.data), run_id=self.run_id, worker=w,
                 model=self.cfg.model, aux_layers=self.cfg.aux_layers, dtype=self.cfg.dtype,
-                device=self.opts.device or self.cfg.device, codec=self.cfg.codec, chunk_tokens=self.cfg.chunk_tokens,
+                quantize=self.cfg.quantize, device=self.opts.device or self.cfg.device, codec=self.cfg.codec, chunk_tokens=self.cfg.chunk_tokens,
                 max_tokens=self.cfg.max_tokens, threads=threads, verify_after_write=self.cfg.verify_after_write,
                 flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free,
                 coordinator_pid=0 if pool is not None else os.getpid(),
@@ -675,7 +675,8 @@ class Coordinator:
                                 segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
                                 nbytes=loc.nbytes, checksums=json.dumps(loc.checksums, sort_keys=True),
                                 detail=detail(truncated=msg.truncated, seconds=round(msg.seconds, 4),
-                                              disk_bytes=loc.disk_bytes, **self._provenance(sid))))
+                                              disk_bytes=loc.disk_bytes, **self._provenance(sid),
+                                              **_quant_error(loc))))
                 if msg.verified:
                     self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                     segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
@@ -807,6 +808,13 @@ QUEUE_TOKENS = 8192  # ... holding at most this many tokens
 STOP_GRACE_SECONDS = 30.0  # after Ctrl-C/SIGTERM, how long workers get to finish their sample (HSBUILD_STOP_GRACE)
 ABORT_GRACE_SECONDS = 120.0  # after a worker died, how long the others get
 SHUTDOWN_SECONDS = 10.0  # leaving the main loop early (an error): how long all workers together get to exit
+
+
+def _quant_error(loc) -> dict:
+    """The written event's `fp8_error` (an fp8 build: each state field's relative RMS error), else nothing."""
+    if not loc.quant_error:
+        return {}
+    return {"fp8_error": {k: round(v, 6) for k, v in loc.quant_error.items()}}
 
 
 def _stop_workers(procs: dict[int, mp.process.BaseProcess], outboxes: dict[int, _Outbox], st: _Dispatch,

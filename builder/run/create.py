@@ -12,7 +12,7 @@ from pathlib import Path
 import duckdb
 
 from builder import __version__
-from builder.config import BACKENDS, DEFAULT_CODEC, BuildConfig, Watermarks
+from builder.config import BACKENDS, DEFAULT_CODEC, QUANTIZE, BuildConfig, Watermarks
 from builder.errors import BuildExistsError, BuildReadOnlyError, ModelError, UsageError
 from builder.extract.model import Extractor, check_device_spec, suggest_chunk_tokens
 from builder.extract.source import load_source
@@ -20,7 +20,7 @@ from builder.fsutil import fsync_path, make_dirs_durable
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
-from builder.store.codec import STORAGE_DTYPES, parse_codec
+from builder.store.codec import FP8_SCHEME, STORAGE_DTYPES, parse_codec
 from builder.store.segment import LAYOUT_VERSION, init_data_group
 
 
@@ -54,6 +54,7 @@ def init_build(
     server: str | None = None,
     inflight: int | None = None,
     final_state: str = "post_norm",
+    quantize: str = "none",
 ) -> BuildLayout:
     """Create a build. Validates everything first: on any error nothing on disk changes.
 
@@ -74,6 +75,8 @@ def init_build(
         raise UsageError(f"--chunk-tokens {chunk_tokens}: must be between 1 and {MAX_CHUNK_TOKENS}")
     if dtype not in STORAGE_DTYPES:
         raise UsageError(f"--dtype {dtype}: use one of {sorted(STORAGE_DTYPES)}")
+    if quantize not in QUANTIZE:
+        raise UsageError(f"--quantize {quantize}: use one of {', '.join(QUANTIZE)}")
     if staging is not None:
         if not staging.strip() or not Path(staging).is_dir():
             raise UsageError(f"--staging '{staging}': not an existing directory; create it first, or leave "
@@ -102,7 +105,7 @@ def init_build(
     cfg = BuildConfig(source=str(source), model=model, aux_layers=ex.aux_layers, max_tokens=max_tokens,
                       max_attempts=max_attempts, dtype=dtype, codec=codec, chunk_tokens=chunk_tokens, device=device,
                       staging=staging, watermarks=wm, backend=backend, server=server, inflight=inflight,
-                      final_state=final_state)
+                      final_state=final_state, quantize=quantize)
 
     try:
         make_dirs_durable(lay.root)
@@ -121,7 +124,10 @@ def init_build(
             "format": cfg.format_fields(),
             "chunk_tokens": chunk_tokens,
             "codec": codec,
-            "storage_dtype": STORAGE_DTYPES[dtype],
+            "storage_dtype": "uint8" if quantize == "fp8" else STORAGE_DTYPES[dtype],
+            **({"quantize": {"scheme": FP8_SCHEME, "lossy": True, "read_as": dtype,
+                             "stored": "float8_e4m3fn values, then a float32 scale (max |x| / 448) a token, "
+                                       "per state field"}} if quantize == "fp8" else {}),
             **ex.metadata(),
             **engine,
             "final_norm": None if norm is None else {"file": lay.final_norm.name, "eps": norm.eps},

@@ -68,6 +68,7 @@ class WorkerSettings:
     final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
     dump: object | None = None  # extract.backends.dump.DumpSettings: an import; None: extraction
     batch_tokens: int | None = None  # in-process: pack samples into forward passes of up to this many tokens
+    quantize: str = "none"  # fp8: states stored as float8_e4m3fn with a float32 scale a token
 
 
 def _die_with_parent() -> None:
@@ -281,7 +282,7 @@ class _Group:
                 try:
                     self.writer = SegmentWriter(Path(s.data_root), new_segment_name(s.run_id, wid),
                                                 self.ex.hidden_size, len(self.ex.aux_layers), s.chunk_tokens,
-                                                s.codec, s.dtype).create()
+                                                s.codec, s.dtype, s.quantize).create()
                 except OSError as e:
                     if is_disk_full(e):  # like a full disk during a write: pause, retry once space returns
                         self.conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint,

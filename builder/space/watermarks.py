@@ -95,6 +95,8 @@ def estimate_bytes_per_token(meta: dict) -> float:
     """Uncompressed bytes a token needs (an upper bound before the first write)."""
     h = int(meta.get("hidden_size", 0))
     n_aux = len(meta.get("aux_layers", []))
+    if meta.get("quantize"):  # fp8: a byte a value and a float32 scale a token, per state field
+        return (n_aux + 1) * h + 2 * 4 + 5
     width = 4 if meta.get("dtype") == "float32" else 2
     return (n_aux + 1) * h * width + 5
 

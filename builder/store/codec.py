@@ -17,13 +17,19 @@ from builder.errors import UsageError
 ZSTD_LEVELS = (int(numcodecs.Zstd.min_level()), min(int(numcodecs.Zstd.max_level()), 22))
 BLOSC_LEVELS = (0, 9)  # numcodecs' Blosc refuses any other clevel when it encodes (c-blosc's range)
 STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# the opt-in lossy store (`init --quantize fp8`, config.QUANTIZE): a state field is stored as uint8 rows, each
+# token's values as float8_e4m3fn bytes followed by its float32 scale (little-endian), as speculators' FP8
+# connector quantizes
+FP8_SCHEME = "fp8_e4m3fn_token_scale"  # the arrays' `quantized` attribute
+SCALE_BYTES = 4
 
 
 BLOSC_NAMES = {"blosc-lz4": ("lz4", "shuffle"), "blosc-zstd": ("zstd", "shuffle"),
                "blosc-lz4-bitshuffle": ("lz4", "bitshuffle"), "blosc-zstd-bitshuffle": ("zstd", "bitshuffle")}
 
 
-def parse_codec(spec: str) -> list:
+def parse_codec(spec: str, typesize: int = 2) -> list:
     """`zstd:LEVEL`, `blosc-lz4:LEVEL`, `blosc-zstd:LEVEL` (byte shuffle), `blosc-lz4-bitshuffle:LEVEL`,
     `blosc-zstd-bitshuffle:LEVEL` (bit shuffle) or `none` (zarr's codecs, backed by numcodecs).
     A level numcodecs would refuse (or silently clamp) is a UsageError naming --codec, so `init` refuses it
@@ -47,7 +53,7 @@ def parse_codec(spec: str) -> list:
             raise UsageError(f"--codec '{spec}': blosc levels are {BLOSC_LEVELS[0]}..{BLOSC_LEVELS[1]} "
                              "(5 is the default)")
         cname, shuffle = BLOSC_NAMES[name]
-        return [zc.BloscCodec(cname=cname, clevel=5 if level is None else level, shuffle=shuffle, typesize=2)]
+        return [zc.BloscCodec(cname=cname, clevel=5 if level is None else level, shuffle=shuffle, typesize=typesize)]
     raise UsageError(f"--codec '{spec}': use {CODEC_SPECS}")
 
 
@@ -59,20 +65,64 @@ def to_storage(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def from_storage(a: np.ndarray, logical_dtype: str) -> torch.Tensor:
+def from_storage(a: np.ndarray, logical_dtype: str, quantized: str | None = None) -> torch.Tensor:
+    """A stored array as a tensor in its logical dtype (bfloat16 bit-exact; FP8 rows dequantized)."""
+    if quantized is not None:
+        if quantized != FP8_SCHEME:
+            raise ValueError(f"arrays quantized as '{quantized}': this hsbuild reads only {FP8_SCHEME}; upgrade it")
+        return dequantize_fp8(a, TORCH_DTYPES[logical_dtype])
     if logical_dtype == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def stored_width(width: int, quantize: str) -> int:
+    """Values a token of a state field takes in its stored array: `width`, plus the scale's bytes for fp8."""
+    return width + SCALE_BYTES if quantize == "fp8" else width
+
+
+def quantize_fp8(t: torch.Tensor) -> np.ndarray:
+    """[n, W] floats -> uint8 [n, W + 4]: each token's values as float8_e4m3fn bytes, then its float32 scale.
+    The scale is the token's largest magnitude / 448 (at least 1e-12), computed exactly as speculators'
+    `hs_connectors.fp8_utils.quantize_tensor_to_fp8` does over a token's values."""
+    fp32 = t.detach().float()
+    n, w = fp32.shape
+    amax = fp32.abs().amax(dim=1, keepdim=True) if w else torch.zeros((n, 1))
+    scale = (amax / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    q = (fp32 / scale).to(torch.float8_e4m3fn)
+    out = np.empty((n, w + SCALE_BYTES), dtype=np.uint8)
+    out[:, :w] = q.view(torch.uint8).numpy()
+    out[:, w:] = scale.numpy().astype("<f4").view(np.uint8).reshape(n, SCALE_BYTES)
+    return out
+
+
+def dequantize_fp8(a: np.ndarray, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`quantize_fp8`'s rows back to [n, W] in `dtype`: fp8 values times their token's scale, both in `dtype`
+    (as `hs_connectors.fp8_utils.dequantize_fp8_tensor` computes them)."""
+    w = a.shape[1] - SCALE_BYTES
+    q = torch.from_numpy(np.ascontiguousarray(a[:, :w])).view(torch.float8_e4m3fn)
+    scale = torch.from_numpy(np.ascontiguousarray(a[:, w:]).view("<f4").astype(np.float32))
+    return q.to(dtype) * scale.to(dtype)
+
+
+def fp8_error(t: torch.Tensor, stored: np.ndarray, logical_dtype: str) -> float:
+    """Relative RMS error of a state as `dequantize_fp8` reads it back: ||read - t|| / ||t|| (0 for all zeros)."""
+    x = t.detach().float()
+    norm = float(torch.linalg.vector_norm(x))
+    if norm == 0.0:
+        return 0.0
+    diff = dequantize_fp8(stored, TORCH_DTYPES[logical_dtype]).float() - x
+    return float(torch.linalg.vector_norm(diff)) / norm
 
 
 def checksum(a: np.ndarray) -> str:
     return f"crc32c:{crc32c.crc32c(np.ascontiguousarray(a).data):08x}"
 
 
-def chunk_encoder(spec: str) -> Callable[[np.ndarray], bytes]:
+def chunk_encoder(spec: str, typesize: int = 2) -> Callable[[np.ndarray], bytes]:
     """Encode one chunk (a C-contiguous little-endian array) exactly as zarr's `[bytes, <codec>]` pipeline for
     `spec` would, so zarr reads what hsbuild writes directly."""
-    (codec,) = parse_codec(spec) or [None]
+    (codec,) = parse_codec(spec, typesize) or [None]
     if codec is None:
         return lambda a: a.tobytes()
     if isinstance(codec, zc.ZstdCodec):

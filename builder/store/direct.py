@@ -52,6 +52,7 @@ class FieldLayout:
     codec: object | None  # a numcodecs codec with decode(buf, out=), or None for raw bytes
     dims: int
     logical: str | None  # the logical dtype when it differs from the stored one (bfloat16 stored as uint16)
+    quantized: str | None = None  # how the values were quantized (codec.FP8_SCHEME), None: stored exactly
 
     @classmethod
     def of(cls, seg_dir: Path, fld: str) -> FieldLayout | None:
@@ -81,9 +82,10 @@ class FieldLayout:
         shape = meta["shape"]
         inner = int(cfg["chunk_shape"][0])
         outer = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+        attrs = meta.get("attributes") or {}
         return cls(inner, outer // inner, np.dtype(meta["data_type"]).newbyteorder("<"),
-                   int(shape[1]) if len(shape) == 2 else 0, codec, len(shape),
-                   (meta.get("attributes") or {}).get("logical_dtype"))
+                   int(shape[1]) if len(shape) == 2 else 0, codec, len(shape), attrs.get("logical_dtype"),
+                   attrs.get("quantized"))
 
 
 def read_field(seg_dir: Path, segment: str, fld: str, lay: FieldLayout, token_start: int,

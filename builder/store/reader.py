@@ -210,6 +210,10 @@ class SegmentReader:
         direct = self._direct(segment)
         out = {}
         for f, a in raw.items():
-            logical = direct[f].logical if direct is not None else self.arrays(segment)[f].attrs.get("logical_dtype")
-            out[f] = from_storage(a, logical) if logical else torch.from_numpy(np.ascontiguousarray(a))
+            if direct is not None:
+                logical, quantized = direct[f].logical, direct[f].quantized
+            else:
+                attrs = self.arrays(segment)[f].attrs
+                logical, quantized = attrs.get("logical_dtype"), attrs.get("quantized")
+            out[f] = from_storage(a, logical, quantized) if logical else torch.from_numpy(np.ascontiguousarray(a))
         return out

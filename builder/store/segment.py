@@ -39,7 +39,17 @@ import zarr
 
 from builder.config import DEFAULT_CODEC
 from builder.fsutil import atomic_write_bytes, fsync_path, fsync_paths
-from builder.store.codec import STORAGE_DTYPES, checksum, chunk_encoder, parse_codec, to_storage
+from builder.store.codec import (
+    FP8_SCHEME,
+    STORAGE_DTYPES,
+    checksum,
+    chunk_encoder,
+    fp8_error,
+    parse_codec,
+    quantize_fp8,
+    stored_width,
+    to_storage,
+)
 from builder.store.shard import ShardGeometry, shard_parts, shard_path
 
 FIELDS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
@@ -79,6 +89,7 @@ class Location:
     nbytes: int
     checksums: dict[str, str]
     disk_bytes: int = 0  # the sample's share of what its group occupies on disk (allocated blocks, manifest too)
+    quant_error: dict[str, float] | None = None  # fp8 builds: each state field's relative RMS error as read back
 
 
 @dataclass
@@ -163,6 +174,7 @@ class SegmentWriter:
     chunk_tokens: int
     codec: str = DEFAULT_CODEC
     dtype: str = "bfloat16"
+    quantize: str = "none"  # fp8: state fields stored as float8_e4m3fn with a float32 scale a token (lossy)
     shard_chunks: int = 0  # 0: chosen from the chunk size (shard_chunks_for)
     cursor: int = 0  # the next free token address
     samples: int = 0  # samples made durable
@@ -174,9 +186,11 @@ class SegmentWriter:
 
     def __post_init__(self) -> None:
         if not self.shard_chunks:
-            self.shard_chunks = shard_chunks_for(self.chunk_tokens, self.hidden_size, self.n_aux)
+            self.shard_chunks = shard_chunks_for(self.chunk_tokens, self.hidden_size, self.n_aux,
+                                                 1 if self.quantize == "fp8" else 2)
         self.geometry = ShardGeometry(self.chunk_tokens, self.shard_chunks)
         self._encode = chunk_encoder(self.codec)
+        self._encode_states = chunk_encoder(self.codec, 1) if self.quantize == "fp8" else self._encode
         self._chunks = {f: {} for f in FIELDS}
         self._count_lock = threading.Lock()
 
@@ -208,9 +222,11 @@ class SegmentWriter:
         group = zarr.create_group(store=str(self.path), zarr_format=3,
                                   attributes={"segment": self.name, "created_at": time.time(),
                                               "hsbuild_layout": LAYOUT_VERSION, "shard_chunks": self.shard_chunks})
-        store_dtype = STORAGE_DTYPES[self.dtype]
-        width = {"input_ids": 1, "loss_mask": 1, "hidden_state": self.hidden_size,
-                 "aux_hidden_state": self.n_aux * self.hidden_size}
+        fp8 = self.quantize == "fp8"
+        store_dtype = "uint8" if fp8 else STORAGE_DTYPES[self.dtype]
+        width = {"input_ids": 1, "loss_mask": 1, "hidden_state": stored_width(self.hidden_size, self.quantize),
+                 "aux_hidden_state": stored_width(self.n_aux * self.hidden_size, self.quantize)}
+        state_attrs = {"logical_dtype": self.dtype, **({"quantized": FP8_SCHEME} if fp8 else {})}
         dtypes = {"input_ids": "int32", "loss_mask": "uint8", "hidden_state": store_dtype,
                   "aux_hidden_state": store_dtype}
         for fld in FIELDS:
@@ -219,9 +235,9 @@ class SegmentWriter:
             chunks = (self.chunk_tokens, width[fld]) if two_d else (self.chunk_tokens,)
             shards = (self.geometry.shard_tokens, width[fld]) if two_d else (self.geometry.shard_tokens,)
             group.create_array(name=fld, shape=shape, chunks=chunks, shards=shards, dtype=dtypes[fld],
-                               compressors=parse_codec(self.codec), fill_value=0,
+                               compressors=parse_codec(self.codec, 1 if fp8 and two_d else 2), fill_value=0,
                                chunk_key_encoding={"name": "default", "separator": "."},
-                               attributes={"logical_dtype": self.dtype} if two_d else {})
+                               attributes=state_attrs if two_d else {})
         (self.path / MANIFEST_DIR).mkdir()
         fsync_paths([self.path / f / "zarr.json" for f in FIELDS] + [self.path / f for f in FIELDS]
                     + [self.path / "zarr.json", self.path / MANIFEST_DIR, self.path])
@@ -245,8 +261,8 @@ class SegmentWriter:
         arrays = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int32),
             "loss_mask": np.ascontiguousarray(loss_mask, dtype=np.uint8),
-            "hidden_state": to_storage(final),
-            "aux_hidden_state": to_storage(aux),
+            "hidden_state": self._store(final),
+            "aux_hidden_state": self._store(aux),
         }
         c = self.chunk_tokens
         jobs = []
@@ -260,16 +276,26 @@ class SegmentWriter:
                     part = full
                 jobs.append((fld, first + k, part))
         encoded = list(_pool().map(
-            lambda j: self._encode(np.ascontiguousarray(j[2], dtype=j[2].dtype.newbyteorder("<"))), jobs))
+            lambda j: (self._encode_states if DIMS[j[0]] == 2 else self._encode)(
+                np.ascontiguousarray(j[2], dtype=j[2].dtype.newbyteorder("<"))), jobs))
         nbytes = 0
         for (fld, idx, _), data in zip(jobs, encoded, strict=True):
             self._chunks[fld][idx] = data
             nbytes += len(data)
         self.cursor = -(-(start + n) // c) * c
-        loc = Location(self.name, start, n, nbytes, {f: checksum(a) for f, a in arrays.items()})
+        quant_error = None
+        if self.quantize == "fp8":
+            quant_error = {"hidden_state": fp8_error(final, arrays["hidden_state"], self.dtype),
+                           "aux_hidden_state": fp8_error(aux, arrays["aux_hidden_state"], self.dtype)}
+        loc = Location(self.name, start, n, nbytes, {f: checksum(a) for f, a in arrays.items()},
+                       quant_error=quant_error)
         self._staged.append(_Staged(sample_id, fingerprint, attempt, loc, extra or {}))
         self._staged_bytes += nbytes
         return loc
+
+    def _store(self, t: torch.Tensor) -> np.ndarray:
+        """A state tensor [n, W] as its stored array (the checksums are of these bytes)."""
+        return quantize_fp8(t) if self.quantize == "fp8" else to_storage(t)
 
     def flush(self) -> list[Location]:
         """Make the staged group durable: its shard files and manifest written once and fsynced, then their
