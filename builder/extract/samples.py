@@ -95,6 +95,11 @@ class SourceSamples(Sequence[Sample]):
     def total_tokens(self) -> int:
         return int(self.num_tokens.sum())
 
+    def registry_columns(self) -> dict[str, pa.Array]:
+        """What `EventLog.register_samples` records of each sample, as columns."""
+        return {"sample_id": self._ids, "row_idx": pa.array(self.rows, pa.int64()), "fingerprint": self._fps,
+                "num_tokens": pa.array(self.num_tokens, pa.int64())}
+
     # -- selections --------------------------------------------------------------------------------------------
     def take(self, indices: np.ndarray | Sequence[int]) -> SourceSamples:
         """These samples at `indices` (in that order); the token buffers are shared, not copied."""

@@ -13,8 +13,10 @@ finds the exact line and field for the error message.
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import duckdb
@@ -37,27 +39,39 @@ PARQUET_SUFFIXES = {".parquet", ".pq"}
 Tokenizer = chat.Tokenizer | Callable[[str], list[int]]
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 NARROW_INTS = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16)}  # fit int32
+# A source is read and checked in batches of rows: only one batch's Arrow table is in memory at a time. Tokens and
+# masks (5 bytes a token) stay in memory up to SPILL_BYTES; beyond that they go to two unlinked temporary files
+# (in TMPDIR) that are mapped at the end, so what a large source holds in memory is about 60 bytes a row plus
+# its ids' characters, and its tokens are pages of a file (read back as samples are dispatched).
+BATCH_ROWS = 8192
+SPILL_BYTES = 64 << 20
 
 
 def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
-                build: BuildLayout | None = None) -> SourceSamples:
+                build: BuildLayout | None = None, batch_rows: int = BATCH_ROWS,
+                spill_bytes: int = SPILL_BYTES) -> SourceSamples:
     """Load and validate every sample of a source file. Raises SourceError naming file, line and field.
     The samples are held columnar (extract/samples.py): a Sample is made when one is indexed.
 
     With `vocab_size` (init), a sample without tokens or with a token id outside 0..vocab_size-1 is refused
     too. With `build` (a run, holding the build's lock), the same check runs against the vocabulary the build
     recorded, except for samples registered in the build exactly as they are (same id, same tokens): a build
-    made before init checked this still runs, and its workers record those samples `failed` as before."""
-    if build is not None:
-        with open_log(build.events, read_only=True) as log:
-            recorded = log.meta().get("vocab_size")
-            out = _load(Path(path), tokenizer, None if recorded is None else int(recorded), _Registered(log))
-    else:
-        out = _load(Path(path), tokenizer, vocab_size, None)
-    # the file's Arrow table is gone now, but Arrow's allocator keeps what it freed: hand it back to the OS
-    # (200k rows x 256 tokens from parquet: 810 MB resident after loading without this, 363 MB with it)
-    pa.default_memory_pool().release_unused()
-    return out
+    made before init checked this still runs, and its workers record those samples `failed` as before.
+
+    The file is read `batch_rows` rows at a time; tokens beyond `spill_bytes` are kept in a temporary file (see
+    SPILL_BYTES). Errors are the same as a whole-file pass gives: the first bad row's first failing check."""
+    buffers = _Buffers(spill_bytes)
+    try:
+        if build is not None:
+            with open_log(build.events, read_only=True) as log:
+                recorded = log.meta().get("vocab_size")
+                return _load(Path(path), tokenizer, None if recorded is None else int(recorded), _Registered(log),
+                             batch_rows, buffers)
+        return _load(Path(path), tokenizer, vocab_size, None, batch_rows, buffers)
+    finally:
+        buffers.close()
+        # Arrow's allocator keeps what it freed: hand it back to the OS
+        pa.default_memory_pool().release_unused()
 
 
 class _Registered:
@@ -73,14 +87,16 @@ class _Registered:
 
 
 def _load(path: Path, tokenizer: Tokenizer | None, vocab_size: int | None,
-          registered: Callable[[str, str], bool] | None) -> SourceSamples:
+          registered: Callable[[str, str], bool] | None, batch_rows: int, buffers: _Buffers) -> SourceSamples:
     if not path.exists():
         raise SourceError(path, "file not found; pass an existing .jsonl or .parquet file with --source")
     if path.is_dir():
         if not arrow_source.is_dataset_dir(path):
             arrow_source.refuse_other_dir(path)
-        return _samples_from_table(path, "arrow", arrow_source.read_dataset_dir(path), {}, tokenizer, vocab_size,
-                                   registered)
+        kind, table = "arrow", arrow_source.read_dataset_dir(path)  # memory-mapped files: sliced, not copied
+        types: dict[str, str] = {}
+        batches: Iterable[pa.Table] = (table.slice(a, batch_rows) for a in range(0, table.num_rows, batch_rows))
+        return _load_batches(path, kind, batches, types, tokenizer, vocab_size, registered, buffers)
     suffix = path.suffix.lower()
     if suffix in JSON_SUFFIXES:
         kind = "json"
@@ -89,12 +105,186 @@ def _load(path: Path, tokenizer: Tokenizer | None, vocab_size: int | None,
     else:
         raise SourceError(path, f"unknown source type '{suffix}'; use a .jsonl or .parquet file, or a `datasets` "
                                 "save_to_disk directory")
-    table, types = _read_with_duckdb(path, kind)
-    return _samples_from_table(path, kind, table, types, tokenizer, vocab_size, registered)
-
-
-def _read_with_duckdb(path: Path, kind: str) -> tuple[pa.Table, dict[str, str]]:
     con = duckdb.connect()
+    try:
+        types, batches = _read_with_duckdb(con, path, kind, batch_rows)
+        return _load_batches(path, kind, batches, types, tokenizer, vocab_size, registered, buffers)
+    finally:
+        con.close()
+
+
+def _load_batches(path: Path, kind: str, batches: Iterable[pa.Table], types: dict[str, str],
+                  tokenizer: Tokenizer | None, vocab_size: int | None, registered: Callable[[str, str], bool] | None,
+                  buffers: _Buffers) -> SourceSamples:
+    """Check and hold the batches one after the other (their tables are dropped as they are done). An id seen
+    in an earlier batch is a duplicate as in a whole-file pass: reported when its row comes before the first
+    other error."""
+    fail, label = _failer(path, kind)
+    json_rows = _JsonRows(path) if kind == "json" else None
+    ids: list[pa.Array] = []  # per batch: its sample ids, fingerprints, rows, token counts (its tokens: buffers)
+    fps: list[pa.Array] = []
+    rows: list[np.ndarray] = []
+    lens: list[np.ndarray] = []
+    row0 = 0
+    for table in batches:
+        n = table.num_rows
+        if n == 0:
+            continue
+        try:
+            part = _samples_from_table(path, kind, table, types, tokenizer, vocab_size, registered, row0=row0,
+                                       json_rows=json_rows, failer=(fail, label))
+        except SourceError as e:
+            at = getattr(e, "row", None)
+            if at is not None and ids:  # an id of an earlier batch seen again before this error's row?
+                dup = _first_duplicate(ids + [_batch_ids(path, kind, table, types, fail, row0)
+                                              .slice(0, at - row0 + 1)], fail, label, kind)
+                if dup is not None and (dup.row, 6) < (at, getattr(e, "order", 0)):  # type: ignore[attr-defined]
+                    raise dup from None
+            raise
+        buffers.add(part.tokens, part.mask, part.starts)
+        ids.append(part._ids)
+        fps.append(part._fps)
+        rows.append(part.rows)
+        lens.append(part.num_tokens)
+        del part, table
+        row0 += n
+        pa.default_memory_pool().release_unused()
+    if not ids:
+        raise SourceError(path, "has no rows")
+    if len(ids) > 1:
+        dup = _first_duplicate(ids, fail, label, kind)
+        if dup is not None:
+            raise dup
+    tokens, mask, starts = buffers.finish()
+    return SourceSamples(pa.concat_arrays(ids), pa.concat_arrays(fps), np.concatenate(rows), starts,
+                         np.concatenate(lens), tokens, mask)
+
+
+def _batch_ids(path: Path, kind: str, table: pa.Table, types: dict[str, str],
+               fail: Callable[[int, str, str], SourceError], row0: int) -> pa.StringArray:
+    """The sample ids of a batch whose first row is row0 of the file."""
+    if "id" not in table.column_names or kind == "arrow":
+        return _row_numbers(table.num_rows, row0)
+    return _sample_ids(path, kind, table, types, lambda i, f, m: fail(row0 + i, f, m), row0)
+
+
+class _Buffers:
+    """Every sample's tokens (int32) and mask (uint8), batch after batch: in memory up to `spill_bytes`, then
+    in two unlinked temporary files (TMPDIR), mapped copy-on-write by `finish`. Nothing is left on disk: the
+    files have no name and go with the mapping. Where TMPDIR cannot take them (full, missing) everything stays
+    in memory, as before spilling existed."""
+
+    def __init__(self, spill_bytes: int):
+        self.spill_bytes = spill_bytes
+        self.tokens: list[np.ndarray] = []  # parts not in the files
+        self.masks: list[np.ndarray] = []
+        self.starts: list[np.ndarray] = []
+        self.count = 0  # tokens so far
+        self.spilled = 0  # tokens in the files
+        self.files: tuple | None = None
+        self.memory_only = False
+
+    def add(self, tokens: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> None:
+        self.starts.append(starts + self.count)
+        self.tokens.append(np.ascontiguousarray(tokens, dtype=np.int32))
+        self.masks.append(np.ascontiguousarray(mask, dtype=np.uint8))
+        self.count += tokens.shape[0]
+        if self.files is None and not self.memory_only and self.count * 5 > self.spill_bytes:
+            try:
+                self.files = (tempfile.TemporaryFile(prefix="hsbuild-source-tokens-", buffering=0),
+                              tempfile.TemporaryFile(prefix="hsbuild-source-mask-", buffering=0))
+            except OSError:
+                self.memory_only = True
+        if self.files is not None:
+            self._spill()
+
+    def _spill(self) -> None:
+        assert self.files is not None
+        try:
+            while self.tokens:
+                for f, a in zip(self.files, (self.tokens[0], self.masks[0]), strict=True):
+                    view = memoryview(a).cast("B")
+                    while view:
+                        view = view[f.write(view):]
+                self.spilled += self.tokens.pop(0).shape[0]
+                self.masks.pop(0)
+        except OSError:  # TMPDIR is full: read back what is there, hold everything in memory from now on
+            back = []
+            for f, dtype in zip(self.files, (np.int32, np.uint8), strict=True):
+                f.seek(0)
+                back.append(np.fromfile(f, dtype=dtype, count=self.spilled))
+            self.tokens.insert(0, back[0])
+            self.masks.insert(0, back[1])
+            self.spilled = 0
+            self.close()
+            self.memory_only = True
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        starts = np.concatenate(self.starts) if self.starts else np.zeros(0, dtype=np.int64)
+        if self.files is None:
+            return _joined(self.tokens, np.int32), _joined(self.masks, np.uint8), starts
+        # copy-on-write: writable arrays for torch, never written back
+        tokens = np.memmap(self.files[0], dtype=np.int32, mode="c", shape=(self.count,))
+        mask = np.memmap(self.files[1], dtype=np.uint8, mode="c", shape=(self.count,))
+        return tokens, mask, starts
+
+    def close(self) -> None:
+        if self.files is not None:
+            for f in self.files:
+                f.close()  # a mapping made by finish keeps its file until it is gone
+            self.files = None
+
+
+def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _failer(path: Path, kind: str) -> tuple[Callable[[int, str, str], SourceError], Callable[[int], int]]:
+    """fail(row, field, message) -> the SourceError naming that row of the file (0-based over the whole file,
+    kept on the error as `row`), and label(row) -> its line (JSONL) or row number."""
+    line_cache: list[list[int]] = []
+
+    def label(row: int) -> int:
+        if kind == "json" and not line_cache:  # read only when an error names a line
+            line_cache.append(_json_line_numbers(path))
+        return _row_label(kind, row, line_cache[0] if line_cache else None)
+
+    def fail(row: int, field: str, msg: str) -> SourceError:
+        if kind == "json":
+            err = SourceError(path, msg, line=label(row), field=field)
+        elif kind == "arrow":  # rows counted from 0, as the sample ids (and speculators' hs_{i} files) count
+            err = SourceError(path, f"{msg} (row index {row})", field=field)
+        else:
+            err = SourceError(path, f"{msg} (row {row + 1})", field=field)
+        err.row = row  # type: ignore[attr-defined]
+        return err
+
+    return fail, label
+
+
+def _first_duplicate(ids: list[pa.Array], fail: Callable[[int, str, str], SourceError], label: Callable[[int], int],
+                     kind: str) -> SourceError | None:
+    """The error for the first id (over these arrays, in order, rows counted from 0) seen before, or None."""
+    every = pa.concat_arrays(ids)
+    codes = every.dictionary_encode().indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    if not codes.size or int(codes.max()) + 1 == codes.size:  # codes number the ids in order of first appearance
+        return None
+    seen_before = np.empty_like(codes)
+    seen_before[0] = -1
+    np.maximum.accumulate(codes[:-1], out=seen_before[1:])
+    r = int(np.flatnonzero(codes <= seen_before)[0])
+    first = int(np.argmax(codes == codes[r]))
+    where = "line" if kind == "json" else "row"
+    err = fail(r, "id", f"duplicate id '{every[r].as_py()}' (first seen at {where} {label(first)})")
+    err.order = 6  # type: ignore[attr-defined]
+    return err
+
+
+def _read_with_duckdb(con: duckdb.DuckDBPyConnection, path: Path, kind: str,
+                      batch_rows: int) -> tuple[dict[str, str], Iterator[pa.Table]]:
+    """The file's column types (DuckDB's, over the whole file) and its rows as tables of `batch_rows` rows."""
     try:
         if kind == "json":
             if path.stat().st_size == 0:
@@ -106,16 +296,27 @@ def _read_with_duckdb(path: Path, kind: str) -> tuple[pa.Table, dict[str, str]]:
             )
         else:
             rel = con.sql("SELECT * FROM read_parquet($p)", params={"p": str(path)})
-        fetch = getattr(rel, "to_arrow_table", None) or rel.arrow  # duckdb 2.x / 1.x
-        return fetch(), {c: str(t) for c, t in zip(rel.columns, rel.types, strict=True)}
+        types = {c: str(t) for c, t in zip(rel.columns, rel.types, strict=True)}
+        reader = (getattr(rel, "to_arrow_reader", None) or rel.fetch_arrow_reader)(batch_rows)  # duckdb 2.x / 1.x
     except SourceError:
         raise
     except duckdb.Error as e:
-        if kind == "json":
-            _scan_json_lines(path)  # raises a precise SourceError if it finds the bad line
-        raise SourceError(path, f"cannot be read: {str(e).splitlines()[0]}") from e
-    finally:
-        con.close()
+        _unreadable(path, kind, e)
+
+    def batches() -> Iterator[pa.Table]:
+        try:
+            for b in reader:
+                yield pa.Table.from_batches([b])
+        except duckdb.Error as e:  # met while reading on
+            _unreadable(path, kind, e)
+
+    return types, batches()
+
+
+def _unreadable(path: Path, kind: str, e: duckdb.Error) -> None:
+    if kind == "json":
+        _scan_json_lines(path)  # raises a precise SourceError if it finds the bad line
+    raise SourceError(path, f"cannot be read: {str(e).splitlines()[0]}") from e
 
 
 def _iter_json_lines(path: Path) -> Iterator[tuple[int, object]]:
@@ -308,26 +509,22 @@ def _copy_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray, src_off: n
 
 
 def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str, str], tokenizer: Tokenizer | None,
-                        vocab_size: int | None = None,
-                        registered: Callable[[str, str], bool] | None = None) -> SourceSamples:
-    """Validate the table's rows and hold them columnar. Checks run column by column (numpy), except for rows
-    to tokenize; the error raised is the one the first bad row's first failing check gives, as a row-by-row
-    pass would find it."""
+                        vocab_size: int | None = None, registered: Callable[[str, str], bool] | None = None,
+                        row0: int = 0, json_rows: _JsonRows | None = None,
+                        failer: tuple[Callable[[int, str, str], SourceError], Callable[[int], int]] | None = None,
+                        ) -> SourceSamples:
+    """Validate the table's rows (rows row0.. of the file) and hold them columnar. Checks run column by column
+    (numpy), except for rows to tokenize; the error raised is the one the first bad row's first failing check
+    gives, as a row-by-row pass would find it (its `row` and `order` kept on it)."""
     names = set(table.column_names)
     where = "line" if kind == "json" else "row"
-    line_cache: list[list[int]] = []
+    gfail, glabel = failer or _failer(path, kind)
 
     def label(row: int) -> int:
-        if kind == "json" and not line_cache:  # read only when an error names a line
-            line_cache.append(_json_line_numbers(path))
-        return _row_label(kind, row, line_cache[0] if line_cache else None)
+        return glabel(row0 + row)
 
     def fail(row: int, field: str, msg: str) -> SourceError:
-        if kind == "json":
-            return SourceError(path, msg, line=label(row), field=field)
-        if kind == "arrow":  # rows counted from 0, as the sample ids (and speculators' hs_{i} files) count
-            return SourceError(path, f"{msg} (row index {row})", field=field)
-        return SourceError(path, f"{msg} (row {row + 1})", field=field)
+        return gfail(row0 + row, field, msg)
 
     if table.num_rows == 0:
         raise SourceError(path, "has no rows")
@@ -367,7 +564,8 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
                            col.is_null().to_numpy(zero_copy_only=False))
 
     # a dataset directory's sample i is row i, whatever its columns: speculators names its files hs_{i}
-    sids = _sample_ids(path, kind, table, types, fail) if "id" in names and kind != "arrow" else _row_numbers(n)
+    sids = _sample_ids(path, kind, table, types, fail, row0) if "id" in names and kind != "arrow" \
+        else _row_numbers(n, row0)
 
     ids_col = list_column("input_ids", pa.types.is_integer, "integers")
     mask_col = list_column("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t), "0/1 integers")
@@ -383,7 +581,7 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
     todo = np.flatnonzero(ids_null)
     if todo.size:
         texts = table.column("text") if "text" in names else None
-        convs = _conversation_rows(path, kind, table, names)
+        convs = _conversation_rows(path, kind, table, names, row0, json_rows)
         for i in todo.tolist():
             try:
                 if convs is not None and any(convs[i].get(c) is not None for c in CONVERSATION_FIELDS):
@@ -490,7 +688,9 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
                 errors.append((r, 7, fail(r, field_of(r), _unusable(ids32, vocab_size))))
                 break
     if errors:
-        raise min(errors, key=lambda e: e[:2])[2]
+        _, order, err = min(errors, key=lambda e: e[:2])
+        err.order = order  # type: ignore[attr-defined]
+        raise err
 
     # hold them: two flat buffers
     offsets = np.zeros(n + 1, dtype=np.int64)
@@ -507,16 +707,16 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
         if mask is not None:
             mask8[offsets[i] : offsets[i + 1]] = mask
     starts = offsets[:-1]
-    return SourceSamples(sids, fingerprints(tokens, mask8, starts, lens), np.arange(n, dtype=np.int64), starts, lens,
-                         tokens, mask8)
+    return SourceSamples(sids, fingerprints(tokens, mask8, starts, lens), np.arange(row0, row0 + n, dtype=np.int64),
+                         starts, lens, tokens, mask8)
 
 
-def _row_numbers(n: int) -> pa.StringArray:
-    return pa.array(np.arange(n, dtype=np.int64)).cast(pa.string())
+def _row_numbers(n: int, row0: int = 0) -> pa.StringArray:
+    return pa.array(np.arange(row0, row0 + n, dtype=np.int64)).cast(pa.string())
 
 
 def _sample_ids(path: Path, kind: str, table: pa.Table, types: dict[str, str],
-                fail: Callable[[int, str, str], SourceError]) -> pa.StringArray:
+                fail: Callable[[int, str, str], SourceError], row0: int = 0) -> pa.StringArray:
     """Each row's sample id: its `id` (a string, or an integer written in decimal), else its row number."""
     n = table.num_rows
     col = table.column("id").combine_chunks()
@@ -528,7 +728,7 @@ def _sample_ids(path: Path, kind: str, table: pa.Table, types: dict[str, str],
         values = _id_column(path, kind, table, types, fail)
         ids = pa.array([None if v is None else str(v) for v in values], pa.string())
     if ids.null_count:
-        ids = pc.if_else(ids.is_null(), _row_numbers(n), ids)
+        ids = pc.if_else(ids.is_null(), _row_numbers(n, row0), ids)
     return ids
 
 
@@ -543,7 +743,8 @@ def _unusable(ids: np.ndarray, vocab_size: int | None) -> str | None:
     return None
 
 
-def _conversation_rows(path: Path, kind: str, table: pa.Table, names: set[str]) -> list[dict] | None:
+def _conversation_rows(path: Path, kind: str, table: pa.Table, names: set[str], row0: int = 0,
+                       json_rows: _JsonRows | None = None) -> list[dict] | None:
     """Per row, its conversation fields as Python values; None when the source has no conversation column.
 
     A JSONL file's come from its own lines: DuckDB unifies the messages of all rows into one struct type (or
@@ -552,10 +753,28 @@ def _conversation_rows(path: Path, kind: str, table: pa.Table, names: set[str]) 
     if not present:
         return None
     if kind == "json":
-        return [{c: obj.get(c) for c in present} if isinstance(obj, dict) else {}
-                for _, obj in _iter_json_lines(path)]
+        objs = (json_rows or _JsonRows(path)).rows(row0, table.num_rows)
+        return [{c: obj.get(c) for c in present} if isinstance(obj, dict) else {} for obj in objs]
     cols = {c: table.column(c).to_pylist() for c in present}
     return [{c: cols[c][i] for c in present} for i in range(table.num_rows)]
+
+
+class _JsonRows:
+    """A JSONL file's rows (parsed lines, blank lines skipped) read forward: `rows(row0, n)` for batches that
+    come in order, each line parsed once."""
+
+    def __init__(self, path: Path):
+        self._lines_path = path
+        self._lines = _iter_json_lines(path)
+        self._next = 0  # the row _lines yields next
+
+    def rows(self, row0: int, n: int) -> list[object]:
+        if row0 < self._next:  # asked again for rows already passed: start over
+            self._lines, self._next = _iter_json_lines(self._lines_path), 0
+        skip = row0 - self._next
+        out = [obj for _, obj in itertools.islice(self._lines, skip, skip + n)]
+        self._next = row0 + len(out)
+        return out
 
 
 def _tokenize_conversation(i: int, row: dict, has_mask: bool, tok, fail) -> tuple[np.ndarray, np.ndarray, str]:

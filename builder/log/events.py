@@ -401,13 +401,19 @@ class EventLog:
     def register_samples(self, samples: Iterable[RegisteredSample]) -> int:
         """Register source samples not yet known; returns how many were added."""
         import pyarrow as pa  # noqa: PLC0415
-        samples = list(samples)
-        if not samples:
-            return 0
-        tbl = pa.Table.from_pydict({
-            "sample_id": [s.sample_id for s in samples], "row_idx": [s.row for s in samples],
-            "fingerprint": [s.fingerprint for s in samples], "num_tokens": [s.num_tokens for s in samples],
-        })
+        columns = getattr(samples, "registry_columns", None)
+        if columns is not None:  # a source's columnar samples (extract.samples.SourceSamples): no object a row
+            tbl = pa.Table.from_pydict(columns())
+            if tbl.num_rows == 0:
+                return 0
+        else:
+            samples = list(samples)
+            if not samples:
+                return 0
+            tbl = pa.Table.from_pydict({
+                "sample_id": [s.sample_id for s in samples], "row_idx": [s.row for s in samples],
+                "fingerprint": [s.fingerprint for s in samples], "num_tokens": [s.num_tokens for s in samples],
+            })
         cur = self.con.cursor()
         cur.register("_src", tbl)
         before = cur.execute("SELECT count(*) FROM source_samples").fetchone()[0]

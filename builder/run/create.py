@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import statistics
 import time
 from pathlib import Path
 
 import duckdb
+import numpy as np
 
 from builder import __version__
 from builder.config import BACKENDS, DEFAULT_CODEC, QUANTIZE, BuildConfig, Watermarks
@@ -98,8 +98,8 @@ def init_build(
     source = Path(source).absolute()
     samples = load_source(source, ex.tokenizer, vocab_size=ex.vocab_size)
     # what the workers store: samples cut to max_tokens (chunks sized for the uncut ones would be mostly padding)
-    median = int(statistics.median(min(s.num_tokens, max_tokens or s.num_tokens) for s in samples)) if samples \
-        else 128
+    cut = samples.num_tokens if max_tokens is None else np.minimum(samples.num_tokens, max_tokens)
+    median = int(np.median(cut)) if len(samples) else 128
     if chunk_tokens is None:
         chunk_tokens = suggest_chunk_tokens(ex.hidden_size, len(ex.aux_layers), median)
     cfg = BuildConfig(source=str(source), model=model, aux_layers=ex.aux_layers, max_tokens=max_tokens,
@@ -141,7 +141,7 @@ def init_build(
         with EventLog(lay.events) as log:
             log.set_meta(meta)
             log.register_samples(samples)
-            log.append([Event("init", detail=detail(samples=len(samples), tokens=sum(s.num_tokens for s in samples),
+            log.append([Event("init", detail=detail(samples=len(samples), tokens=samples.total_tokens,
                                                      **{k: meta[k] for k in ("model", "model_fingerprint",
                                                                               "aux_layers", "config_fingerprint")}))])
         cfg.save(lay.config)  # last: a build "exists" once its config is there

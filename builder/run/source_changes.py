@@ -51,6 +51,7 @@ class SourceDiff:
     returned: list[str] = field(default_factory=list)  # removed earlier, back in the source
     added: list[str] = field(default_factory=list)  # never registered
     moved: dict[str, int] = field(default_factory=dict)  # unchanged samples now at another row
+    pos: dict[str, int] = field(default_factory=dict)  # where each sample named above (but removed) is in the source
 
     @property
     def needs_acceptance(self) -> bool:
@@ -76,22 +77,58 @@ def current_registry(log: EventLog) -> dict[str, Current]:
     return {r[0]: Current(int(r[1]), r[2], int(r[3]), r[4], r[5]) for r in rows}
 
 
+DIFF_SQL = """
+SELECT s.pos, s.sample_id, s.row_idx,
+       k.sample_id IS NULL AS added,
+       coalesce(k.retired_reason = 'removed_from_source', false) AS returned,
+       coalesce(k.fingerprint <> s.fingerprint, false) AS changed
+FROM _diff_source s LEFT JOIN samples k ON k.sample_id = s.sample_id
+WHERE k.sample_id IS NULL OR k.retired_reason = 'removed_from_source' OR k.fingerprint <> s.fingerprint
+   OR k.row_idx <> s.row_idx
+ORDER BY s.pos
+"""
+REMOVED_SQL = """
+SELECT k.sample_id FROM samples k
+WHERE k.state <> 'retired' AND k.sample_id NOT IN (SELECT sample_id FROM _diff_source)
+ORDER BY k.row_idx, k.sample_id
+"""
+
+
 def diff_source(log: EventLog, samples: Sequence[Sample]) -> SourceDiff:
-    known = current_registry(log)
-    d = SourceDiff()
-    present = set()
-    for s in samples:
-        present.add(s.sample_id)
-        cur = known.get(s.sample_id)
-        if cur is None:
-            d.added.append(s.sample_id)
-        elif cur.retired_reason == "removed_from_source":
-            d.returned.append(s.sample_id)
-        elif cur.fingerprint != s.fingerprint:
-            d.changed.append(s.sample_id)
-        elif cur.row != s.row:
-            d.moved[s.sample_id] = s.row
-    d.removed = [sid for sid, cur in known.items() if sid not in present and cur.state != "retired"]
+    """The source against the registry, by sample id, in one join in DuckDB (a source's columns, not an object
+    a sample: a million unchanged samples cost a join, not a million lookups). `pos` keeps where each sample
+    the diff names sits in `samples`."""
+    import numpy as np  # noqa: PLC0415
+    import pyarrow as pa  # noqa: PLC0415
+
+    columns = getattr(samples, "registry_columns", None)
+    if columns is not None:
+        cols = columns()
+        table = pa.table({"sample_id": cols["sample_id"], "row_idx": cols["row_idx"],
+                          "fingerprint": cols["fingerprint"]})
+    else:
+        table = pa.table({"sample_id": pa.array([x.sample_id for x in samples], pa.string()),
+                          "row_idx": pa.array([x.row for x in samples], pa.int64()),
+                          "fingerprint": pa.array([x.fingerprint for x in samples], pa.string())})
+    table = table.append_column("pos", pa.array(np.arange(table.num_rows), pa.int64()))
+    cur = log.con.cursor()
+    try:
+        cur.register("_diff_source", table)
+        diff_rows = cur.execute(DIFF_SQL).fetchall()
+        removed = [r[0] for r in cur.execute(REMOVED_SQL).fetchall()]
+    finally:
+        cur.close()
+    d = SourceDiff(removed=removed)
+    for pos, sid, row, added, returned, changed in diff_rows:
+        d.pos[sid] = int(pos)
+        if added:
+            d.added.append(sid)
+        elif returned:
+            d.returned.append(sid)
+        elif changed:
+            d.changed.append(sid)
+        else:
+            d.moved[sid] = int(row)
     return d
 
 
@@ -104,11 +141,13 @@ def refusal(d: SourceDiff, build: Path | str) -> SourceChangedError:
 
 def record_source(log: EventLog, samples: Sequence[Sample], d: SourceDiff, emit, source: str) -> None:
     """Register the new samples and emit the events of an accepted change (`emit` commits them in order)."""
-    by_id = {s.sample_id: s for s in samples}
+    def by_id(sid: str) -> Sample:
+        return samples[d.pos[sid]]
+
     known = current_registry(log) if d.changed or d.returned else {}
-    log.register_samples([by_id[sid] for sid in d.added])
+    log.register_samples([by_id(sid) for sid in d.added])
     for sid in d.changed + d.returned:
-        s = by_id[sid]
+        s = by_id(sid)
         emit(Event("superseded", sample_id=sid, fingerprint=s.fingerprint, num_tokens=s.num_tokens,
                    reason="source_changed" if sid in d.changed else "returned",
                    detail=detail(row=s.row, old_fingerprint=known[sid].fingerprint)))
@@ -116,7 +155,8 @@ def record_source(log: EventLog, samples: Sequence[Sample], d: SourceDiff, emit,
         emit(Event("retired", sample_id=sid, reason="removed_from_source",
                    detail=detail(note="no longer in the source")))
     for sid, row in d.moved.items():
-        emit(Event("row_moved", sample_id=sid, fingerprint=by_id[sid].fingerprint, num_tokens=by_id[sid].num_tokens,
+        s = by_id(sid)
+        emit(Event("row_moved", sample_id=sid, fingerprint=s.fingerprint, num_tokens=s.num_tokens,
                    detail=detail(row=row)))
     if d.needs_acceptance or d.added or d.moved:
         emit(Event("source_changed", detail=detail(source=source, **d.summary())))
