@@ -144,13 +144,15 @@ def record_source(log: EventLog, samples: Sequence[Sample], d: SourceDiff, emit,
     def by_id(sid: str) -> Sample:
         return samples[d.pos[sid]]
 
-    known = current_registry(log) if d.changed or d.returned else {}
+    again = d.changed + d.returned
+    old_fp = dict(log.query("SELECT sample_id, fingerprint FROM samples WHERE sample_id IN (SELECT unnest(?))",
+                            [again])[1]) if again else {}
     log.register_samples([by_id(sid) for sid in d.added])
     for sid in d.changed + d.returned:
         s = by_id(sid)
         emit(Event("superseded", sample_id=sid, fingerprint=s.fingerprint, num_tokens=s.num_tokens,
                    reason="source_changed" if sid in d.changed else "returned",
-                   detail=detail(row=s.row, old_fingerprint=known[sid].fingerprint)))
+                   detail=detail(row=s.row, old_fingerprint=old_fp[sid])))
     for sid in d.removed:
         emit(Event("retired", sample_id=sid, reason="removed_from_source",
                    detail=detail(note="no longer in the source")))
