@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 
 import crc32c
@@ -100,9 +102,24 @@ def dequantize_fp8(a: np.ndarray, dtype: torch.dtype = torch.bfloat16) -> torch.
     """`quantize_fp8`'s rows back to [n, W] in `dtype`: fp8 values times their token's scale, both in `dtype`
     (as `hs_connectors.fp8_utils.dequantize_fp8_tensor` computes them)."""
     w = a.shape[1] - SCALE_BYTES
-    q = torch.from_numpy(np.ascontiguousarray(a[:, :w])).view(torch.float8_e4m3fn)
+    values = np.ascontiguousarray(a[:, :w])
     scale = torch.from_numpy(np.ascontiguousarray(a[:, w:]).view("<f4").astype(np.float32))
-    return q.to(dtype) * scale.to(dtype)
+    if dtype == torch.bfloat16 and w % 2 == 0 and sys.byteorder == "little":
+        # fp8 -> bf16 is exact: look the values up two at a time (6x torch's conversion on a CPU thread)
+        pairs = np.take(_fp8_pairs_as_bf16(), values.view(np.uint16))
+        q = torch.from_numpy(pairs.view(np.int16).reshape(values.shape)).view(torch.bfloat16)
+    else:
+        q = torch.from_numpy(values).view(torch.float8_e4m3fn).to(dtype)
+    return q * scale.to(dtype)
+
+
+@functools.cache
+def _fp8_pairs_as_bf16() -> np.ndarray:
+    """For every two fp8 bytes (read as one little-endian uint16), their bf16 bit patterns as one uint32."""
+    one = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
+    lut = one.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    i = np.arange(1 << 16, dtype=np.uint32)
+    return lut[i & 0xFF] | (lut[i >> 8] << 16)
 
 
 def fp8_error(t: torch.Tensor, stored: np.ndarray, logical_dtype: str) -> float:

@@ -73,7 +73,10 @@ def test_a_segment_stores_fp8_rows_and_reads_them_back_dequantized(tmp_path):
     assert np.array_equal(arr[loc.token_start : loc.token_start + n], quantize_fp8(aux))
     got = SegmentReader(root).read(loc.segment, loc.token_start, n, loc.checksums)
     assert got["aux_hidden_state"].dtype == torch.bfloat16
-    assert torch.equal(got["aux_hidden_state"], dequantize_fp8(quantize_fp8(aux)))
+    rows = quantize_fp8(aux)  # read back as torch's own fp8 conversion gives, times the token's scale
+    q = torch.from_numpy(np.ascontiguousarray(rows[:, :-4])).view(torch.float8_e4m3fn).to(torch.bfloat16)
+    scale = torch.from_numpy(np.ascontiguousarray(rows[:, -4:]).view("<f4").copy()).to(torch.bfloat16)
+    assert torch.equal(got["aux_hidden_state"].view(torch.int16), (q * scale).view(torch.int16))
     assert torch.equal(got["hidden_state"], dequantize_fp8(quantize_fp8(final)))
     assert np.array_equal(got["input_ids"].numpy(), ids)
     assert loc.quant_error is not None
