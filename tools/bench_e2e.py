@@ -174,6 +174,8 @@ def main() -> None:
               f"{b['total'] / h['total']:.2f}x faster, bytes on disk {h['bytes'] / b['bytes']:.2f}x "
               f"(+ the build's reserve .ballast, {h['ballast'] / 1e6:.1f} MB, not counted); hsbuild's steady state "
               "is durable (fsynced), the baseline's is not until its sync")
+        print(f"hsbuild's start-up: `hsbuild init` {h['init']:.2f} s (its own process: source, tokenizer, model "
+              f"digest), `hsbuild run` until the first sample started {h['startup'] - h['init']:.2f} s")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

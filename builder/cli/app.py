@@ -158,10 +158,13 @@ def _standby_for(args: argparse.Namespace):
     from builder.run.standby import Standby  # noqa: PLC0415
 
     try:
-        workers = args.workers if args.workers is not None else load_config(layout(args.build).require()).workers
+        cfg = load_config(layout(args.build).require())
     except Exception:  # noqa: BLE001 - the coordinator reports a build it cannot read, in its own words
         return None
-    return Standby(workers) if isinstance(workers, int) and 0 < workers <= 256 else None
+    workers = args.workers if args.workers is not None else cfg.workers
+    # a Hugging Face model: the workers import transformers while they wait (about 3 s of a run's start-up)
+    hf = cfg.backend == "inprocess" and isinstance(cfg.model, str) and not cfg.model.startswith("builtin")
+    return Standby(workers, preload_hf=hf) if isinstance(workers, int) and 0 < workers <= 256 else None
 
 
 def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:

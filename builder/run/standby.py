@@ -62,9 +62,18 @@ def start_ignoring_stop_signals(p: mp.process.BaseProcess) -> None:
             signal.signal(sig, handler)
 
 
-def standby_main(conn: Connection, flags: Flags) -> None:  # pragma: no cover - subprocess
-    """A spawned worker: import extraction's code now, then wait for the settings (None or EOF: not needed)."""
+def standby_main(conn: Connection, flags: Flags, preload_hf: bool = False) -> None:  # pragma: no cover - subprocess
+    """A spawned worker: import extraction's code now (and transformers' model classes for a Hugging Face
+    model), then wait for the settings (None or EOF: not needed)."""
     from builder.run.worker import worker_main  # noqa: PLC0415 - torch and the model code, while the coordinator starts
+
+    if preload_hf:
+        try:
+            import transformers  # noqa: PLC0415
+
+            transformers.AutoModelForCausalLM  # noqa: B018 - a lazy module: this imports the model classes
+        except Exception:  # noqa: BLE001 - the worker reports a broken install itself when it loads the model
+            pass
 
     try:
         settings = conn.recv()
@@ -78,7 +87,7 @@ def standby_main(conn: Connection, flags: Flags) -> None:  # pragma: no cover - 
 class Standby:
     """`workers` processes spawned now, waiting for their settings."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, preload_hf: bool = False):
         fix_threading()  # inherited by the spawned workers: read when torch loads there
         self.ctx = mp.get_context("spawn")
         self.flags = Flags(self.ctx)
@@ -87,7 +96,7 @@ class Standby:
         try:
             for w in range(workers):
                 mine, theirs = self.ctx.Pipe(duplex=True)
-                p = self.ctx.Process(target=standby_main, args=(theirs, self.flags), daemon=True,
+                p = self.ctx.Process(target=standby_main, args=(theirs, self.flags, preload_hf), daemon=True,
                                      name=f"hsbuild-worker-{w}")
                 start_ignoring_stop_signals(p)
                 theirs.close()  # so a dead worker's pipe reads as EOF here
