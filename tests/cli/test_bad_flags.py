@@ -147,7 +147,7 @@ INIT: list[Case] = [
     (["--backend", "vllm", "--server", "http://127.0.0.1:8000"], None),
     (["--backend", "vllm", "--server", "http://127.0.0.1:8000", "--staging", "/tmp"], "--model"),
     (["--final-state", "middle"], None), (["--source", "/nonexistent.jsonl"], None),
-    (["--batch-tokens", "0"], None), (["--batch-tokens", "1.5"], None),
+    (["--quantize", "fp4"], None), (["--batch-tokens", "0"], None), (["--batch-tokens", "1.5"], None),
     (["--backend", "vllm", "--server", "http://127.0.0.1:8000", "--staging", "/tmp", "--batch-tokens", "512"],
      "--batch-tokens"),
 ]
