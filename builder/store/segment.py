@@ -6,6 +6,7 @@
         loss_mask/c.<s>            uint8   [T]
         hidden_state/c.<s>.0       uint16  [T, H]         raw bfloat16 bit patterns (attribute logical_dtype)
         aux_hidden_state/c.<s>.0   uint16  [T, n_aux*H]
+                                   (an fp8 build: uint8 [T, W + 4], W fp8 values then a float32 scale a token)
         samples/<token>.json       the manifest of the group of samples whose shards start at <token>
         seal.json                  written (atomically) when the writer stops cleanly
 
