@@ -92,11 +92,18 @@ def make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: in
 
 
 def _make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: int | None) -> Plan:
-    ids = [s.sample_id for s in samples]
+    columns = getattr(samples, "registry_columns", None)  # a source's columnar samples: no object a sample
+    sid = columns()["sample_id"] if columns is not None else pa.array([s.sample_id for s in samples], pa.string())
     plan = Plan(total=len(samples))
-    if not ids:
+    if not len(sid):
         return plan
-    table = pa.table({"sample_id": pa.array(ids, pa.string()), "pos": pa.array(np.arange(len(ids)), pa.int64())})
+
+    def ids(at) -> list[str]:
+        """The sample ids at these positions."""
+        at = np.asarray(at, dtype=np.int64)
+        return sid.take(pa.array(at)).to_pylist() if at.size else []
+
+    table = pa.table({"sample_id": sid, "pos": pa.array(np.arange(len(sid)), pa.int64())})
     cur = log.con.cursor()
     try:
         cur.register("_plan_samples", table)
@@ -107,7 +114,7 @@ def _make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: i
         cur.close()
     # rows come back in any order: put them in the samples' (no sort in SQL)
     pos = res.column("pos").to_numpy()
-    code, starts, attempts = (np.empty(len(ids), np.int64) for _ in range(3))
+    code, starts, attempts = (np.empty(len(sid), np.int64) for _ in range(3))
     code[pos] = res.column("code").to_numpy()
     starts[pos] = res.column("starts").to_numpy()
     attempts[pos] = res.column("attempts").to_numpy()
@@ -132,15 +139,15 @@ def _make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: i
             else:
                 final.append(i)
         todo[damaged + retry] = True
-    plan.interrupted = [ids[i] for i in np.flatnonzero(started & ~given_up).tolist()]
-    plan.interrupted_final = [ids[i] for i in np.flatnonzero(given_up).tolist()]
-    plan.failed_retry = [ids[i] for i in retry]
-    plan.failed_final = [ids[i] for i in final]
-    plan.damaged = [ids[i] for i in damaged]
-    plan.pending = [ids[i] for i in np.flatnonzero(code == PENDING).tolist()]
+    plan.interrupted = ids(np.flatnonzero(started & ~given_up))
+    plan.interrupted_final = ids(np.flatnonzero(given_up))
+    plan.failed_retry = ids(retry)
+    plan.failed_final = ids(final)
+    plan.damaged = ids(damaged)
+    plan.pending = ids(np.flatnonzero(code == PENDING))
     todo_at = np.flatnonzero(todo)
     counted = np.flatnonzero(todo | given_up)  # (not a dict of every sample: a million of them cost 0.2 s)
-    plan.attempts = dict(zip([ids[i] for i in counted.tolist()], starts[counted].tolist(), strict=True))
+    plan.attempts = dict(zip(ids(counted), starts[counted].tolist(), strict=True))
     if limit is not None:
         todo_at = todo_at[:limit]
     plan.todo = [samples[i] for i in todo_at.tolist()]

@@ -9,9 +9,11 @@ import itertools
 import json
 
 import numpy as np
+import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from builder.extract.samples import SourceSamples
 from builder.extract.source import Sample
 from builder.log.events import Event, EventLog
 from builder.run.plan import (
@@ -104,6 +106,14 @@ def _samples(order: list[int]) -> list[Sample]:
     return [Sample(IDS[i], row, z, z.astype(np.uint8), "fp") for row, i in enumerate(order)]
 
 
+def _columnar(order: list[int]) -> SourceSamples:
+    """`_samples(order)` as a run holds a source: columns, no object a sample."""
+    n = len(order)
+    return SourceSamples(pa.array([IDS[i] for i in order], pa.string()), pa.array(["fp"] * n, pa.string()),
+                         np.arange(n), np.arange(n) * 3, np.full(n, 3), np.zeros(3 * n, np.int32),
+                         np.zeros(3 * n, np.uint8))
+
+
 def _attempts_without_imports(log: EventLog) -> dict[str, int]:
     """Per sample with events: its `started` events after its last `superseded`, imports left out, counted
     event by event in Python."""
@@ -143,6 +153,7 @@ def test_make_plan_equals_the_reference_replay(tmp_path_factory, raw, order, max
         samples = _samples(order)  # a subset of the source, in any order (a registered sample may be gone)
         got, want = make_plan(log, samples, max_attempts, limit), reference_plan(log, samples, max_attempts, limit)
         assert _fields(got) == _fields(want)
+        assert _fields(make_plan(log, _columnar(order), max_attempts, limit)) == _fields(want)
         # the count the plan's decisions rest on, for every sample (a plan shows it only near a limit): the
         # attempts since the last restart, without the starts of imports, as the checkpoint and tail combine it
         _, rows = log.query("SELECT sample_id, attempts - imports FROM sample_fold")
