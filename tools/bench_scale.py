@@ -12,8 +12,8 @@ failed and retried, some failed for good, interrupted, damaged, retired, superse
 
 Each measurement runs in its own fresh process; its peak RSS is that process's ru_maxrss (os.wait4):
 
-- plan: `make_plan` (the replay `resume` does) given a list of Sample objects that share one tiny token array
-  (the plan's own cost, not the source's); building that list is timed apart.
+- plan: `make_plan` (the replay `resume` does) given the samples as a run holds its source (`SourceSamples`:
+  columns, one token a sample: the plan's own cost, not the source's); building them is timed apart.
 - status / sql: `hsbuild status BUILD --json` and `hsbuild sql BUILD "SELECT state, count(*) FROM samples GROUP
   BY 1"` as subprocesses, wall time; `hsbuild --version` (interpreter start-up and imports) is shown apart.
 - source: `load_source` (every sample's tokens held as numpy arrays) of a synthetic JSONL / Parquet source of
@@ -199,8 +199,9 @@ def make_source(path: Path, rows: int, tokens: int) -> Path:
 
 def child_plan(build: str) -> dict:
     import numpy as np  # noqa: PLC0415
+    import pyarrow as pa  # noqa: PLC0415
 
-    from builder.extract.source import Sample  # noqa: PLC0415
+    from builder.extract.samples import SourceSamples  # noqa: PLC0415
     from builder.log.events import open_log  # noqa: PLC0415
     from builder.run.plan import make_plan  # noqa: PLC0415
 
@@ -210,9 +211,9 @@ def child_plan(build: str) -> dict:
         ids, fps = log.query("SELECT list(sample_id ORDER BY row_idx), list(fingerprint ORDER BY row_idx) "
                              "FROM source_samples")[1][0]
     t0 = time.perf_counter()
-    z = np.zeros(1, dtype=np.int32)
-    m = np.ones(1, dtype=np.uint8)
-    samples = [Sample(sid, i, z, m, fp) for i, (sid, fp) in enumerate(zip(ids, fps, strict=True))]
+    n = len(ids)  # held as a run holds its source: columns (one token a sample here)
+    samples = SourceSamples(pa.array(ids, pa.string()), pa.array(fps, pa.string()), np.arange(n), np.arange(n),
+                            np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int32), np.ones(n, dtype=np.uint8))
     del ids, fps
     list_s = time.perf_counter() - t0
     list_rss = rss_now() - base
@@ -282,7 +283,7 @@ def measure_log(build: str, repeat: int, startup: float, rows: list) -> None:
     res, wall, rss = run_child(["plan", build])
     rows.append(("make_plan (resume's replay)", f"{res['plan_s']:.2f}", mib(rss),
                  f"open log {res['open_s']:.2f} s; todo {res['summary']['todo']:,}, done {res['summary']['done']:,}"))
-    rows.append(("  Sample list (index only)", f"{res['list_s']:.2f}", mib(res["list_rss"]) + " held",
+    rows.append(("  the samples (columns, index only)", f"{res['list_s']:.2f}", mib(res["list_rss"]) + " held",
                  "the plan's input, 1 token each"))
     for name, cmd in (("hsbuild status --json", [*hsbuild(), "status", build, "--json"]),
                       ("hsbuild sql (state counts)", [*hsbuild(), "sql", build,
