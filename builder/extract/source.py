@@ -265,8 +265,9 @@ def _failer(path: Path, kind: str) -> tuple[Callable[[int, str, str], SourceErro
 
 
 def _first_duplicate(ids: list[pa.Array], fail: Callable[[int, str, str], SourceError], label: Callable[[int], int],
-                     kind: str) -> SourceError | None:
-    """The error for the first id (over these arrays, in order, rows counted from 0) seen before, or None."""
+                     kind: str, row0: int = 0) -> SourceError | None:
+    """The error for the first id (over these arrays, in order, their first row being row0 of the file) seen
+    before, or None."""
     every = pa.concat_arrays(ids)
     codes = every.dictionary_encode().indices.to_numpy(zero_copy_only=False).astype(np.int64)
     if not codes.size or int(codes.max()) + 1 == codes.size:  # codes number the ids in order of first appearance
@@ -277,7 +278,7 @@ def _first_duplicate(ids: list[pa.Array], fail: Callable[[int, str, str], Source
     r = int(np.flatnonzero(codes <= seen_before)[0])
     first = int(np.argmax(codes == codes[r]))
     where = "line" if kind == "json" else "row"
-    err = fail(r, "id", f"duplicate id '{every[r].as_py()}' (first seen at {where} {label(first)})")
+    err = fail(row0 + r, "id", f"duplicate id '{every[r].as_py()}' (first seen at {where} {label(row0 + first)})")
     err.order = 6  # type: ignore[attr-defined]
     return err
 
@@ -517,7 +518,6 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
     (numpy), except for rows to tokenize; the error raised is the one the first bad row's first failing check
     gives, as a row-by-row pass would find it (its `row` and `order` kept on it)."""
     names = set(table.column_names)
-    where = "line" if kind == "json" else "row"
     gfail, glabel = failer or _failer(path, kind)
 
     def label(row: int) -> int:
@@ -667,15 +667,9 @@ def _samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str,
         errors.append((conv_masks[0], 5, fail(conv_masks[0], "loss_mask", "must hold only 0 and 1")))
 
     # ids: each once
-    codes = sids.slice(0, m).dictionary_encode().indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    if codes.size and int(codes.max()) + 1 < codes.size:  # codes number the ids in order of first appearance
-        seen_before = np.empty_like(codes)
-        seen_before[0] = -1
-        np.maximum.accumulate(codes[:-1], out=seen_before[1:])
-        r = int(np.flatnonzero(codes <= seen_before)[0])
-        first = int(np.argmax(codes == codes[r]))
-        sid = sids[r].as_py()
-        errors.append((r, 6, fail(r, "id", f"duplicate id '{sid}' (first seen at {where} {label(first)})")))
+    dup = _first_duplicate([sids.slice(0, m)], gfail, glabel, kind, row0)
+    if dup is not None:
+        errors.append((dup.row - row0, 6, dup))  # type: ignore[attr-defined]
 
     # a build's run: unusable rows are refused unless registered exactly as they are (same id, same tokens)
     stop = min(errors, key=lambda e: e[:2])[0] if errors else m
