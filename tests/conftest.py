@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -96,18 +97,28 @@ def cli():
     return hsbuild
 
 
+@contextlib.contextmanager
+def mounted_tmpfs(mnt: Path, size: str):
+    """A real tmpfs of `size` (e.g. "24m") mounted at `mnt` (created), unmounted after; the test is skipped with
+    the reason where it cannot mount (not root, no permission)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; tests on a small volume skipped")
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); tests on a small volume skipped")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """A real 24 MB tmpfs mounted at tmp_path/vol (root only; skipped with the reason where it cannot mount)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root; tests on a small volume skipped")
-    mnt = tmp_path / "vol"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); tests on a small volume skipped")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    with mounted_tmpfs(tmp_path / "vol", "24m") as mnt:
+        yield mnt
 
 
 def bits(t: torch.Tensor) -> np.ndarray:

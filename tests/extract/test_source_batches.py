@@ -5,8 +5,6 @@ an earlier batch, the first bad row winning), and nothing is left in TMPDIR."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import tempfile
 
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 from builder.errors import SourceError
 from builder.extract.model import builtin_tokenizer
 from builder.extract.source import load_source
-from tests.conftest import random_rows
+from tests.conftest import mounted_tmpfs, random_rows
 
 WHOLE = {"batch_rows": 1 << 30, "spill_bytes": 1 << 40}  # one batch, held in memory: the reference
 SMALL = {"batch_rows": 7, "spill_bytes": 0}  # batches of 7 rows, tokens in temporary files from the first
@@ -116,14 +114,7 @@ def test_errors_are_the_whole_file_s(tmp_path, plant):
 
 def test_a_full_tmpdir_keeps_the_tokens_in_memory(tmp_path, monkeypatch):
     """TMPDIR on a real 1 MB tmpfs: the spill runs out of room part way, and the source still loads, whole."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    small = tmp_path / "small"
-    small.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "1m") as small:
         monkeypatch.setattr(tempfile, "tempdir", str(small))
         rows = [{"id": f"r{i}", "input_ids": list(range(1, 1 + 300 + i % 50))} for i in range(1000)]  # ~1.6 MB
         src = write(tmp_path / "big.jsonl", rows, blank_every=0)
@@ -131,5 +122,3 @@ def test_a_full_tmpdir_keeps_the_tokens_in_memory(tmp_path, monkeypatch):
         assert not isinstance(got.tokens, np.memmap)
         same(got, load_source(src, **WHOLE))
         assert list(small.iterdir()) == []
-    finally:
-        subprocess.run(["umount", "-l", str(small)], capture_output=True)

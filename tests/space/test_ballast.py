@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
-from conftest import random_rows, write_jsonl
+from conftest import mounted_tmpfs, random_rows, write_jsonl
 
 from builder.config import Watermarks, load_config
 from builder.fsutil import dir_size
@@ -64,15 +63,8 @@ def test_a_ballast_left_larger_by_an_older_version_is_shrunk_by_the_next_run(mak
 @pytest.fixture
 def volume(tmp_path):
     """A real tmpfs large enough that 1% of it is more than a small build's ballast (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root; tests on a small volume skipped")
-    mnt = tmp_path / "vol"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=900m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); tests on a small volume skipped")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    with mounted_tmpfs(tmp_path / "vol", "900m") as mnt:
+        yield mnt
 
 
 def fill(path) -> None:
