@@ -24,7 +24,7 @@ from builder.config import BuildConfig, load_config
 from builder.doctor import checks as dc
 from builder.doctor.checks import FAIL, OK, WARN, Check, Context, plural
 from builder.errors import BuildLockedError, DiskFullError, HsbuildError, PreflightError
-from builder.extract.model import check_device_spec
+from builder.extract.spec import check_device_spec
 from builder.layout import BuildLayout
 from builder.log.events import Event, EventLog, open_log
 from builder.log.lock import BuildLock, LockState, inspect_lock

@@ -7,6 +7,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import numpy as np
@@ -14,14 +15,17 @@ import numpy as np
 from builder import __version__
 from builder.config import BACKENDS, DEFAULT_CODEC, QUANTIZE, BuildConfig, Watermarks
 from builder.errors import BuildExistsError, BuildReadOnlyError, ModelError, UsageError
-from builder.extract.model import Extractor, check_device_spec, suggest_chunk_tokens
 from builder.extract.source import load_source
+from builder.extract.spec import check_device_spec, suggest_chunk_tokens
 from builder.fsutil import fsync_path, make_dirs_durable
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
 from builder.store.codec import FP8_SCHEME, STORAGE_DTYPES, parse_codec
 from builder.store.segment import LAYOUT_VERSION, init_data_group
+
+if TYPE_CHECKING:
+    from builder.extract.model import Extractor
 
 
 def code_fingerprint() -> str:
@@ -85,6 +89,8 @@ def init_build(
     parse_codec(codec)
     check_device_spec(device)
     wm = (watermarks or Watermarks()).validate()
+    from builder.extract.model import Extractor  # noqa: PLC0415 - (torch: not at import)
+
     ex = Extractor(model, aux_layers, dtype, device="cpu", load_weights=False,  # metadata; no HF weights
                    final_state=final_state)
     ex.check_max_tokens(max_tokens)
@@ -241,6 +247,8 @@ def recorded_meta(lay: BuildLayout) -> dict:
     if isinstance(attrs.get("hsbuild_meta"), dict):
         return attrs["hsbuild_meta"]
     cfg = BuildConfig.from_toml(lay.config)
+    from builder.extract.model import Extractor  # noqa: PLC0415 - (torch: not at import)
+
     ex = Extractor(cfg.model, cfg.aux_layers, cfg.dtype, device="cpu", load_weights=False)
     return {"layout_version": int(attrs.get("hsbuild_layout", 1)), "hsbuild_version": __version__,
             "created_at": time.time(), "source": cfg.source, "config_fingerprint": cfg.fingerprint(),
@@ -251,5 +259,7 @@ def recorded_meta(lay: BuildLayout) -> dict:
 def source_samples(lay: BuildLayout) -> list:
     """The build's source samples, tokenized as `init` did."""
     cfg = BuildConfig.from_toml(lay.config)
+    from builder.extract.model import Extractor  # noqa: PLC0415 - (torch: not at import)
+
     ex = Extractor(cfg.model, None, cfg.dtype, device="cpu", load_weights=False)  # the tokenizer only
     return load_source(cfg.source, ex.tokenizer)

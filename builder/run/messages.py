@@ -164,3 +164,31 @@ class Exit:
 ToWorker = Task | Stop
 FromWorker = (Ready | Fatal | Started | Staged | Written | Failed | NoSpace | Deferred | Unreachable | Skipped | Abandoned | Sealed | SealFailed
               | Exit)
+
+
+@dataclass
+class WorkerSettings:
+    """Everything a worker needs (the first message to it: builder/run/worker.py)."""
+
+    build_root: str
+    data_root: str
+    run_id: str
+    worker: int
+    model: str
+    aux_layers: list[int]
+    dtype: str
+    device: str
+    codec: str
+    chunk_tokens: int
+    max_tokens: int | None
+    threads: int
+    verify_after_write: bool = False
+    flood: float = 0.95
+    coordinator_pid: int = 0
+    min_free: int = 0
+    final_state: str = "post_norm"
+    vllm: object | None = None  # extract.backends.vllm.VllmSettings: the vLLM backend; None: in-process
+    final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
+    dump: object | None = None  # extract.backends.dump.DumpSettings: an import; None: extraction
+    batch_tokens: int | None = None  # in-process: pack samples into forward passes of up to this many tokens
+    quantize: str = "none"  # fp8: states stored as float8_e4m3fn with a float32 scale a token

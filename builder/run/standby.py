@@ -62,6 +62,13 @@ def start_ignoring_stop_signals(p: mp.process.BaseProcess) -> None:
             signal.signal(sig, handler)
 
 
+def worker_entry(settings, conn: Connection, flags: Flags) -> None:  # pragma: no cover - subprocess
+    """A worker process's target: `worker_main`, imported in the worker (the coordinator never imports torch)."""
+    from builder.run.worker import worker_main  # noqa: PLC0415
+
+    worker_main(settings, conn, flags)
+
+
 def standby_main(conn: Connection, flags: Flags, preload_hf: bool = False) -> None:  # pragma: no cover - subprocess
     """A spawned worker: import extraction's code now (and transformers' model classes for a Hugging Face
     model), then wait for the settings (None or EOF: not needed)."""

@@ -39,36 +39,11 @@ from builder.run.messages import (
     Stop,
     Task,
     Unreachable,
+    WorkerSettings,  # noqa: F401 - (re-exported)
     Written,
 )
 from builder.run.standby import Flags
 from builder.store.segment import Location, SegmentWriter, StagedGroup, is_disk_full, new_segment_name
-
-
-@dataclass
-class WorkerSettings:
-    build_root: str
-    data_root: str
-    run_id: str
-    worker: int
-    model: str
-    aux_layers: list[int]
-    dtype: str
-    device: str
-    codec: str
-    chunk_tokens: int
-    max_tokens: int | None
-    threads: int
-    verify_after_write: bool = False
-    flood: float = 0.95
-    coordinator_pid: int = 0
-    min_free: int = 0
-    final_state: str = "post_norm"
-    vllm: object | None = None  # extract.backends.vllm.VllmSettings: the vLLM backend; None: in-process
-    final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
-    dump: object | None = None  # extract.backends.dump.DumpSettings: an import; None: extraction
-    batch_tokens: int | None = None  # in-process: pack samples into forward passes of up to this many tokens
-    quantize: str = "none"  # fp8: states stored as float8_e4m3fn with a float32 scale a token
 
 
 def _die_with_parent() -> None:

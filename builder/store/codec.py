@@ -5,21 +5,34 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import crc32c
 import numcodecs
 import numpy as np
-import torch
 import zarr.codecs as zc
 
 from builder.config import CODEC_SPECS
 from builder.errors import UsageError
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is converted, not with this module: the run's coordinator, init and the CLI
+# parse codecs without paying torch's start-up
+
+
+def __getattr__(name: str):
+    if name == "TORCH_DTYPES":  # {dtype name: torch dtype}
+        import torch  # noqa: PLC0415
+
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 # what numcodecs' Zstd (libzstd) accepts, negative levels being the fast modes; zarr's ZstdCodec stops at 22
 ZSTD_LEVELS = (int(numcodecs.Zstd.min_level()), min(int(numcodecs.Zstd.max_level()), 22))
 BLOSC_LEVELS = (0, 9)  # numcodecs' Blosc refuses any other clevel when it encodes (c-blosc's range)
 STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # the opt-in lossy store (`init --quantize fp8`, config.QUANTIZE): a state field is stored as uint8 rows, each
 # token's values as float8_e4m3fn bytes followed by its float32 scale (little-endian), as speculators' FP8
 # connector quantizes
@@ -61,6 +74,8 @@ def parse_codec(spec: str, typesize: int = 2) -> list:
 
 def to_storage(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor as the numpy array stored in Zarr (bfloat16 as its raw uint16 bit patterns)."""
+    import torch  # noqa: PLC0415
+
     t = t.detach().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
@@ -69,10 +84,12 @@ def to_storage(t: torch.Tensor) -> np.ndarray:
 
 def from_storage(a: np.ndarray, logical_dtype: str, quantized: str | None = None) -> torch.Tensor:
     """A stored array as a tensor in its logical dtype (bfloat16 bit-exact; FP8 rows dequantized)."""
+    import torch  # noqa: PLC0415
+
     if quantized is not None:
         if quantized != FP8_SCHEME:
             raise ValueError(f"arrays quantized as '{quantized}': this hsbuild reads only {FP8_SCHEME}; upgrade it")
-        return dequantize_fp8(a, TORCH_DTYPES[logical_dtype])
+        return dequantize_fp8(a, __getattr__("TORCH_DTYPES")[logical_dtype])
     if logical_dtype == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(a))
@@ -87,6 +104,8 @@ def quantize_fp8(t: torch.Tensor) -> np.ndarray:
     """[n, W] floats -> uint8 [n, W + 4]: each token's values as float8_e4m3fn bytes, then its float32 scale.
     The scale is the token's largest magnitude / 448 (at least 1e-12), computed exactly as speculators'
     `hs_connectors.fp8_utils.quantize_tensor_to_fp8` does over a token's values."""
+    import torch  # noqa: PLC0415
+
     fp32 = t.detach().float()
     n, w = fp32.shape
     amax = fp32.abs().amax(dim=1, keepdim=True) if w else torch.zeros((n, 1))
@@ -98,9 +117,12 @@ def quantize_fp8(t: torch.Tensor) -> np.ndarray:
     return out
 
 
-def dequantize_fp8(a: np.ndarray, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_fp8(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`quantize_fp8`'s rows back to [n, W] in `dtype`: fp8 values times their token's scale, both in `dtype`
     (as `hs_connectors.fp8_utils.dequantize_fp8_tensor` computes them)."""
+    import torch  # noqa: PLC0415
+
+    dtype = torch.bfloat16 if dtype is None else dtype
     w = a.shape[1] - SCALE_BYTES
     values = np.ascontiguousarray(a[:, :w])
     scale = torch.from_numpy(np.ascontiguousarray(a[:, w:]).view("<f4").astype(np.float32))
@@ -116,6 +138,8 @@ def dequantize_fp8(a: np.ndarray, dtype: torch.dtype = torch.bfloat16) -> torch.
 @functools.cache
 def _fp8_pairs_as_bf16() -> np.ndarray:
     """For every two fp8 bytes (read as one little-endian uint16), their bf16 bit patterns as one uint32."""
+    import torch  # noqa: PLC0415
+
     one = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
     lut = one.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
     i = np.arange(1 << 16, dtype=np.uint32)
@@ -124,11 +148,13 @@ def _fp8_pairs_as_bf16() -> np.ndarray:
 
 def fp8_error(t: torch.Tensor, stored: np.ndarray, logical_dtype: str) -> float:
     """Relative RMS error of a state as `dequantize_fp8` reads it back: ||read - t|| / ||t|| (0 for all zeros)."""
+    import torch  # noqa: PLC0415
+
     x = t.detach().float()
     norm = float(torch.linalg.vector_norm(x))
     if norm == 0.0:
         return 0.0
-    diff = dequantize_fp8(stored, TORCH_DTYPES[logical_dtype]).float() - x
+    diff = dequantize_fp8(stored, __getattr__("TORCH_DTYPES")[logical_dtype]).float() - x
     return float(torch.linalg.vector_norm(diff)) / norm
 
 

@@ -14,9 +14,9 @@ import errno
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import zarr
 
 from builder.errors import DamagedSampleError
@@ -27,6 +27,9 @@ from builder.store.shard import EMPTY, ShardGeometry, ShardIndexError, read_inde
 
 MISSING, UNREADABLE, MISMATCH = "missing_data", "unreadable", "checksum_mismatch"
 GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})  # the file (or a directory above it) is not there
+
+if TYPE_CHECKING:
+    import torch
 
 
 def probe_file(path: Path) -> int:
@@ -206,6 +209,8 @@ class SegmentReader:
     def read(self, segment: str, token_start: int, num_tokens: int,
              checksums: dict | str | None = None) -> dict[str, torch.Tensor]:
         """`read_raw` as tensors in the logical dtype (bfloat16 restored bit-exact)."""
+        import torch  # noqa: PLC0415 - (not at import: checks and the log's rebuild read raw arrays only)
+
         raw = self.read_raw(segment, token_start, num_tokens, checksums)
         direct = self._direct(segment)
         out = {}

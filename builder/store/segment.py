@@ -33,9 +33,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import zarr
 
 from builder.config import DEFAULT_CODEC
@@ -62,6 +62,9 @@ MANIFEST_DIR = "samples"
 MANIFEST_FORMAT = 1
 SHARD_TARGET_BYTES = 64 << 20  # a shard file of aux states holds at most about this much raw data
 MAX_SHARD_CHUNKS = 64  # the index costs 16 bytes a chunk in every shard file, used or not
+
+if TYPE_CHECKING:  # (torch: tensors are handed in; the module itself is imported by torch-free commands)
+    import torch
 
 
 _POOL: ThreadPoolExecutor | None = None

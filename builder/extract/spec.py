@@ -1,0 +1,166 @@
+"""What the run's coordinator, init and doctor need to know of a model without loading it (and without importing
+torch, which costs seconds at every command's start): the built-in model's spec and tokenizer, a Hugging Face
+directory's tokenizer (loaded at first use), aux-layer and device checks, sizes. The models themselves are in
+builder/extract/model.py."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from builder.errors import ModelError
+from builder.extract.chat import ConversationError, hf_chat
+
+CONVENTION = "hf_hidden_states: 0=embeddings, k=output of layer k-1, L=final-norm output"
+DTYPE_WIDTHS = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    hidden: int = 256
+    layers: int = 8
+    vocab: int = 1024
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    max_positions: int = 4096
+    seed: int = 0
+    nan_token: int = -1  # testing aid: this token's embedding is NaN, so its sample fails `nonfinite`
+
+    @classmethod
+    def parse(cls, spec: str) -> BuiltinSpec:
+        if spec == "builtin":
+            return cls()
+        if not spec.startswith("builtin:"):
+            raise ModelError(f"--model '{spec}': not a builtin spec")
+        kwargs: dict[str, int] = {}
+        names = {f for f in cls.__dataclass_fields__}
+        for part in filter(None, spec[len("builtin:") :].split(",")):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep or key not in names:
+                raise ModelError(
+                    f"--model '{spec}': bad key '{part}'; use builtin:key=value,... with keys {sorted(names)}"
+                )
+            try:
+                kwargs[key] = int(value)
+            except ValueError:
+                raise ModelError(f"--model '{spec}': '{key}' needs an integer, got '{value}'") from None
+        s = cls(**kwargs)
+        if s.hidden % s.heads or s.heads % s.kv_heads or (s.hidden // s.heads) % 2:
+            raise ModelError(
+                f"--model '{spec}': hidden must divide by heads, heads by kv_heads, and head size must be even"
+            )
+        if min(s.hidden, s.layers, s.vocab, s.heads, s.kv_heads, s.intermediate, s.max_positions) < 1:
+            raise ModelError(f"--model '{spec}': sizes must be positive")
+        return s
+
+    def canonical(self) -> str:
+        return "builtin:" + ",".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+class BuiltinTokenizer:
+    """Byte-level tokenizer of the built-in model: BOS=1, then UTF-8 bytes shifted by 3. It has no chat template.
+
+    A `Tokenizer` (extract/chat.py); calling it is `encode`."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [1] + [(b + 3) % self.vocab for b in text.encode("utf-8")]
+
+    __call__ = encode
+
+    def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        raise ConversationError("the built-in model has no chat template; conversation rows need a model with one "
+                                "(--model HF_DIR)")
+
+
+def builtin_tokenizer(vocab: int) -> BuiltinTokenizer:
+    return BuiltinTokenizer(vocab)
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """SpecForge's EAGLE-3 default as hidden_states indices: outputs of layers 1, L/2-1 and L-4 (2, L//2, L-3).
+
+    Below 7 layers those three are not distinct (L=6 gives 2, 3, 3): such small models take 1, L//2, L-1
+    instead, and a model with fewer than 4 layers has no three distinct intermediate states to default to."""
+    if num_layers >= 7:
+        return [2, num_layers // 2, num_layers - 3]
+    if num_layers >= 4:
+        return [1, num_layers // 2, num_layers - 1]
+    raise ModelError(
+        f"a {num_layers}-layer model has fewer than 3 distinct intermediate hidden states for the default aux "
+        f"layers; choose them with --aux-layers (hidden_states indices 0..{num_layers})"
+    )
+
+
+def check_aux_layers(aux_layers: list[int], num_layers: int) -> list[int]:
+    """Refuse an empty list, duplicates and indices outside 0..L (hidden_states indices of an L-layer model)."""
+    if not aux_layers:
+        raise ModelError("--aux-layers: give at least one hidden_states index, e.g. 2,16,29")
+    for i in aux_layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_layers:
+            raise ModelError(
+                f"--aux-layers: index {i} is outside 0..{num_layers} (hidden_states indices of a "
+                f"{num_layers}-layer model)"
+            )
+    dups = sorted({i for i in aux_layers if aux_layers.count(i) > 1})
+    if dups:
+        raise ModelError(f"--aux-layers {','.join(map(str, aux_layers))}: index {dups[0]} appears more than once; "
+                         "each aux layer must be a different hidden_states index")
+    return list(aux_layers)
+
+
+def check_device_spec(device: str) -> None:
+    """`auto`, `cpu`, `cuda` or `cuda:N` (syntax only: init may run where the GPUs are not)."""
+    if device != "auto" and not re.fullmatch(r"(cpu|cuda)(:[0-9]+)?", device):
+        raise ModelError(f"--device '{device}': use auto, cpu, cuda or cuda:N")
+
+
+class HfTokenizer:
+    """A Hugging Face directory's tokenizer, loaded at its first use: importing transformers costs seconds, and
+    sources of input_ids (and the engine backends' workers) never need it.
+
+    A `Tokenizer` (extract/chat.py): `encode(text)` for `text` rows (calling it is `encode`), `chat(messages)` for
+    conversation rows, with the tokenizer's chat template."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._tok = None
+
+    def _load(self):
+        if self._tok is None:
+            try:
+                import transformers  # noqa: PLC0415
+
+                self._tok = transformers.AutoTokenizer.from_pretrained(str(self.path))
+            except Exception as e:  # noqa: BLE001 - any loader failure is the model directory's
+                raise ModelError(f"--model '{self.path}': its tokenizer cannot be loaded ({type(e).__name__}: "
+                                 f"{e}); a source with 'text' or conversation rows needs one (or give "
+                                 "input_ids)") from None
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        return self._load()(text)["input_ids"]
+
+    __call__ = encode
+
+    def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        return hf_chat(self._load(), messages, f"the tokenizer of --model '{self.path}'")
+
+
+def bytes_per_token(hidden_size: int, n_aux: int, dtype: str = "bfloat16") -> int:
+    """Uncompressed bytes a token costs in the build (states + input_ids int32 + loss_mask uint8)."""
+    width = DTYPE_WIDTHS[dtype]
+    return (n_aux + 1) * hidden_size * width + 4 + 1
+
+
+def suggest_chunk_tokens(hidden_size: int, n_aux: int, median_tokens: int, target_bytes: int = 8 << 20) -> int:
+    """Chunk length along the token axis: aux chunks near `target_bytes`, not longer than a typical sample."""
+    per_token = n_aux * hidden_size * 2
+    limit = max(16, min(4096, target_bytes // max(per_token, 1), max(median_tokens, 16)))
+    return 1 << int(math.floor(math.log2(limit)))
