@@ -52,7 +52,7 @@ def random_rows(n: int, seed: int = 0, vocab: int = 1024, lo: int = 5, hi: int =
 # Tests that start heavy shared things run one after the other in one xdist worker (pyproject's addopts: -n 2
 # --dist loadgroup): the vLLM engine tests share one session server (and start more of their own), and two Ray
 # test clusters at once would crowd 2 cores.
-XDIST_GROUPS = {"engines": "vllm", "test_ray.py": "ray", "test_node_preflight.py": "ray"}
+XDIST_GROUPS = {"engines": "vllm", "test_ray.py": "ray", "test_node_preflight.py": "ray", "test_vllm_ray.py": "ray"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from builder.config import load_config, require_same_format
 from builder.doctor.gpu import GpuSampler
@@ -32,10 +33,8 @@ from builder.errors import (
     SourceError,
     UsageError,
 )
-from builder.extract.backends.dump import DumpSettings
-from builder.extract.backends.vllm import staging_usage
-from builder.extract.model import check_device_spec
 from builder.extract.source import Sample, load_source
+from builder.extract.spec import check_device_spec
 from builder.extract.threads import fix_threading
 from builder.humanize import human_bytes, pct
 from builder.layout import layout
@@ -44,8 +43,6 @@ from builder.log.lock import BuildLock, note_interrupted
 from builder.log.server import QueryServer
 from builder.progress import NoProgress, Progress
 from builder.run.create import code_fingerprint
-from builder.run.engine import Engine, EngineOptions, vllm_settings
-from builder.run.imports import DumpIndex, ImportOptions, check_options, index_dump
 from builder.run.messages import (
     Abandoned,
     Deferred,
@@ -63,16 +60,20 @@ from builder.run.messages import (
     Stop,
     Task,
     Unreachable,
+    WorkerSettings,
     Written,
 )
 from builder.run.plan import INTERRUPTED_EXTRA, Plan, make_plan
 from builder.run.rebuild import adopt, unlogged
 from builder.run.source_changes import diff_source, record_source, refusal
-from builder.run.standby import Flags, Standby, start_ignoring_stop_signals
-from builder.run.worker import WorkerSettings, worker_main
+from builder.run.standby import Flags, Standby, start_ignoring_stop_signals, worker_entry
 from builder.space.capacity import measured_bytes_per_token, project, stored_tokens
 from builder.space.watermarks import SpaceMonitor
 from builder.store.codec import parse_codec
+
+if TYPE_CHECKING:  # (these import torch: only import and engine runs need them, and import them there)
+    from builder.run.engine import Engine
+    from builder.run.imports import DumpIndex, ImportOptions
 
 
 @dataclass
@@ -147,9 +148,13 @@ class Coordinator:
             from builder.run.ray_pool import check_address  # noqa: PLC0415
 
             check_address(self.opts.ray)
-            if self.cfg.backend != "inprocess" or self.opts.imports is not None:
-                raise UsageError(f"--ray {self.opts.ray}: only for in-process extraction so far (this build's "
-                                 f"backend: {self.cfg.backend}); run without --ray")
+            if self.opts.imports is not None:
+                raise UsageError(f"--ray {self.opts.ray}: an import reads a dump's files on this node; run it "
+                                 "without --ray")
+            if self.cfg.backend != "inprocess" and not self.opts.launch:
+                from builder.run.ray_engines import check_connect_server  # noqa: PLC0415
+
+                check_connect_server(self.cfg.server)
         self.echo = echo
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
@@ -160,6 +165,8 @@ class Coordinator:
                 raise UsageError(f"--inflight {self.opts.inflight}: must be at least 1")
             self.cfg.inflight = self.opts.inflight
         if self.opts.imports is not None:
+            from builder.run.imports import check_options  # noqa: PLC0415 - (torch: imports only)
+
             check_options(self.opts.imports)
             if self.opts.launch:
                 raise UsageError("--launch: an import reads a dump's files; it needs no server")
@@ -169,7 +176,8 @@ class Coordinator:
                              "starts an inference server for builds made with --backend vllm")
         self.space = SpaceMonitor(self.lay, self.cfg)
         self.paused_reason: str | None = None
-        self.engine: Engine | None = None
+        self.engine: Engine | None = None  # or RayEngines (--ray): one server per node
+        self.pool = None  # the Ray worker pool (--ray), once made
         self.engine_down: float | None = None  # since when the server has been unavailable
         self.engine_checked = 0.0
 
@@ -201,9 +209,9 @@ class Coordinator:
     def _engine_status(self) -> dict:
         if self.engine is None:
             return {}
-        files, sizes = staging_usage(Path(self.engine.spec.staging))
+        files, sizes = self.engine.staging_usage()
         st = getattr(self, "_st", None)
-        return {"backend": self.cfg.backend, "server": self.engine.spec.server,
+        return {"backend": self.cfg.backend, "server": self.engine.server,
                 "server_healthy": self.engine_down is None, "server_restarts": self.engine.restarts,
                 "in_flight": len(st.in_flight) if st is not None else 0,
                 "staging_files": files, "staging_bytes": sizes}
@@ -253,6 +261,8 @@ class Coordinator:
         plan = make_plan(self.log, samples, self.cfg.max_attempts, None if importing else self.opts.limit)
         report = RunReport(self.run_id, plan)
         if importing:
+            from builder.run.imports import index_dump  # noqa: PLC0415
+
             report.dump = index_dump(self.opts.imports, samples, self.cfg.max_tokens)
             self.dump_files = report.dump.files
             plan.todo = [s for s in plan.todo if s.sample_id in self.dump_files][: self.opts.limit]
@@ -308,8 +318,12 @@ class Coordinator:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)
             server.stop()
-            if self.engine is not None:
-                self.engine.stop()
+            try:
+                if self.engine is not None:
+                    self.engine.stop()
+            finally:
+                if self.pool is not None:  # (--ray with an engine backend: after its servers stopped)
+                    self.pool.close()
         report.failed_in_build = self.log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
         if report.dump is not None:
             self._record_import(report)
@@ -391,13 +405,22 @@ class Coordinator:
     def _start_engine(self, meta: dict) -> None:
         """Wait for the server (launch it with --launch), probe it, record the probe. The first probe of a build
         is its reference: a later server returning other states for the same prompt is another model."""
-        self.engine = Engine(self.lay, self.cfg, meta, EngineOptions(launch=self.opts.launch), self.echo)
+        if self.opts.ray:  # one server per node, each with its own worker (builder/run/ray_engines.py)
+            from builder.run.ray_engines import RayEngines  # noqa: PLC0415
+
+            self.pool = self._ray_pool()
+            self.engine = RayEngines(self.pool.ray, self.pool.nodes(), self.lay, self.cfg, meta, self.opts.launch,
+                                     self.echo)
+        else:
+            from builder.run.engine import Engine, EngineOptions  # noqa: PLC0415 - (torch: engine builds only)
+
+            self.engine = Engine(self.lay, self.cfg, meta, EngineOptions(launch=self.opts.launch), self.echo)
         self.engine.start(lambda: bool(self.stop_requested))
         first = self.log.query("SELECT detail FROM events WHERE kind = 'engine_probe' ORDER BY seq LIMIT 1")[1]
         recorded = json.loads(first[0][0]) if first and first[0][0] else None
         found = self.engine.check(recorded)
         self.engine.watch()
-        self.emit(Event("engine_probe", detail=detail(server=self.engine.spec.server, launched=self.opts.launch,
+        self.emit(Event("engine_probe", detail=detail(server=self.engine.server, launched=self.opts.launch,
                                                       **found)))
         self.flush(force=True)
 
@@ -411,7 +434,7 @@ class Coordinator:
         if self.engine_down is None:
             silent = self.engine.unresponsive_for()
             if silent > HUNG_SECONDS:  # alive (its requests do not fail) but not answering: hung
-                self._engine_unavailable(f"{self.engine.spec.server}/health has not answered for {silent:.0f} s",
+                self._engine_unavailable(f"{self.engine.server}/health has not answered for {silent:.0f} s",
                                          report)
                 self.engine.kill_hung()
             return
@@ -425,7 +448,7 @@ class Coordinator:
             self.engine.watch()  # silence counts from now
             self.emit(Event("resumed", reason="server_unavailable", detail=detail(down_seconds=round(down, 1))))
             self.flush(force=True)
-            self.echo(f"\nresumed: {self.engine.spec.server} is healthy again after {down:.0f} s")
+            self.echo(f"\nresumed: {self.engine.server} is healthy again after {down:.0f} s")
 
     def _engine_unavailable(self, message: str, report: RunReport) -> None:
         if self.engine_down is not None:
@@ -480,11 +503,11 @@ class Coordinator:
             return max(1, int(RAY_CPUS_PER_WORKER))
         return max(1, (os.cpu_count() or 1) // self.workers)
 
-    def _start_worker(self, ctx, settings: WorkerSettings, flags: Flags, pool) -> tuple:
+    def _start_worker(self, ctx, settings: WorkerSettings, flags: Flags, pool, node: str | None = None) -> tuple:
         """A worker: a local process (spawned, its stop signals ignored), or an actor on the Ray cluster whose
         handle looks like one (builder/run/ray_pool.py). Returns (process, the coordinator's end of its pipe)."""
         if pool is not None:
-            handle = pool.start(settings, flags, settings.worker)
+            handle = pool.start(settings, flags, settings.worker, node=node)
             pl = handle.placement
             self.emit(Event("worker_placed", worker=settings.worker,
                             detail=detail(node=pl.node_id, host=pl.host, pid=pl.pid)))
@@ -494,7 +517,7 @@ class Coordinator:
         if ready is not None:
             return ready
         mine, theirs = ctx.Pipe(duplex=True)
-        p = ctx.Process(target=worker_main, args=(settings, theirs, flags), daemon=True,
+        p = ctx.Process(target=worker_entry, args=(settings, theirs, flags), daemon=True,
                         name=f"hsbuild-worker-{settings.worker}")
         start_ignoring_stop_signals(p)  # (starts it)
         theirs.close()  # so a dead worker's pipe reads as EOF here
@@ -505,7 +528,9 @@ class Coordinator:
         from builder.run.ray_pool import RayPool  # noqa: PLC0415
 
         pool = RayPool(self.opts.ray, RAY_CPUS_PER_WORKER)
-        problems, warnings = pool.probe(self.lay.root, self.run_id, self.opts.device or self.cfg.device)
+        # an engine backend's GPUs are the servers', not hsbuild's (as in the local preflight)
+        device = self.opts.device or self.cfg.device if self.cfg.backend == "inprocess" else "cpu"
+        problems, warnings = pool.probe(self.lay.root, self.run_id, device)
         for w in warnings:
             self.echo(f"warning: {w}")
         if problems:
@@ -516,6 +541,10 @@ class Coordinator:
         return pool
 
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
+        if self.opts.imports is not None:
+            from builder.extract.backends.dump import DumpSettings  # noqa: PLC0415
+        if self.engine is not None:
+            from builder.run.engine import vllm_settings  # noqa: PLC0415
         ctx = mp.get_context("spawn")
         fix_threading()  # inherited by the spawned workers before their first forward pass
         # the standby workers hold the run's flags since they were spawned
@@ -524,8 +553,11 @@ class Coordinator:
         procs: dict[int, mp.process.BaseProcess] = {}
         conns: dict[int, Connection] = {}  # reports from each worker (read here)
         outboxes: dict[int, _Outbox] = {}  # tasks and stops to each worker (sent by its outbox's thread)
-        pool = self._ray_pool() if self.opts.ray else None
-        for w in range(self.workers):
+        pool = self.pool or (self._ray_pool() if self.opts.ray else None)
+        # --ray with an engine backend: one worker per node's server, on that node
+        nodes = list(self.engine.engines) if hasattr(self.engine, "engines") else [None] * self.workers
+        self.workers = len(nodes)
+        for w, node in enumerate(nodes):
             settings = WorkerSettings(
                 build_root=str(self.lay.root), data_root=str(self.lay.data), run_id=self.run_id, worker=w,
                 model=self.cfg.model, aux_layers=self.cfg.aux_layers, dtype=self.cfg.dtype,
@@ -540,7 +572,9 @@ class Coordinator:
                                    meta["aux_layers"]), self.cfg.dtype, self.cfg.final_state,
                                    self.opts.imports.final_state) if self.opts.imports is not None else None),
                 final_norm=str(self.lay.final_norm) if self.lay.final_norm.exists() else None)
-            procs[w], conns[w] = self._start_worker(ctx, settings, flags, pool)
+            if node is not None:
+                settings.vllm = self.engine.worker_vllm(settings.vllm, node)
+            procs[w], conns[w] = self._start_worker(ctx, settings, flags, pool, node)
             mine = conns[w]
             outboxes[w] = _Outbox(mine, f"hsbuild-worker-{w}")
         st = self._st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
@@ -604,7 +638,7 @@ class Coordinator:
                 self.flush(force=True)
             finally:
                 _stop_workers(procs, outboxes, st, SHUTDOWN_SECONDS)
-                if pool is not None:
+                if pool is not None and pool is not self.pool:
                     pool.close()
 
     def _dispatch(self, st: _Dispatch, outboxes: dict, by_id: dict[str, Sample], flags: Flags,

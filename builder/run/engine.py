@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 from builder.config import BuildConfig
 from builder.errors import EXIT_PREFLIGHT, HsbuildError, UsageError
 from builder.extract.backends.engine import EngineUnavailable, healthy
-from builder.extract.backends.vllm import VllmSettings, clear_staging
+from builder.extract.backends.vllm import VllmSettings, clear_staging, staging_usage
 from builder.extract.backends.vllm_server import (
     EngineSpec,
     probe,
@@ -71,9 +71,13 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 
 class Engine:
-    def __init__(self, lay: BuildLayout, cfg: BuildConfig, meta: dict, opts: EngineOptions, echo):
+    def __init__(self, lay: BuildLayout, cfg: BuildConfig, meta: dict, opts: EngineOptions, echo,
+                 spec: EngineSpec | None = None, log_name: str = "server.log"):
+        """`spec`: the server this engine is (default: the build's, from hsbuild.toml); `log_name`: the launched
+        server's output, in BUILD/logs/ (one per node when each node runs its own: builder/run/ray_engines.py)."""
         self.lay, self.cfg, self.meta, self.opts, self.echo = lay, cfg, meta, opts, echo
-        self.spec = engine_spec(cfg, meta)
+        self.spec = spec or engine_spec(cfg, meta)
+        self.log_path = lay.root / "logs" / log_name
         self.proc: subprocess.Popen | None = None
         self.launched_at = 0.0
         self.model_name: str | None = None
@@ -98,13 +102,12 @@ class Engine:
 
     def launch(self) -> None:
         cmd = serve_command(self.spec)
-        log_dir = self.lay.root / "logs"
-        log_dir.mkdir(exist_ok=True)
-        out = open(log_dir / "server.log", "ab")  # noqa: SIM115 - the child keeps it
+        self.log_path.parent.mkdir(exist_ok=True)
+        out = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         env = dict(os.environ)
         if urlparse(self.spec.server).hostname in ("127.0.0.1", "localhost"):  # its internal sockets: loopback too
             env.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        self.echo(f"launching the server ({len(cmd)} args; log: {log_dir / 'server.log'}): {' '.join(cmd[:6])} ...")
+        self.echo(f"launching the server ({len(cmd)} args; log: {self.log_path}): {' '.join(cmd[:6])} ...")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      preexec_fn=_die_with_parent, env=env)
         self.launched_at = time.monotonic()
@@ -117,7 +120,7 @@ class Engine:
             waited = time.monotonic() - t0
             if self.proc is not None and self.proc.poll() is not None:
                 raise EngineError(f"the launched server exited with code {self.proc.returncode} before it was "
-                                  f"healthy; see {self.lay.root / 'logs' / 'server.log'}")
+                                  f"healthy; see {self.log_path}")
             if waited > self.health_timeout:
                 raise EngineError(f"{self.spec.server}: not healthy after {waited:.0f} s; start it with the command "
                                   f"`hsbuild serve-command {self.lay.root}` prints (or pass --launch), or raise "
@@ -196,6 +199,15 @@ class Engine:
 
     def healthy(self) -> bool:
         return healthy(self.spec.server)
+
+    @property
+    def server(self) -> str:
+        """The server, as messages name it."""
+        return self.spec.server
+
+    def staging_usage(self) -> tuple[int, int]:
+        """(files, bytes) in its staging folder now."""
+        return staging_usage(Path(self.spec.staging))
 
     # -- what it serves ----------------------------------------------------------------------------------------
     def check(self, recorded: dict | None) -> dict:

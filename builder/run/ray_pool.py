@@ -313,10 +313,13 @@ class RayPool:
     def nodes(self) -> list[dict]:
         return [n for n in self.ray.nodes() if n.get("Alive")]
 
-    def start(self, settings, flags, worker: int) -> RayWorker:
+    def start(self, settings, flags, worker: int, node: str | None = None) -> RayWorker:
+        """A worker actor: spread over the nodes, or on `node` (the node of the server it talks to)."""
         from builder.extract.model import FIXED_THREADING  # noqa: PLC0415
 
-        actor = self._actor_cls.options(num_cpus=self.cpus, scheduling_strategy="SPREAD",
+        strategy = ("SPREAD" if node is None else
+                    self.ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False))
+        actor = self._actor_cls.options(num_cpus=self.cpus, scheduling_strategy=strategy,
                                         runtime_env={"env_vars": worker_env(FIXED_THREADING)}).remote(settings)
         handle = RayWorker(actor, flags, worker)
         handle.start()

@@ -288,3 +288,23 @@ def test_a_table_never_cuts_the_paths_and_ids_a_user_acts_on():
     row = out.getvalue().splitlines()[2]
     assert row.startswith(path + "  truncated  ")
     assert row.endswith("x" * (MAX_WIDTH - 1) + "…")
+
+
+def test_ray_with_a_server_that_is_not_loopback_is_refused_before_anything_runs(tmp_path, tiny_llama, cli):
+    """--ray on a vLLM build in connect mode: each node's worker talks to the server on its own node, so a
+    server URL naming another host is refused (exit 2, naming the server and the way out), before Ray is even
+    asked; nothing in the build changes."""
+    from builder.run.create import init_build
+
+    src = tmp_path / "s.jsonl"
+    src.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": [5, 6, 7, 8]}) + "\n" for i in range(3)))
+    (tmp_path / "staging").mkdir()
+    build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server="http://10.1.2.3:8000",
+                       staging=str(tmp_path / "staging")).root
+    before = (layout(build).events).read_bytes()
+    cp = cli("run", build, "--ray", "127.0.0.1:6379", "--no-progress")
+    assert cp.returncode == 2, cp.stderr
+    first = cp.stderr.strip().splitlines()[0]
+    assert "http://10.1.2.3:8000" in first and "loopback" in first and "--launch" in first, first
+    assert "Traceback" not in cp.stderr
+    assert layout(build).events.read_bytes() == before
