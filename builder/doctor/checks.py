@@ -121,7 +121,7 @@ def check_torch(ctx: Context) -> Check:
 def check_model(ctx: Context) -> Check:
     spec = ctx.cfg.model
     if spec == "builtin" or spec.startswith("builtin:"):
-        from builder.extract.model import BuiltinSpec  # noqa: PLC0415
+        from builder.extract.spec import BuiltinSpec  # noqa: PLC0415
 
         try:
             s = BuiltinSpec.parse(spec)
@@ -665,7 +665,7 @@ def check_failed(ctx: Context) -> Check:
 
 
 def _builtin_params(spec: str) -> int:
-    from builder.extract.model import BuiltinSpec  # noqa: PLC0415
+    from builder.extract.spec import BuiltinSpec  # noqa: PLC0415
 
     s = BuiltinSpec.parse(spec)
     per_layer = 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate

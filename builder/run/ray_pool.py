@@ -315,7 +315,7 @@ class RayPool:
 
     def start(self, settings, flags, worker: int, node: str | None = None) -> RayWorker:
         """A worker actor: spread over the nodes, or on `node` (the node of the server it talks to)."""
-        from builder.extract.model import FIXED_THREADING  # noqa: PLC0415
+        from builder.extract.threads import FIXED_THREADING  # noqa: PLC0415
 
         strategy = ("SPREAD" if node is None else
                     self.ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False))

@@ -3,7 +3,7 @@
 build directory shared by both. hsbuild launches one real vLLM CPU server per node (each on its own loopback
 port, staging into its own folder) and places one worker beside each.
 
-Mid-run, one node's server is killed with -9: the run pauses, that node's host restarts it, the run resumes.
+(Connect mode, each node running its own server: test_vllm_ray_connect.py.) Mid-run, one node's server is killed with -9: the run pauses, that node's host restarts it, the run resumes.
 Then the other node is removed: its samples go back to pending and the head node finishes them. Every sample
 exactly once, states equal to a transformers forward pass, verify clean, no server outlives the run."""
 
@@ -43,13 +43,12 @@ def _ask(lay, sql: str) -> list:
 
 
 def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_llama, monkeypatch, cli):
-    n = 360
+    n = 200
     # what the launched servers need on these CPUs, inherited by the raylets (hence by the actors that launch
     # them): the connector shim importable, a small KV cache, loopback only
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
-    monkeypatch.setenv("HSBUILD_SERVER_HUNG", "30")
     staging = tmp_path / "staging"
     staging.mkdir()
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 33, vocab=VOCAB, hi=200))
@@ -95,7 +94,7 @@ def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_l
         before = written().get(other.node_id[:12], 0)
         while time.monotonic() < deadline and written().get(other.node_id[:12], 0) < before + 3:
             time.sleep(0.2)
-        if sum(written().values()) < n - 60:
+        if sum(written().values()) < n - 40:
             c.remove_node(other)
             events.append("removed")
 
@@ -134,33 +133,3 @@ def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_l
     cp = cli("verify", build)
     assert cp.returncode == 0, cp.stdout + cp.stderr
 
-
-def test_connect_mode_each_nodes_worker_talks_to_the_server_at_the_builds_loopback_url(tmp_path, vllm_server, cli):
-    """Without --launch every node runs its own server at the build's loopback URL; on this one machine the
-    test cluster's two nodes share one loopback, hence the session's one server and staging folder (each
-    worker still ingests only its own requests' files)."""
-    from test_vllm import _init
-
-    n = 24
-    build = _init(tmp_path, vllm_server, n, seed=5)
-    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
-    c.add_node(**NODE)
-    c.wait_for_nodes()
-    lines: list[str] = []
-    try:
-        report = run_build(build, RunOptions(ray=c.address), echo=lines.append)
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()
-    assert (report.outcome, report.exit_code) == ("completed", 0), "\n".join(lines)
-    _one_written_each(build, n)
-    with EventLog(layout(build).events, read_only=True) as log:
-        probe = json.loads(log.query("SELECT detail FROM events WHERE kind = 'engine_probe'")[1][0][0])
-        placed = log.query("SELECT DISTINCT json_extract_string(detail, '$.node') FROM events "
-                           "WHERE kind = 'worker_placed'")[1]
-    assert set(probe["nodes"].values()) == {vllm_server.url} and len(probe["nodes"]) == 2
-    assert len(placed) == 2  # one worker per node's server
-    assert _check_against_transformers(build, vllm_server.model, "post_norm") == n
-    assert not list(vllm_server.staging.glob("*.safetensors"))
-    assert cli("verify", build).returncode == 0

@@ -17,8 +17,8 @@ from builder.layout import layout
 from builder.log.events import EventLog
 from builder.verify.checks import check_location
 
-KILLS = 12
-N = 700
+KILLS = 8
+N = 500
 
 
 def _files(root: Path) -> dict[str, int]:
@@ -67,8 +67,8 @@ def test_sigkill_at_random_moments_then_resume(make_build):
         time.sleep(0.7)
         assert _files(layout(build).data) == snap
     print(f"\n{kills} SIGKILLs, {mid_run_kills} of them while samples were being written")
-    assert kills >= 10, f"only {kills} kills landed; the workload is too small for this machine"
-    assert mid_run_kills >= 5, f"only {mid_run_kills} kills landed while samples were being written"
+    assert kills >= 7, f"only {kills} kills landed; the workload is too small for this machine"
+    assert mid_run_kills >= 4, f"only {mid_run_kills} kills landed while samples were being written"
 
     final = subprocess.run([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress"],
                            capture_output=True, text=True, timeout=600)

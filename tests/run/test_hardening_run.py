@@ -293,7 +293,7 @@ def _written(build) -> int:
 def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_build, cli):
     """`kill -TERM -- -PGID` (systemd, `timeout`) reaches the coordinator and its workers alike. Three such
     stops in a row must each end at a safe point (exit 130), and no healthy sample may be failed for it."""
-    build = make_build(300, seed=27)
+    build = make_build(600, seed=27)  # enough that three runs, each stopped a moment in, leave work to resume
     for _ in range(3):
         before = _written(build)
         p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
@@ -316,7 +316,7 @@ def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_buil
         assert failed == [], (failed, err)
     cp = cli("resume", build, "--no-progress")
     assert cp.returncode == 0, cp.stderr
-    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 300}]
+    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 600}]
 
 
 def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishes(make_build, cli):
@@ -350,4 +350,9 @@ def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishe
     assert _events(build, "SELECT count(*) AS n FROM events WHERE kind = 'failed'") == [{"n": 0}]
     cp = cli("resume", build, "--no-progress")
     assert cp.returncode == 0, cp.stderr
-    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 300}]
+    states = {r["state"]: r["n"] for r in _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1")}
+    # a worker frozen between its group's data barrier and its report leaves durable samples the log lacks:
+    # resume adopts them after reading them back (`verified`), never extracts or fails them
+    assert set(states) <= {"written", "verified"} and sum(states.values()) == 300, states
+    assert ("adopted" in cp.stdout + cp.stderr) == ("verified" in states), cp.stdout + cp.stderr
+

@@ -1,0 +1,53 @@
+"""A vLLM build across nodes in connect mode (`hsbuild run BUILD --ray ADDRESS`, no --launch): every node runs
+its own server at the build's loopback URL. Ray's multi-node test cluster (a head node and one more, raylets
+on this machine bound to 127.0.0.1) shares this machine's one loopback, hence the session's one vLLM server
+(tests/vllm_fixture.py; this file runs in the engine tests' xdist group, which holds that server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_vllm import _check_against_transformers, _init, _one_written_each
+from test_vllm_ray import NODE
+from vllm_fixture import needs_vllm
+
+from builder.layout import layout
+from builder.log.events import EventLog
+from builder.run.coordinator import RunOptions, run_build
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+
+
+def test_connect_mode_each_nodes_worker_talks_to_the_server_at_the_builds_loopback_url(tmp_path, vllm_server, cli):
+    """Without --launch every node runs its own server at the build's loopback URL; on this one machine the
+    test cluster's two nodes share one loopback, hence the session's one server and staging folder (each
+    worker still ingests only its own requests' files)."""
+    n = 48  # more tokens than one worker's queue holds (coordinator.QUEUE_TOKENS): both nodes get work
+    build = _init(tmp_path, vllm_server, n, seed=5, hi=500)
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    c.add_node(**NODE)
+    c.wait_for_nodes()
+    lines: list[str] = []
+    try:
+        report = run_build(build, RunOptions(ray=c.address), echo=lines.append)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+    assert (report.outcome, report.exit_code) == ("completed", 0), "\n".join(lines)
+    _one_written_each(build, n)
+    with EventLog(layout(build).events, read_only=True) as log:
+        probe = json.loads(log.query("SELECT detail FROM events WHERE kind = 'engine_probe'")[1][0][0])
+        placed = log.query("SELECT DISTINCT json_extract_string(detail, '$.node') FROM events "
+                           "WHERE kind = 'worker_placed'")[1]
+        per_node = log.query("SELECT node, written FROM nodes")[1]
+    assert set(probe["nodes"].values()) == {vllm_server.url} and len(probe["nodes"]) == 2
+    assert len(placed) == 2  # one worker per node's server, and each wrote samples
+    assert len(per_node) == 2 and all(k > 0 for _, k in per_node) and sum(k for _, k in per_node) == n, per_node
+    assert _check_against_transformers(build, vllm_server.model, "post_norm") == n
+    assert not list(vllm_server.staging.glob("*.safetensors"))
+    assert cli("verify", build).returncode == 0
