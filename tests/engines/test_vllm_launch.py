@@ -1,5 +1,5 @@
-"""`hsbuild run --launch`: hsbuild starts the exact serve-command as its child, and when that server is killed
-with -9 mid-run (or hangs: SIGSTOP) the run pauses (`server_unavailable`), in-flight samples go back to pending (not failed for
+"""`hsbuild run --launch`: hsbuild starts the exact serve-command as its child, and when that server hangs
+mid-run (SIGSTOP; one killed with -9: test_vllm_ray.py) the run pauses (`server_unavailable`), in-flight samples go back to pending (not failed for
 good, not counted against --max-attempts), the server is restarted, and the run finishes by itself. The
 staging folder is a small real tmpfs: it never holds more than the in-flight window."""
 
@@ -19,7 +19,6 @@ from test_vllm import _check_against_transformers, _one_written_each
 from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm, server_env
 
 from builder.config import BuildConfig
-from builder.extract.backends.engine import healthy
 from builder.extract.backends.vllm import staging_usage
 from builder.layout import layout
 from builder.log.events import EventLog
@@ -53,7 +52,7 @@ def _written(build: Path) -> int:
         return int(lines[-1]) if cp.returncode == 0 and lines and lines[-1].isdigit() else 0
 
 
-def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path, tiny_llama, tmpfs):
+def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_finishes(tmp_path, tiny_llama, tmpfs):
     n, inflight = 240, 4
     staging = tmpfs
     port = free_port()
@@ -83,18 +82,13 @@ def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_pa
         deadline = time.monotonic() + 900
         while _written(build) < 10 and run.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert run.poll() is None, "the run ended before the server could be killed: " + run.stderr.read()
+        assert run.poll() is None, "the run ended before the server could be stopped: " + run.stderr.read()
         pids = _server_pids(port)
         assert pids, "no launched server found"
+        # the server hangs (SIGSTOP: alive, silent): killed after HSBUILD_SERVER_HUNG, then restarted. (A server
+        # killed with -9 takes the same restart path, found at once by its failing requests: that case runs
+        # across nodes in test_vllm_ray.py, each node's server watched by this same Engine.)
         for pid in pids:
-            os.killpg(pid, signal.SIGKILL)  # the server and its engine process, as a crash would
-        # then the restarted one hangs (SIGSTOP: alive, silent): killed after HSBUILD_SERVER_HUNG, restarted again
-        before = _written(build)
-        while (_written(build) < before + 5 or not healthy(f"http://127.0.0.1:{port}")) and run.poll() is None \
-                and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert run.poll() is None, "the run ended before the restarted server could be stopped"
-        for pid in _server_pids(port):
             os.killpg(pid, signal.SIGSTOP)
         out, err = run.communicate(timeout=1200)
     finally:
@@ -105,14 +99,14 @@ def test_launched_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_pa
             os.killpg(pid, signal.SIGKILL)
     assert run.returncode == 0, err
     assert "PAUSED (server_unavailable)" in err and "restarting it" in err and "healthy again" in err
-    assert "stopped answering /health" in err and "restart 2" in err, err
+    assert "stopped answering /health" in err and "restart 1" in err, err
     assert not _server_pids(port), "the launched server outlived the run"
     _one_written_each(build, n)
     with EventLog(layout(build).events, read_only=True) as log:
         paused = log.query("SELECT count(*) FROM events WHERE kind='paused' AND reason='server_unavailable'")[1][0][0]
         resumed = log.query("SELECT count(*) FROM events WHERE kind='resumed' AND reason='server_unavailable'")[1][0][0]
         final_failed = log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
-    assert paused >= 2 and resumed >= 2 and final_failed == 0
+    assert paused >= 1 and resumed >= 1 and final_failed == 0
     # bounded staging: never more files than requests in flight, nor more bytes than that many of the largest
     largest = 300 * 4 * 128 * 2 + 300 * 8 + 4096
     assert peak["files"] <= inflight + 1 and peak["bytes"] <= (inflight + 1) * largest, peak
