@@ -178,6 +178,7 @@ class Coordinator:
         self.paused_reason: str | None = None
         self.engine: Engine | None = None  # or RayEngines (--ray): one server per node
         self.pool = None  # the Ray worker pool (--ray), once made
+        self._node_workers: dict[str, list] = {}  # --ray with an engine backend: node id -> its worker(s)
         self.engine_down: float | None = None  # since when the server has been unavailable
         self.engine_checked = 0.0
 
@@ -450,6 +451,17 @@ class Coordinator:
             self.flush(force=True)
             self.echo(f"\nresumed: {self.engine.server} is healthy again after {down:.0f} s")
 
+    def _drop_serverless_workers(self) -> None:
+        """--ray with an engine backend: a node whose server's host is gone (its EngineHost actor died, the node
+        may live on) leaves its worker with no server: that worker is stopped, so it is lost like one on a lost
+        node (its samples back to pending), rather than failing every request and pausing the run again and
+        again."""
+        for nid in list(getattr(self.engine, "gone", {})):
+            for proc in self._node_workers.pop(nid, []):
+                if proc.is_alive():
+                    proc.lost = f"the host of node {nid[:12]}'s server is gone ({self.engine.gone[nid]})"
+                    proc.kill()
+
     def _engine_unavailable(self, message: str, report: RunReport) -> None:
         if self.engine_down is not None:
             return
@@ -575,6 +587,8 @@ class Coordinator:
             if node is not None:
                 settings.vllm = self.engine.worker_vllm(settings.vllm, node)
             procs[w], conns[w] = self._start_worker(ctx, settings, flags, pool, node)
+            if node is not None:
+                self._node_workers.setdefault(node, []).append(procs[w])
             mine = conns[w]
             outboxes[w] = _Outbox(mine, f"hsbuild-worker-{w}")
         st = self._st = _Dispatch(pending=deque(s.sample_id for s in plan.todo), attempts=dict(plan.attempts),
@@ -601,6 +615,7 @@ class Coordinator:
                 if pause != self.paused_reason:
                     self._set_paused(pause, flags, report)
                 self._engine_watch(report)
+                self._drop_serverless_workers()
                 if not stopping and self.paused_reason is None and self.engine_down is None:
                     self._dispatch(st, outboxes, by_id, flags, report)
                 for w in sorted(st.alive - st.told_to_stop):  # a sentinel once a worker has nothing more to do

@@ -6,6 +6,11 @@ on this machine bound to 127.0.0.1) shares this machine's one loopback, hence th
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from test_vllm import _check_against_transformers, _init, _one_written_each
@@ -14,6 +19,7 @@ from vllm_fixture import needs_vllm
 
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.log.query import run_query
 from builder.run.coordinator import RunOptions, run_build
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
@@ -51,3 +57,66 @@ def test_connect_mode_each_nodes_worker_talks_to_the_server_at_the_builds_loopba
     assert _check_against_transformers(build, vllm_server.model, "post_norm") == n
     assert not list(vllm_server.staging.glob("*.safetensors"))
     assert cli("verify", build).returncode == 0
+
+
+def _engine_host_pids() -> list[int]:
+    """The EngineHost actors' processes (Ray titles an actor's process `ray::EngineHost...`)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if b"ray::EngineHost" in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_a_nodes_server_host_lost_mid_run_stops_its_worker_and_the_other_node_finishes(tmp_path, vllm_server):
+    """The actor watching one node's server dies (SIGKILL) while the node lives on. That node's server is no
+    longer watched (and a launched one died with the actor: its worker's requests would fail, pausing the run
+    again and again), so its worker is stopped and lost like one on a lost node (its samples back to pending),
+    and the other node finishes the build. (Without the stop, this connect-mode test's worker would go on
+    unwatched: no worker_lost.)"""
+    n = 160
+    build = _init(tmp_path, vllm_server, n, seed=6, hi=500)
+    lay = layout(build)
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    c.add_node(**NODE)
+    c.wait_for_nodes()
+    killed: list[int] = []
+
+    def kill_one_host_once_samples_land() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                done = run_query(lay, "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+            except Exception:  # noqa: BLE001 - not running yet
+                done = 0
+            pids = _engine_host_pids()
+            if done >= 3 and len(pids) == 2:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(done)
+                return
+            time.sleep(0.1)
+
+    t = threading.Thread(target=kill_one_host_once_samples_land, daemon=True)
+    t.start()
+    lines: list[str] = []
+    try:
+        report = run_build(build, RunOptions(ray=c.address), echo=lines.append)
+        t.join(timeout=10)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+    text = "\n".join(lines)
+    assert killed and killed[0] < n, f"no server host was killed mid-run: {killed}"
+    assert (report.outcome, report.exit_code) == ("completed", 0), text
+    _one_written_each(build, n)
+    with EventLog(lay.events, read_only=True) as log:
+        lost = log.query("SELECT json_extract_string(detail, '$.message') FROM events WHERE kind = 'worker_lost'")[1]
+        states = dict(log.query("SELECT state, count(*) FROM nodes GROUP BY 1")[1])
+        pauses = log.query("SELECT count(*) FROM events WHERE kind = 'paused'")[1][0][0]
+    assert len(lost) == 1 and "server is gone" in lost[0][0], lost
+    assert states == {"up": 1, "gone": 1} and pauses <= 1, (states, pauses)
