@@ -55,6 +55,7 @@ def random_rows(n: int, seed: int = 0, vocab: int = 1024, lo: int = 5, hi: int =
 XDIST_GROUPS = {"engines": "vllm", "test_ray.py": "ray", "test_node_preflight.py": "ray", "test_vllm_ray.py": "ray"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it names them into the node ids)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath))
