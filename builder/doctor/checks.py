@@ -6,6 +6,7 @@ start unless --force). See docs/doctor.md.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import json
@@ -95,8 +96,38 @@ def gib(n: int | None) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
+def torch_build(path: Path | None = None) -> dict | None:
+    """torch's build description (`torch/version.py`, or `path`: __version__, cuda, hip, ...) read without
+    importing torch (seconds of a run's start-up); None if it cannot be read that way."""
+    if path is None:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    out: dict = {}
+    for node in tree.body:  # `name = constant` and `name: type = constant`
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target
+        else:
+            continue
+        if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+            out[target.id] = node.value.value
+    return out if "__version__" in out and "cuda" in out else None
+
+
 def cuda_probe() -> tuple[bool, int, str]:
-    """(CUDA usable by torch, device count, 'torch X (CUDA Y)'). The boundary tests substitute."""
+    """(CUDA usable by torch, device count, 'torch X (CUDA Y)'). The boundary tests substitute.
+    A CPU-only build of torch (no CUDA, ROCm or XPU in its build description) cannot use CUDA: that is answered
+    without importing torch; any other build is asked."""
+    build = torch_build()
+    if build is not None and not any(build.get(k) for k in ("cuda", "hip", "rocm", "xpu")):
+        return False, 0, f"torch {build['__version__']} (CPU-only build)"
     import torch  # noqa: PLC0415
 
     usable = bool(torch.cuda.is_available())

@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from builder.errors import ModelError
+from builder.extract.safetensors_raw import DTYPE_CODES, RawTensor, read_raw, write_raw
 from builder.fsutil import atomic_write_bytes
+
+if TYPE_CHECKING:  # (torch: imported where a tensor is made; `init` copies the norm's bytes without it)
+    import torch
 
 FINAL_STATES = ("post_norm", "pre_norm")
 NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
@@ -30,6 +33,8 @@ class FinalNorm:
 
     def apply(self, pre: torch.Tensor) -> torch.Tensor:
         """pre-norm states [n, H] -> post-norm, as LlamaRMSNorm.forward computes them."""
+        import torch  # noqa: PLC0415
+
         dtype = pre.dtype
         h = pre.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
@@ -49,13 +54,9 @@ class FinalNorm:
             return cls(f.get_tensor("weight"), float(f.metadata()["eps"]))
 
 
-def read_final_norm(model_dir: Path, dtype: torch.dtype) -> FinalNorm:
-    """The final RMSNorm of a local Hugging Face directory: only its one tensor is read (the shard that holds it,
-    via model.safetensors.index.json), never the whole checkpoint."""
-    try:
-        from safetensors import safe_open  # noqa: PLC0415
-    except ImportError:
-        raise ModelError(f"--model '{model_dir}': reading its final norm needs `pip install hsbuild[hf]`") from None
+def _norm_candidates(model_dir: Path) -> tuple[float, list[tuple[str, Path]]]:
+    """(epsilon, [(tensor name, safetensors file)] that may hold the final norm's weight), from the config and
+    the index; ModelError when the config has no RMSNorm epsilon."""
     cfg = json.loads((model_dir / "config.json").read_text())
     text = cfg.get("text_config") or cfg
     eps = text.get("rms_norm_eps", text.get("layer_norm_epsilon"))
@@ -65,12 +66,54 @@ def read_final_norm(model_dir: Path, dtype: torch.dtype) -> FinalNorm:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
-        candidates = [(k, model_dir / weight_map[k]) for k in NORM_KEYS if k in weight_map]
-    else:
-        candidates = [(k, p) for p in sorted(model_dir.glob("*.safetensors")) for k in NORM_KEYS]
+        return float(eps), [(k, model_dir / weight_map[k]) for k in NORM_KEYS if k in weight_map]
+    return float(eps), [(k, p) for p in sorted(model_dir.glob("*.safetensors")) for k in NORM_KEYS]
+
+
+def _no_norm(model_dir: Path) -> ModelError:
+    return ModelError(f"--model '{model_dir}': no final norm weight ({', '.join(NORM_KEYS)}) in its safetensors "
+                      "files; use --final-state pre_norm")
+
+
+def read_final_norm(model_dir: Path, dtype: torch.dtype) -> FinalNorm:
+    """The final RMSNorm of a local Hugging Face directory: only its one tensor is read (the shard that holds it,
+    via model.safetensors.index.json), never the whole checkpoint."""
+    try:
+        from safetensors import safe_open  # noqa: PLC0415
+    except ImportError:
+        raise ModelError(f"--model '{model_dir}': reading its final norm needs `pip install hsbuild[hf]`") from None
+    eps, candidates = _norm_candidates(model_dir)
     for key, path in candidates:
         with safe_open(str(path), framework="pt") as f:
             if key in f.keys():
-                return FinalNorm(f.get_tensor(key).to(dtype), float(eps))
-    raise ModelError(f"--model '{model_dir}': no final norm weight ({', '.join(NORM_KEYS)}) in its safetensors "
-                     "files; use --final-state pre_norm")
+                return FinalNorm(f.get_tensor(key).to(dtype), eps)
+    raise _no_norm(model_dir)
+
+
+@dataclass(frozen=True)
+class RawFinalNorm:
+    """A final norm as its checkpoint stores it, in the build's dtype: `save` writes what `FinalNorm.save` would,
+    without torch (`init` reads no other tensor, and importing torch would cost it a second)."""
+
+    weight: RawTensor
+    eps: float
+
+    def save(self, path: Path) -> None:
+        write_raw(path, {"weight": self.weight}, {"eps": repr(self.eps)})
+
+
+def read_final_norm_raw(model_dir: Path, dtype_name: str) -> RawFinalNorm | None:
+    """The final norm of a local Hugging Face directory, its bytes as they are; None when the checkpoint stores
+    it in another dtype than `dtype_name` (converting it takes torch: `read_final_norm`)."""
+    eps, candidates = _norm_candidates(model_dir)
+    for key, path in candidates:
+        try:
+            raw = read_raw(path, key)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"--model '{model_dir}': {path.name} is unreadable ({e})") from None
+        if raw is None:
+            continue
+        if raw.dtype != DTYPE_CODES.get(dtype_name) or len(raw.shape) != 1:
+            return None
+        return RawFinalNorm(raw, eps)
+    raise _no_norm(model_dir)

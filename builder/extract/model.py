@@ -13,8 +13,6 @@ L-3, plus the final hidden state (index L).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +31,12 @@ from builder.extract.spec import (  # noqa: F401 - re-exported: the torch-free h
     bytes_per_token,
     check_aux_layers,
     check_device_spec,
+    check_max_tokens,
     default_aux_layers,
+    read_hf,
     suggest_chunk_tokens,
 )
 from builder.extract.threads import FIXED_THREADING, fix_threading  # noqa: F401 - re-exported
-from builder.extract.weights import directory_fingerprint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -256,12 +255,7 @@ class Extractor:
         return read_final_norm(Path(self.spec), self.dtype)
 
     def check_max_tokens(self, max_tokens: int | None) -> None:
-        """`--max-tokens` above the model's positions would let over-long samples through: refuse it."""
-        if max_tokens is not None and max_tokens > self.max_positions:
-            raise ModelError(
-                f"--max-tokens {max_tokens}: more than the model's {self.max_positions} positions "
-                f"(max_position_embeddings); use at most {self.max_positions}"
-            )
+        check_max_tokens(max_tokens, self.max_positions)
 
     # -- loading ------------------------------------------------------------------------------------
     def _weights_fingerprint(self, prefix: str) -> str:
@@ -275,30 +269,10 @@ class Extractor:
         """A local HF directory. Dimensions, tokenizer and fingerprint come from its files; the weights are
         loaded only when extracting (never by `init` or `doctor`)."""
         path = Path(spec)
-        if not (path / "config.json").is_file():
-            raise ModelError(
-                f"--model '{spec}': not 'builtin[:...]' and not a Hugging Face model directory (no config.json)"
-            )
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelError(f"--model '{spec}': config.json is unreadable ({e})") from e
-        text = cfg.get("text_config") or cfg  # multimodal checkpoints nest the language model's config
-        try:
-            self.num_layers = int(text["num_hidden_layers"])
-            self.hidden_size = int(text["hidden_size"])
-            self.vocab_size = int(text["vocab_size"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelError(f"--model '{spec}': config.json lacks {e} (num_hidden_layers, hidden_size, vocab_size)") from None
-        self.max_positions = int(text.get("max_position_embeddings") or 1 << 30)
-        self._hf = True
-        try:  # the files' contents (cached per file by inode, size, mtime and ctime): see extract/weights.py
-            self.fingerprint = directory_fingerprint(path)
-        except OSError as e:
-            raise ModelError(f"--model '{spec}': cannot read its files to fingerprint them ({e})") from e
-        if importlib.util.find_spec("transformers") is None:  # (not imported here: that costs seconds)
-            raise ModelError(f"--model '{spec}': Hugging Face models need `pip install hsbuild[hf]`")
-        self.tokenizer = HfTokenizer(path)
+        f = read_hf(spec)
+        self.num_layers, self.hidden_size, self.vocab_size, self.max_positions = (
+            f.num_layers, f.hidden_size, f.vocab_size, f.max_positions)
+        self.fingerprint, self.tokenizer, self._hf = f.fingerprint, f.tokenizer, True
         if not load_weights:
             return
         import transformers  # noqa: PLC0415

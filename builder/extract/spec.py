@@ -5,6 +5,8 @@ builder/extract/model.py."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -151,6 +153,99 @@ class HfTokenizer:
 
     def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         return hf_chat(self._load(), messages, f"the tokenizer of --model '{self.path}'")
+
+
+@dataclass
+class ModelInfo:
+    """What `init` records of a Hugging Face model directory, read from its files without torch or transformers
+    (`Extractor(..., load_weights=False)` reads the same, but imports torch: a second of every `init`): the
+    attributes and `metadata()` of an Extractor."""
+
+    spec: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+    fingerprint: str
+    tokenizer: HfTokenizer
+    aux_layers: list[int]
+    final_state: str = "post_norm"
+    dtype_name: str = "bfloat16"
+
+    @classmethod
+    def read(cls, spec: str, aux_layers: list[int] | None = None, dtype: str = "bfloat16",
+             final_state: str = "post_norm") -> ModelInfo:
+        from builder.extract.final_norm import FINAL_STATES  # noqa: PLC0415
+
+        if dtype not in DTYPE_WIDTHS:
+            raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPE_WIDTHS)}")
+        if final_state not in FINAL_STATES:
+            raise ModelError(f"--final-state '{final_state}': use one of {', '.join(FINAL_STATES)}")
+        f = read_hf(spec)
+        aux = check_aux_layers(list(aux_layers) if aux_layers else default_aux_layers(f.num_layers), f.num_layers)
+        return cls(spec, f.num_layers, f.hidden_size, f.vocab_size, f.max_positions, f.fingerprint, f.tokenizer,
+                   aux, final_state, dtype)
+
+    def metadata(self) -> dict:
+        return {"model": self.spec, "model_fingerprint": self.fingerprint, "num_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "aux_layers": self.aux_layers,
+                "final_layer": self.num_layers, "convention": CONVENTION, "final_state": self.final_state,
+                "dtype": self.dtype_name}
+
+    def check_max_tokens(self, max_tokens: int | None) -> None:
+        check_max_tokens(max_tokens, self.max_positions)
+
+
+def is_builtin(spec: str) -> bool:
+    return spec == "builtin" or spec.startswith("builtin:")
+
+
+@dataclass(frozen=True)
+class HfFiles:
+    """What a Hugging Face model directory's files say: dimensions (config.json), fingerprint, tokenizer."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+    fingerprint: str
+    tokenizer: HfTokenizer
+
+
+def read_hf(spec: str) -> HfFiles:
+    """A local Hugging Face directory's dimensions, fingerprint and tokenizer (loaded at first use); ModelError
+    naming --model for a directory that is not one, or when transformers is not installed."""
+    from builder.extract.weights import directory_fingerprint  # noqa: PLC0415
+
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"--model '{spec}': not 'builtin[:...]' and not a Hugging Face model directory "
+                         "(no config.json)")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"--model '{spec}': config.json is unreadable ({e})") from e
+    text = cfg.get("text_config") or cfg  # multimodal checkpoints nest the language model's config
+    try:
+        layers, hidden, vocab = int(text["num_hidden_layers"]), int(text["hidden_size"]), int(text["vocab_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"--model '{spec}': config.json lacks {e} (num_hidden_layers, hidden_size, "
+                         "vocab_size)") from None
+    positions = int(text.get("max_position_embeddings") or 1 << 30)
+    try:  # the files' contents (cached per file by inode, size, mtime and ctime): see extract/weights.py
+        fingerprint = directory_fingerprint(path)
+    except OSError as e:
+        raise ModelError(f"--model '{spec}': cannot read its files to fingerprint them ({e})") from e
+    if importlib.util.find_spec("transformers") is None:  # (not imported here: that costs seconds)
+        raise ModelError(f"--model '{spec}': Hugging Face models need `pip install hsbuild[hf]`")
+    return HfFiles(layers, hidden, vocab, positions, fingerprint, HfTokenizer(path))
+
+
+def check_max_tokens(max_tokens: int | None, max_positions: int) -> None:
+    """`--max-tokens` above the model's positions would let over-long samples through: refuse it."""
+    if max_tokens is not None and max_tokens > max_positions:
+        raise ModelError(f"--max-tokens {max_tokens}: more than the model's {max_positions} positions "
+                         f"(max_position_embeddings); use at most {max_positions}")
 
 
 def bytes_per_token(hidden_size: int, n_aux: int, dtype: str = "bfloat16") -> int:

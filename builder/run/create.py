@@ -15,8 +15,9 @@ import numpy as np
 from builder import __version__
 from builder.config import BACKENDS, DEFAULT_CODEC, QUANTIZE, BuildConfig, Watermarks
 from builder.errors import BuildExistsError, BuildReadOnlyError, ModelError, UsageError
+from builder.extract.final_norm import FinalNorm, RawFinalNorm, read_final_norm, read_final_norm_raw
 from builder.extract.source import load_source
-from builder.extract.spec import check_device_spec, suggest_chunk_tokens
+from builder.extract.spec import ModelInfo, check_device_spec, is_builtin, suggest_chunk_tokens
 from builder.fsutil import fsync_path, make_dirs_durable
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
@@ -89,14 +90,11 @@ def init_build(
     parse_codec(codec)
     check_device_spec(device)
     wm = (watermarks or Watermarks()).validate()
-    from builder.extract.model import Extractor  # noqa: PLC0415 - (torch: not at import)
-
-    ex = Extractor(model, aux_layers, dtype, device="cpu", load_weights=False,  # metadata; no HF weights
-                   final_state=final_state)
+    ex = model_info(model, aux_layers, dtype, final_state)
     ex.check_max_tokens(max_tokens)
     engine = check_backend(backend, server, staging, inflight, ex)
     try:
-        norm = ex.final_norm()  # one tensor of the checkpoint
+        norm = final_norm_of(ex)  # one tensor of the checkpoint
     except ModelError:
         if backend != "inprocess" and final_state == "post_norm":
             raise  # the engine returns pre-norm states: post-norm needs the norm
@@ -154,8 +152,31 @@ def init_build(
     return lay
 
 
+def model_info(model: str, aux_layers: list[int] | None, dtype: str, final_state: str) -> Extractor | ModelInfo:
+    """The model's metadata, tokenizer and checks: a Hugging Face directory's read from its files without torch
+    (ModelInfo); the built-in model's from the model itself (its fingerprint hashes its generated weights)."""
+    if not is_builtin(model):
+        return ModelInfo.read(model, aux_layers, dtype, final_state)
+    from builder.extract.model import Extractor  # noqa: PLC0415 - (torch: not at import)
+
+    return Extractor(model, aux_layers, dtype, device="cpu", load_weights=False, final_state=final_state)
+
+
+def final_norm_of(ex: Extractor | ModelInfo) -> FinalNorm | RawFinalNorm:
+    """The final norm the build keeps: copied as stored when the checkpoint has it in the build's dtype (no
+    torch), else converted (torch)."""
+    if isinstance(ex, ModelInfo):
+        raw = read_final_norm_raw(Path(ex.spec), ex.dtype_name)
+        if raw is not None:
+            return raw
+        from builder.extract.model import DTYPES  # noqa: PLC0415 - (torch)
+
+        return read_final_norm(Path(ex.spec), DTYPES[ex.dtype_name])
+    return ex.final_norm()
+
+
 def check_backend(backend: str, server: str | None, staging: str | None, inflight: int | None,
-                  ex: Extractor) -> dict:
+                  ex: Extractor | ModelInfo) -> dict:
     """Validate the backend flags; returns what the build records about its engine."""
     if backend not in BACKENDS:
         raise UsageError(f"--backend {backend}: use one of {', '.join(BACKENDS)}")
@@ -172,7 +193,7 @@ def check_backend(backend: str, server: str | None, staging: str | None, infligh
     if not staging:
         raise UsageError(f"--backend {backend}: needs --staging DIR, the folder the server writes states to "
                          "(the connector's shared_storage_path; /dev/shm/NAME on one node)")
-    if ex.spec == "builtin" or ex.spec.startswith("builtin:"):
+    if is_builtin(ex.spec):
         raise UsageError(f"--backend {backend}: --model must be the local Hugging Face directory the server "
                          "serves (its config, tokenizer and final norm are read here)")
     bad = [i for i in ex.aux_layers if i >= ex.num_layers]
@@ -247,9 +268,7 @@ def recorded_meta(lay: BuildLayout) -> dict:
     if isinstance(attrs.get("hsbuild_meta"), dict):
         return attrs["hsbuild_meta"]
     cfg = BuildConfig.from_toml(lay.config)
-    from builder.extract.model import Extractor  # noqa: PLC0415 - (torch: not at import)
-
-    ex = Extractor(cfg.model, cfg.aux_layers, cfg.dtype, device="cpu", load_weights=False)
+    ex = model_info(cfg.model, cfg.aux_layers, cfg.dtype, "post_norm")
     return {"layout_version": int(attrs.get("hsbuild_layout", 1)), "hsbuild_version": __version__,
             "created_at": time.time(), "source": cfg.source, "config_fingerprint": cfg.fingerprint(),
             "chunk_tokens": cfg.chunk_tokens, "codec": cfg.codec, "storage_dtype": STORAGE_DTYPES[cfg.dtype],
@@ -259,7 +278,4 @@ def recorded_meta(lay: BuildLayout) -> dict:
 def source_samples(lay: BuildLayout) -> list:
     """The build's source samples, tokenized as `init` did."""
     cfg = BuildConfig.from_toml(lay.config)
-    from builder.extract.model import Extractor  # noqa: PLC0415 - (torch: not at import)
-
-    ex = Extractor(cfg.model, None, cfg.dtype, device="cpu", load_weights=False)  # the tokenizer only
-    return load_source(cfg.source, ex.tokenizer)
+    return load_source(cfg.source, model_info(cfg.model, None, cfg.dtype, "post_norm").tokenizer)

@@ -94,3 +94,42 @@ def test_vllm_build_without_a_server_waits_then_names_the_fix(tmp_path, hf_llama
     assert "not healthy" in last and "serve-command" in last and "Traceback" not in cp.stderr
     with EventLog(layout(b).events, read_only=True) as log:
         assert log.count("written") == 0 and log.count("started") == 0
+
+
+@pytest.mark.parametrize(("stored", "build_dtype"), [("bfloat16", "bfloat16"), ("float32", "bfloat16"),
+                                                     ("float32", "float32")])
+def test_init_keeps_the_norm_bit_exactly_whatever_dtype_the_checkpoint_stores(tmp_path, hf_llama, stored,
+                                                                             build_dtype):
+    """init copies the norm's bytes when the checkpoint stores it in the build's dtype (no torch), converts it
+    otherwise: either way the kept norm is the one the extractor itself would read."""
+    model_dir = hf_llama
+    if stored == "bfloat16":
+        model_dir = tmp_path / "llama-bf16"
+        transformers.AutoModelForCausalLM.from_pretrained(str(hf_llama)).to(torch.bfloat16).save_pretrained(model_dir)
+    src = write_jsonl(tmp_path / "s.jsonl", random_rows(3, vocab=512))
+    b = init_build(tmp_path / "b", src, model=str(model_dir), watermarks=ROOMY, dtype=build_dtype).root
+    kept = FinalNorm.load(layout(b).final_norm)
+    want = read_final_norm(model_dir, getattr(torch, build_dtype))
+    assert kept.weight.dtype == want.weight.dtype == getattr(torch, build_dtype)
+    assert torch.equal(kept.weight, want.weight) and kept.eps == want.eps == 1e-5
+
+
+def test_init_of_a_hf_model_does_not_import_torch(tmp_path, hf_llama):
+    """`init` reads a Hugging Face model's config, fingerprint, tokenizer and norm without torch: its import
+    costs a second of every init (checked in a fresh interpreter)."""
+    bf16 = tmp_path / "llama-bf16"
+    transformers.AutoModelForCausalLM.from_pretrained(str(hf_llama)).to(torch.bfloat16).save_pretrained(bf16)
+    src = write_jsonl(tmp_path / "s.jsonl", random_rows(3, vocab=512))
+    code = ("import sys; from builder.cli.app import main; rc = main(['init', sys.argv[1], '--source', sys.argv[2], "
+            "'--model', sys.argv[3], '--allow-overcommit']); "
+            "print('torch' in sys.modules, rc)")
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    cp = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b"), str(src), str(bf16)], capture_output=True,
+                        text=True, timeout=120)
+    assert cp.stdout.split()[-2:] == ["False", "0"], (cp.stdout, cp.stderr)
+    with EventLog(layout(tmp_path / "b").events, read_only=True) as log:
+        assert log.meta()["final_norm"] == {"file": "final_norm.safetensors", "eps": 1e-5}
+    assert torch.equal(FinalNorm.load(layout(tmp_path / "b").final_norm).weight,
+                       read_final_norm(bf16, torch.bfloat16).weight)
