@@ -132,6 +132,21 @@ class SourceSamples(Sequence[Sample]):
         return Sample(self._ids[i].as_py(), int(self.rows[i]), self.tokens[s : s + k], self.mask[s : s + k],
                       self._fps[i].as_py())
 
+    def at(self, positions: list[int] | np.ndarray) -> list[Sample]:
+        """The samples at these positions, made in bulk (a plan's samples to do: tens of thousands of them)."""
+        at = np.asarray(positions, dtype=np.int64)
+        if not at.size:
+            return []
+        n = len(self)
+        if at.min() < -n or at.max() >= n:
+            raise IndexError(f"sample positions outside 0..{n - 1}")
+        at = at % n
+        idx = pa.array(at)
+        ids, fps = self._ids.take(idx).to_pylist(), self._fps.take(idx).to_pylist()
+        return [Sample(sid, row, self.tokens[s : s + k], self.mask[s : s + k], fp)
+                for sid, fp, row, s, k in zip(ids, fps, self.rows[at].tolist(), self.starts[at].tolist(),
+                                              self.num_tokens[at].tolist(), strict=True)]
+
     def __iter__(self) -> Iterator[Sample]:
         for a in range(0, len(self), ITER_CHUNK):  # a chunk's ids at once: cheaper than scalar conversions
             b = a + ITER_CHUNK

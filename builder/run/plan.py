@@ -150,6 +150,7 @@ def _make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: i
     plan.attempts = dict(zip(ids(counted), starts[counted].tolist(), strict=True))
     if limit is not None:
         todo_at = todo_at[:limit]
-    plan.todo = [samples[i] for i in todo_at.tolist()]
+    at = getattr(samples, "at", None)  # a source's columnar samples make them in bulk
+    plan.todo = at(todo_at) if at is not None else [samples[i] for i in todo_at.tolist()]
     plan.total -= plan.retired
     return plan

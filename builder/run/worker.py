@@ -9,6 +9,7 @@ SIGINT/SIGTERM: the coordinator decides when it stops.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing.util as mp_util
 import os
 import signal
 import sys
@@ -63,7 +64,9 @@ def worker_main(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma
     except (EOFError, BrokenPipeError):  # the coordinator is gone
         os._exit(1)
     # done, everything reported (Exit) and durable: leave without the interpreter's teardown (torch's and the
-    # model's: most of a second the coordinator would wait for at the end of every run)
+    # model's: most of a second the coordinator would wait for at the end of every run), after what a spawned
+    # process runs on its way out (multiprocessing's finalizers: semaphores, e.g. tqdm's lock, given back)
+    mp_util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -122,3 +122,20 @@ def test_a_full_tmpdir_keeps_the_tokens_in_memory(tmp_path, monkeypatch):
         assert not isinstance(got.tokens, np.memmap)
         same(got, load_source(src, **WHOLE))
         assert list(small.iterdir()) == []
+
+
+def test_samples_made_in_bulk_are_the_ones_indexing_gives(tmp_path):
+    """`SourceSamples.at` (how a plan makes its samples to do) gives, position for position, what indexing gives:
+    id, row, tokens, mask and fingerprint; positions outside the source are refused."""
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in random_rows(40, seed=5)))
+    samples = load_source(path, builtin_tokenizer(1024))
+    at = [7, 0, 39, 7, -1]
+    got = samples.at(at)
+    for pos, s in zip(at, got, strict=True):
+        want = samples[pos]
+        assert (s.sample_id, s.row, s.fingerprint) == (want.sample_id, want.row, want.fingerprint)
+        assert np.array_equal(s.input_ids, want.input_ids) and np.array_equal(s.loss_mask, want.loss_mask)
+    assert samples.at([]) == []
+    with pytest.raises(IndexError):
+        samples.at([40])
