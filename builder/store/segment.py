@@ -68,14 +68,25 @@ if TYPE_CHECKING:  # (torch: tensors are handed in; the module itself is importe
 
 
 _POOL: ThreadPoolExecutor | None = None
+_IO_POOL: ThreadPoolExecutor | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
+    """Encoding (CPU: codecs release the GIL)."""
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=max(4, min(16, 2 * (os.cpu_count() or 1))),
                                    thread_name_prefix="hsbuild-shard")
     return _POOL
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    """A group's file writes and fsyncs, apart from the encoding: a commit's threads waiting on the disk never
+    hold up the encoding of the next samples (a shared pool had the next sample wait behind a group's fsyncs)."""
+    global _IO_POOL
+    if _IO_POOL is None:
+        _IO_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="hsbuild-write")
+    return _IO_POOL
 
 
 def shard_chunks_for(chunk_tokens: int, hidden_size: int, n_aux: int, itemsize: int = 2) -> int:
@@ -331,7 +342,7 @@ class SegmentWriter:
                                  "nbytes": s.location.nbytes, "checksums": s.location.checksums, **s.extra}
                                 for s in staged]}
         jobs.append((self.path / MANIFEST_DIR / f"{group_start}.json", json.dumps(manifest).encode()))
-        futures = [_pool().submit(_write_once, p, d) for p, d in jobs]
+        futures = [_io_pool().submit(_write_once, p, d) for p, d in jobs]
         wait(futures)  # every write has finished (or failed) before anything is judged or removed
         errors = [f.exception() for f in futures if f.exception() is not None]
         try:
