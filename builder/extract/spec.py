@@ -155,47 +155,6 @@ class HfTokenizer:
         return hf_chat(self._load(), messages, f"the tokenizer of --model '{self.path}'")
 
 
-@dataclass
-class ModelInfo:
-    """What `init` records of a Hugging Face model directory, read from its files without torch or transformers
-    (`Extractor(..., load_weights=False)` reads the same, but imports torch: a second of every `init`): the
-    attributes and `metadata()` of an Extractor."""
-
-    spec: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    max_positions: int
-    fingerprint: str
-    tokenizer: HfTokenizer
-    aux_layers: list[int]
-    final_state: str = "post_norm"
-    dtype_name: str = "bfloat16"
-
-    @classmethod
-    def read(cls, spec: str, aux_layers: list[int] | None = None, dtype: str = "bfloat16",
-             final_state: str = "post_norm") -> ModelInfo:
-        from builder.extract.final_norm import FINAL_STATES  # noqa: PLC0415
-
-        if dtype not in DTYPE_WIDTHS:
-            raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPE_WIDTHS)}")
-        if final_state not in FINAL_STATES:
-            raise ModelError(f"--final-state '{final_state}': use one of {', '.join(FINAL_STATES)}")
-        f = read_hf(spec)
-        aux = check_aux_layers(list(aux_layers) if aux_layers else default_aux_layers(f.num_layers), f.num_layers)
-        return cls(spec, f.num_layers, f.hidden_size, f.vocab_size, f.max_positions, f.fingerprint, f.tokenizer,
-                   aux, final_state, dtype)
-
-    def metadata(self) -> dict:
-        return {"model": self.spec, "model_fingerprint": self.fingerprint, "num_layers": self.num_layers,
-                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "aux_layers": self.aux_layers,
-                "final_layer": self.num_layers, "convention": CONVENTION, "final_state": self.final_state,
-                "dtype": self.dtype_name}
-
-    def check_max_tokens(self, max_tokens: int | None) -> None:
-        check_max_tokens(max_tokens, self.max_positions)
-
-
 def is_builtin(spec: str) -> bool:
     return spec == "builtin" or spec.startswith("builtin:")
 
@@ -239,6 +198,41 @@ def read_hf(spec: str) -> HfFiles:
     if importlib.util.find_spec("transformers") is None:  # (not imported here: that costs seconds)
         raise ModelError(f"--model '{spec}': Hugging Face models need `pip install hsbuild[hf]`")
     return HfFiles(layers, hidden, vocab, positions, fingerprint, HfTokenizer(path))
+
+
+@dataclass(frozen=True)
+class ModelInfo(HfFiles):
+    """What `init` records of a Hugging Face model directory, read from its files without torch or transformers
+    (`Extractor(..., load_weights=False)` reads the same, but imports torch: a second of every `init`): the
+    attributes and `metadata()` of an Extractor."""
+
+    spec: str
+    aux_layers: list[int]
+    final_state: str = "post_norm"
+    dtype_name: str = "bfloat16"
+
+    @classmethod
+    def read(cls, spec: str, aux_layers: list[int] | None = None, dtype: str = "bfloat16",
+             final_state: str = "post_norm") -> ModelInfo:
+        from builder.extract.final_norm import FINAL_STATES  # noqa: PLC0415
+
+        if dtype not in DTYPE_WIDTHS:
+            raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPE_WIDTHS)}")
+        if final_state not in FINAL_STATES:
+            raise ModelError(f"--final-state '{final_state}': use one of {', '.join(FINAL_STATES)}")
+        f = read_hf(spec)
+        aux = check_aux_layers(list(aux_layers) if aux_layers else default_aux_layers(f.num_layers), f.num_layers)
+        return cls(**{k: getattr(f, k) for k in HfFiles.__dataclass_fields__}, spec=spec, aux_layers=aux,
+                   final_state=final_state, dtype_name=dtype)
+
+    def metadata(self) -> dict:
+        return {"model": self.spec, "model_fingerprint": self.fingerprint, "num_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "aux_layers": self.aux_layers,
+                "final_layer": self.num_layers, "convention": CONVENTION, "final_state": self.final_state,
+                "dtype": self.dtype_name}
+
+    def check_max_tokens(self, max_tokens: int | None) -> None:
+        check_max_tokens(max_tokens, self.max_positions)
 
 
 def check_max_tokens(max_tokens: int | None, max_positions: int) -> None:
