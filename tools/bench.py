@@ -1,6 +1,6 @@
 """Write benchmark: hsbuild's durable sample writes (one sample a barrier, committed before the next is encoded;
-and `overlap`, as a worker writes: groups of up to GROUP_BYTES made durable on a committer thread while the next
-samples are encoded) against `torch.save` + fsync (one .pt file a sample, what
+and `overlap`, as a worker writes: groups of up to GROUP_BYTES made durable on committer threads, up to
+COMMITS_IN_FLIGHT at once, while the next samples are encoded) against `torch.save` + fsync (one .pt file a sample, what
 EAGLE-3 data pipelines do today) and against a raw sequential write of the same bytes, on the same synthetic
 bf16 states, in one run. Prints throughput (MB/s of uncompressed state bytes), ratios and bytes on disk.
 Timed: the samples' writes, as a stream (the default 32 samples are 8 extracted ones, repeated), from the first
@@ -28,7 +28,9 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,7 @@ import torch
 from builder.extract.model import suggest_chunk_tokens
 from builder.fsutil import dir_size, fsync_path
 from builder.log.events import Event, EventLog
-from builder.run.worker import GROUP_BYTES
+from builder.run.worker import COMMITS_IN_FLIGHT, GROUP_BYTES
 from builder.store.segment import SegmentWriter, init_data_group
 
 
@@ -107,23 +109,27 @@ def bench_hsbuild_overlap(root: Path, samples: list, codec: str, chunk_tokens: i
     w = SegmentWriter(data, "seg-bench", hidden, n_aux, chunk_tokens, codec).create()  # once a worker start
     t0 = time.perf_counter()
 
+    appending = threading.Lock()  # one appender at a time, as the coordinator is in a run
+
     def commit(group, first: int) -> None:
         locs = w.commit(group)
-        log.append([Event("written", sample_id=str(first + j), segment=loc.segment, token_start=loc.token_start,
-                          num_tokens=loc.num_tokens, nbytes=loc.nbytes) for j, loc in enumerate(locs)])
+        with appending:
+            log.append([Event("written", sample_id=str(first + j), segment=loc.segment,
+                              token_start=loc.token_start, num_tokens=loc.num_tokens, nbytes=loc.nbytes)
+                        for j, loc in enumerate(locs)])
 
-    pending = None
+    pending: deque = deque()
     first = 0
-    with ThreadPoolExecutor(1) as committer:
+    with ThreadPoolExecutor(COMMITS_IN_FLIGHT) as committer:
         for i, (ids, mask, aux, final) in enumerate(samples):
             w.add(ids, mask, aux, final, sample_id=str(i))
             if w.staged_bytes >= GROUP_BYTES or i == len(samples) - 1:
-                if pending is not None:
-                    pending.result()  # at most one group committing, as in a worker
-                pending = committer.submit(commit, w.detach(), first)
+                while len(pending) >= COMMITS_IN_FLIGHT:  # as many groups committing as in a worker
+                    pending.popleft().result()
+                pending.append(committer.submit(commit, w.detach(), first))
                 first = i + 1
-        if pending is not None:
-            pending.result()
+        while pending:
+            pending.popleft().result()
     w.seal()
     dt = time.perf_counter() - t0
     log.close()

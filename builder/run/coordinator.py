@@ -158,6 +158,7 @@ class Coordinator:
         self.echo = echo
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
+        self._old_handlers: dict = {}  # SIGINT, SIGTERM: what they were before the run took them
         self._landed = False  # a sample was written since the last watermark poll
         self.aborted: str | None = None  # a worker died: stop at a safe point, `resume` continues
         if self.opts.inflight is not None:
@@ -237,9 +238,13 @@ class Coordinator:
             finally:
                 self.log.close()
         finally:
-            if self.standby is not None:
-                self.standby.close()  # the workers not taken (nothing to do, a refusal, an error)
-            lock.release()
+            try:
+                if self.standby is not None:
+                    self.standby.close()  # the workers not taken (nothing to do, a refusal, an error)
+                lock.release()
+            finally:
+                for sig, handler in self._old_handlers.items():
+                    signal.signal(sig, handler)
 
     def _standby(self) -> Standby | None:
         """The run's local workers, spawned now so that their imports overlap the source, the plan and the
@@ -304,8 +309,9 @@ class Coordinator:
                            **report.dump.summary()}} if report.dump is not None else {}))))
         self.flush(force=True)
         server = QueryServer(lock.socket_path, self.log, self.status).start()
-        old_int = signal.signal(signal.SIGINT, self._on_signal)
-        old_term = signal.signal(signal.SIGTERM, self._on_signal)
+        # kept until the run has closed its log and released its lock (`run`): a stop request in the run's last
+        # moments is still a request, never the default action (a SIGTERM killing it mid-teardown)
+        self._old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             if plan.todo and self.cfg.backend != "inprocess" and not importing:
                 self._start_engine(meta)
@@ -316,8 +322,6 @@ class Coordinator:
             self.flush(force=True)
             raise
         finally:
-            signal.signal(signal.SIGINT, old_int)
-            signal.signal(signal.SIGTERM, old_term)
             server.stop()
             try:
                 if self.engine is not None:

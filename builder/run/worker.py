@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +187,10 @@ GROUP_SAMPLES = int(os.environ.get("HSBUILD_GROUP_SAMPLES", "256"))  # ... or th
 OVERLAP = os.environ.get("HSBUILD_COMMIT_OVERLAP", "1") != "0"
 GROUP_SECONDS = float(os.environ.get("HSBUILD_GROUP_SECONDS", "3"))  # ... or once its oldest staged sample
 # has waited this long (what a crash can cost: that much extraction, redone)
+# groups being made durable at once: a second group's writes and fsyncs start while the first waits on the disk
+# (fsync latency, high on network storage, is overlapped); each group still commits its samples only once its
+# own bytes are durable
+COMMITS_IN_FLIGHT = max(1, int(os.environ.get("HSBUILD_COMMITS_IN_FLIGHT", "2")))
 
 
 @dataclass
@@ -200,9 +205,10 @@ class _Group:
     """A worker's segment and the group of samples it has staged but not yet made durable.
 
     Samples are extracted and encoded into memory (`Staged`), then made durable together (`SegmentWriter.commit`:
-    one barrier) on the committer thread and only then reported `Written`, so the engine is held up neither by
+    one barrier) on a committer thread and only then reported `Written`, so the engine is held up neither by
     one fsync per sample nor by the group's barrier, and small samples share files. Memory: at most about
-    2 x GROUP_BYTES of encoded data (the group committing and the group staging) plus the sample in hand."""
+    (COMMITS_IN_FLIGHT + 1) x GROUP_BYTES of encoded data (the groups committing and the group staging) plus the
+    sample in hand."""
 
     def __init__(self, settings: WorkerSettings, conn, flags: Flags, ex: Extractor, backend: Backend):
         self.settings, self.conn, self.flags, self.ex, self.backend = settings, conn, flags, ex, backend
@@ -212,15 +218,28 @@ class _Group:
         self.items: list[_StagedSample] = []
         self.first_staged = 0.0
         self.byte_limit = GROUP_BYTES  # lowered on a small volume: a group never holds more than 1% of it
-        # one group commits (write + fsync, on this thread) while the next is staged: the forward passes do not
-        # wait for the disk, and a worker holds at most two groups of encoded bytes (2 x GROUP_BYTES)
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="hsbuild-commit")
-        self._pending: Future | None = None
-        self.committing_bytes = 0
+        # up to COMMITS_IN_FLIGHT groups commit (write + fsync, on these threads) while the next is staged: the
+        # forward passes do not wait for the disk
+        self._committer = ThreadPoolExecutor(COMMITS_IN_FLIGHT, thread_name_prefix="hsbuild-commit")
+        self._pending: deque[Future] = deque()
+        self._committing: dict[int, int] = {}  # group number -> its encoded bytes, not yet on the disk
+        self._committing_lock = threading.Lock()
+        self._groups = 0
 
     @property
     def staged(self) -> int:
         return len(self.items)
+
+    @property
+    def committing_bytes(self) -> int:
+        """Encoded bytes of the groups being committed (not yet counted by the volume's own figures)."""
+        with self._committing_lock:
+            return sum(self._committing.values())
+
+    def _settled(self, no: int) -> None:
+        """Group `no` is on the disk, or nothing of it stayed there."""
+        with self._committing_lock:
+            self._committing.pop(no, None)
 
     def full(self) -> bool:
         w = self.writer
@@ -303,29 +322,31 @@ class _Group:
         commits at a time: a second flush first waits for the previous commit. With `wait`, returns once this
         group is committed too."""
         if self.items and self.writer is not None:
-            self.drain()
+            self.drain(COMMITS_IN_FLIGHT - 1)
             items, self.items = self.items, []
             group = self.writer.detach()
-            self.committing_bytes = sum(it.location.nbytes for it in items)
-            self._pending = self._committer.submit(self._commit, items, group)
+            self._groups += 1
+            with self._committing_lock:
+                self._committing[self._groups] = sum(it.location.nbytes for it in items)
+            self._pending.append(self._committer.submit(self._commit, items, group, self._groups))
         if wait or not OVERLAP:
             self.drain()
 
-    def drain(self) -> None:
-        """Wait for the group being committed (if any)."""
-        if self._pending is not None:
-            self._pending.result()  # _commit reports its failures itself and never raises
-            self._pending = None
-            self.committing_bytes = 0
+    def drain(self, keep: int = 0) -> None:
+        """Wait until at most `keep` groups are being committed (default: none)."""
+        while len(self._pending) > keep:
+            self._pending.popleft().result()  # _commit reports its failures itself and never raises
 
-    def _commit(self, items: list[_StagedSample], group: StagedGroup | None) -> None:
+    def _commit(self, items: list[_StagedSample], group: StagedGroup | None, no: int) -> None:
         try:
-            self._commit_group(items, group)
+            self._commit_group(items, group, no)
         except BaseException as e:  # noqa: BLE001 - a sample must never go unreported
             for it in items:
                 self._fail(it.task, "error", f"writing its group: {type(e).__name__}: {e}")
+        finally:
+            self._settled(no)
 
-    def _commit_group(self, items: list[_StagedSample], group: StagedGroup | None) -> None:
+    def _commit_group(self, items: list[_StagedSample], group: StagedGroup | None, no: int) -> None:
         """Make the group durable, then report each sample (`Written`, checked first with --verify-after-write).
         The pause point: never starts while writers are paused."""
         s, wid, w = self.settings, self.wid, self.writer
@@ -339,7 +360,7 @@ class _Group:
         try:
             w.commit(group)  # a failed group leaves nothing behind (SegmentWriter.commit)
         except OSError as e:
-            self.committing_bytes = 0  # nothing of it stayed on disk
+            self._settled(no)  # nothing of it stayed on disk
             for it in items:
                 t = it.task
                 if is_disk_full(e):
@@ -347,7 +368,7 @@ class _Group:
                 else:
                     self._fail(t, "error", f"writing its group: {type(e).__name__}: {e}")
             return
-        self.committing_bytes = 0  # on disk now: the volume's own figures count it (not twice in a projection)
+        self._settled(no)  # on disk now: the volume's own figures count it (not twice in a projection)
         for it in items:
             t, loc = it.task, it.location
             verified = False

@@ -331,8 +331,9 @@ class SegmentWriter:
         return group
 
     def commit(self, group: StagedGroup) -> list[Location]:
-        """Make a detached group durable (see `flush`). One commit at a time per writer; `add` and `detach`
-        may run meanwhile (they touch only the staging side)."""
+        """Make a detached group durable (see `flush`). Commits of different groups may run at once (each writes
+        its own shard files and manifest: a group starts on a fresh shard), and `add` and `detach` meanwhile
+        (they touch only the staging side)."""
         staged, chunks, group_start = group.staged, group.chunks, group.start
         jobs = self._shard_jobs(chunks)
         manifest = {"format": MANIFEST_FORMAT, "segment": self.name, "written_at": time.time(),

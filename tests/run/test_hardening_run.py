@@ -293,12 +293,13 @@ def _written(build) -> int:
 def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_build, cli):
     """`kill -TERM -- -PGID` (systemd, `timeout`) reaches the coordinator and its workers alike. Three such
     stops in a row must each end at a safe point (exit 130), and no healthy sample may be failed for it."""
-    build = make_build(600, seed=27)  # enough that three runs, each stopped a moment in, leave work to resume
+    build = make_build(2000, seed=27)  # enough that three runs, each stopped a moment in, leave work to resume
     for _ in range(3):
         before = _written(build)
+        # groups made durable every 0.3 s: the first `written` comes a moment in, not with the run's whole rest
         p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
                               "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             start_new_session=True, env={**os.environ, "HSBUILD_GROUP_SECONDS": "0.3"})
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and p.poll() is None and _written(build) < before + 3:
@@ -316,7 +317,7 @@ def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_buil
         assert failed == [], (failed, err)
     cp = cli("resume", build, "--no-progress")
     assert cp.returncode == 0, cp.stderr
-    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 600}]
+    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 2000}]
 
 
 def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishes(make_build, cli):

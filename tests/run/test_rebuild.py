@@ -73,7 +73,7 @@ def _written(build) -> int:
 def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli):
     """kill -9 mid-run, then the WAL is lost: the log rolls back to `init`. Resume finds the durable samples in
     the segments' manifests, checks their bytes and records them instead of extracting everything again."""
-    build = make_build(n=60)
+    build = make_build(n=600)  # (the run must still be going when killed: 60 samples take this model a moment)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 240
@@ -95,10 +95,10 @@ def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli):
     assert adopted >= 15
     with EventLog(lay.events, read_only=True) as log:
         _, rows = log.query("SELECT sample_id, count(*) FROM events WHERE kind = 'written' GROUP BY 1")
-        assert len(rows) == 60 and all(n == 1 for _, n in rows)  # adopted or extracted, each exactly once
+        assert len(rows) == 600 and all(n == 1 for _, n in rows)  # adopted or extracted, each exactly once
         wrote = log.query("SELECT count(*) FROM events WHERE kind = 'written' AND detail LIKE '%adopted%'")[1][0][0]
         assert wrote == adopted
-    assert assert_bit_exact(build) == 60
+    assert assert_bit_exact(build) == 600
 
 
 def test_a_damaged_log_is_one_line_naming_the_repair(make_build, cli):
