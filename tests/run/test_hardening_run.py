@@ -357,3 +357,23 @@ def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishe
     assert set(states) <= {"written", "verified"} and sum(states.values()) == 300, states
     assert ("adopted" in cp.stdout + cp.stderr) == ("verified" in states), cp.stdout + cp.stderr
 
+
+
+def test_the_run_holds_its_stop_handlers_until_its_log_is_closed_and_its_lock_released(make_build, monkeypatch):
+    """A SIGTERM in a run's last moments (closing its log: a fold checkpoint can take seconds on a large build;
+    releasing its lock) is a stop request, not the default action that kills the process mid-teardown. Once the
+    run returns, the handlers it found are back."""
+    build = make_build(6, seed=29)
+    seen: dict[str, object] = {}
+    close = EventLog.close
+
+    def closing(self):
+        seen["close"] = signal.getsignal(signal.SIGTERM)  # the last close: the run's own log
+        return close(self)
+
+    monkeypatch.setattr(EventLog, "close", closing)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    assert run_build(build, RunOptions()).exit_code == 0
+    assert seen["close"] not in (signal.SIG_DFL, signal.SIG_IGN, before[0])
+    assert getattr(seen["close"], "__func__", None) is coordinator_mod.Coordinator._on_signal
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
