@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 from builder.config import BuildConfig
 from builder.errors import UsageError
+from builder.extract.backends.vllm import clear_staging
 from builder.run.engine import Engine, EngineError, EngineOptions, engine_spec
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -329,6 +330,13 @@ class RayEngines:
                 pass
         with self._hosts_lock:
             self.hosts.clear()  # (the poller ends)
+        for nid in list(self.gone):  # a lost node's server may have left dumps of requests it was answering
+            e = self.engines.get(nid)
+            if e is not None:
+                try:  # where this machine sees that node's folder (one machine, a shared filesystem)
+                    clear_staging(Path(e.staging))
+                except OSError:
+                    pass
 
     def worker_vllm(self, settings, nid: str):
         """`settings` (the build's VllmSettings) pointed at node `nid`'s server and staging."""

@@ -43,7 +43,7 @@ def _ask(lay, sql: str) -> list:
 
 
 def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_llama, monkeypatch, cli):
-    n = 200
+    n = 400  # enough that the node is still worth removing once the other one has written on (runs got quicker)
     # what the launched servers need on these CPUs, inherited by the raylets (hence by the actors that launch
     # them): the connector shim importable, a small KV cache, loopback only
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
