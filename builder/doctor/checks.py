@@ -22,6 +22,7 @@ from builder.config import BuildConfig, format_change_message
 from builder.doctor import gpu, procinfo
 from builder.errors import HsbuildError
 from builder.extract.arrow_source import is_dataset_dir
+from builder.extract.spec import is_builtin
 from builder.humanize import human_bytes, pct
 from builder.layout import BuildLayout
 from builder.log.lock import LockState, pid_alive
@@ -151,7 +152,7 @@ def check_torch(ctx: Context) -> Check:
 
 def check_model(ctx: Context) -> Check:
     spec = ctx.cfg.model
-    if spec == "builtin" or spec.startswith("builtin:"):
+    if is_builtin(spec):
         from builder.extract.spec import BuiltinSpec  # noqa: PLC0415
 
         try:
@@ -706,7 +707,7 @@ def _builtin_params(spec: str) -> int:
 def model_fingerprint(cfg: BuildConfig) -> str | None:
     """The model's fingerprint where that is cheap: a small builtin model, or a Hugging Face directory (its
     files' content digests are cached, so only a changed file is read again); None otherwise."""
-    if not (cfg.model == "builtin" or cfg.model.startswith("builtin:")):
+    if not is_builtin(cfg.model):
         if not (Path(cfg.model) / "config.json").is_file():
             return None  # env.model reports it
         from builder.extract.weights import directory_fingerprint  # noqa: PLC0415

@@ -21,7 +21,7 @@ from torch import nn
 
 from builder.errors import ModelError, SampleError
 from builder.extract.backends.base import check_finite
-from builder.extract.final_norm import FINAL_STATES, FinalNorm, read_final_norm
+from builder.extract.final_norm import FinalNorm, read_final_norm
 from builder.extract.spec import (  # noqa: F401 - re-exported: the torch-free half (builder/extract/spec.py)
     CONVENTION,
     BuiltinSpec,
@@ -31,8 +31,10 @@ from builder.extract.spec import (  # noqa: F401 - re-exported: the torch-free h
     bytes_per_token,
     check_aux_layers,
     check_device_spec,
+    check_dtype_and_final_state,
     check_max_tokens,
     default_aux_layers,
+    is_builtin,
     read_hf,
     suggest_chunk_tokens,
 )
@@ -206,17 +208,14 @@ class Extractor:
 
     def __init__(self, spec: str, aux_layers: list[int] | None = None, dtype: str = "bfloat16",
                  device: str = "auto", load_weights: bool = True, final_state: str = "post_norm"):
-        if dtype not in DTYPES:
-            raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPES)}")
-        if final_state not in FINAL_STATES:
-            raise ModelError(f"--final-state '{final_state}': use one of {', '.join(FINAL_STATES)}")
+        check_dtype_and_final_state(dtype, final_state)
         self.final_state = final_state
         self._pre: list[torch.Tensor] = []
         self._keep_logits = True  # pass logits_to_keep=1 to a Hugging Face model (see _hf_states)
         self.spec, self.dtype_name, self.dtype = spec, dtype, DTYPES[dtype]
         self.device = pick_device(device)
         self.tokenizer = None
-        if spec == "builtin" or spec.startswith("builtin:"):
+        if is_builtin(spec):
             s = BuiltinSpec.parse(spec)
             self.num_layers, self.hidden_size, self.vocab_size, self.max_positions = (
                 s.layers, s.hidden, s.vocab, s.max_positions)

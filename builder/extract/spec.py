@@ -155,6 +155,16 @@ class HfTokenizer:
         return hf_chat(self._load(), messages, f"the tokenizer of --model '{self.path}'")
 
 
+def check_dtype_and_final_state(dtype: str, final_state: str) -> None:
+    """ModelError naming --dtype or --final-state for a value hsbuild does not know."""
+    from builder.extract.final_norm import FINAL_STATES  # noqa: PLC0415
+
+    if dtype not in DTYPE_WIDTHS:
+        raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPE_WIDTHS)}")
+    if final_state not in FINAL_STATES:
+        raise ModelError(f"--final-state '{final_state}': use one of {', '.join(FINAL_STATES)}")
+
+
 def is_builtin(spec: str) -> bool:
     return spec == "builtin" or spec.startswith("builtin:")
 
@@ -214,12 +224,7 @@ class ModelInfo(HfFiles):
     @classmethod
     def read(cls, spec: str, aux_layers: list[int] | None = None, dtype: str = "bfloat16",
              final_state: str = "post_norm") -> ModelInfo:
-        from builder.extract.final_norm import FINAL_STATES  # noqa: PLC0415
-
-        if dtype not in DTYPE_WIDTHS:
-            raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPE_WIDTHS)}")
-        if final_state not in FINAL_STATES:
-            raise ModelError(f"--final-state '{final_state}': use one of {', '.join(FINAL_STATES)}")
+        check_dtype_and_final_state(dtype, final_state)
         f = read_hf(spec)
         aux = check_aux_layers(list(aux_layers) if aux_layers else default_aux_layers(f.num_layers), f.num_layers)
         return cls(**{k: getattr(f, k) for k in HfFiles.__dataclass_fields__}, spec=spec, aux_layers=aux,

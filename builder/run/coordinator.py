@@ -968,12 +968,10 @@ def _stop_grace(value: float | None) -> float:
 
 
 def _tokenizer_for(cfg):
-    if cfg.model == "builtin" or cfg.model.startswith("builtin:"):
-        from builder.extract.spec import BuiltinSpec, builtin_tokenizer  # noqa: PLC0415
+    from builder.extract.spec import BuiltinSpec, HfTokenizer, builtin_tokenizer, is_builtin  # noqa: PLC0415
 
+    if is_builtin(cfg.model):
         return builtin_tokenizer(BuiltinSpec.parse(cfg.model).vocab)
-    from builder.extract.spec import HfTokenizer  # noqa: PLC0415
-
     return HfTokenizer(Path(cfg.model))  # loaded at its first use: sources of input_ids never need it
 
 

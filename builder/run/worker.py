@@ -317,10 +317,10 @@ class _Group:
             self._fail(task, "error", traceback.format_exception_only(type(e), e)[-1].strip())
 
     def flush(self, wait: bool = False) -> None:
-        """Hand the staged group to the committer thread, which makes it durable and then reports each sample
-        (`Written`), while this thread goes on extracting and staging the next group. At most one group
-        commits at a time: a second flush first waits for the previous commit. With `wait`, returns once this
-        group is committed too."""
+        """Hand the staged group to a committer thread, which makes it durable and then reports each sample
+        (`Written`), while this thread goes on extracting and staging the next group. At most COMMITS_IN_FLIGHT
+        groups commit at once: a flush first waits for the oldest commit when that many are under way. With
+        `wait`, returns once this group is committed too."""
         if self.items and self.writer is not None:
             self.drain(COMMITS_IN_FLIGHT - 1)
             items, self.items = self.items, []

@@ -67,26 +67,27 @@ if TYPE_CHECKING:  # (torch: tensors are handed in; the module itself is importe
     import torch
 
 
-_POOL: ThreadPoolExecutor | None = None
-_IO_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _named_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool, made on first use: one, whichever threads ask first (two groups commit at once)."""
+    with _POOLS_LOCK:
+        if name not in _POOLS:
+            _POOLS[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        return _POOLS[name]
 
 
 def _pool() -> ThreadPoolExecutor:
     """Encoding (CPU: codecs release the GIL)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=max(4, min(16, 2 * (os.cpu_count() or 1))),
-                                   thread_name_prefix="hsbuild-shard")
-    return _POOL
+    return _named_pool("hsbuild-shard", max(4, min(16, 2 * (os.cpu_count() or 1))))
 
 
 def _io_pool() -> ThreadPoolExecutor:
     """A group's file writes and fsyncs, apart from the encoding: a commit's threads waiting on the disk never
     hold up the encoding of the next samples (a shared pool had the next sample wait behind a group's fsyncs)."""
-    global _IO_POOL
-    if _IO_POOL is None:
-        _IO_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="hsbuild-write")
-    return _IO_POOL
+    return _named_pool("hsbuild-write", 16)
 
 
 def shard_chunks_for(chunk_tokens: int, hidden_size: int, n_aux: int, itemsize: int = 2) -> int:

@@ -208,8 +208,8 @@ def test_a_failing_shard_write_leaves_no_file_of_the_group(tmp_path):
     before = {p for p in w.path.rglob("*") if p.is_file()}
     with pytest.raises(FileExistsError):
         w.write(ids, mask, aux, final, sample_id="s", fingerprint="f", attempt=1)
-    segment_mod._pool().shutdown(wait=True)  # let any straggler finish (there must be none)
-    segment_mod._POOL = None
+    segment_mod._io_pool().shutdown(wait=True)  # let any straggler write finish (there must be none)
+    segment_mod._POOLS.pop("hsbuild-write")
     assert {p for p in w.path.rglob("*") if p.is_file()} == before
     assert in_the_way.read_bytes() == b"in the way"
 
