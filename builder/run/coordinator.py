@@ -329,6 +329,9 @@ class Coordinator:
             finally:
                 if self.pool is not None:  # (--ray with an engine backend: after its servers stopped)
                     self.pool.close()
+        left = len(self._st.pending) if getattr(self, "_st", None) is not None else 0
+        if left and not self.stop_requested and not self.aborted:  # (a safety net: no worker took them)
+            self.aborted = f"{left} sample(s) were left pending with no worker to take them"
         report.failed_in_build = self.log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
         if report.dump is not None:
             self._record_import(report)
@@ -623,7 +626,7 @@ class Coordinator:
                 if not stopping and self.paused_reason is None and self.engine_down is None:
                     self._dispatch(st, outboxes, by_id, flags, report)
                 for w in sorted(st.alive - st.told_to_stop):  # a sentinel once a worker has nothing more to do
-                    if stopping or (not st.pending and not st.assigned[w]):  # its staged group: flushed on Stop
+                    if stopping or st.idle(w, lost_ok=pool is not None):  # its staged group: flushed on Stop
                         outboxes[w].send(Stop())
                         st.told_to_stop.add(w)
                 for c in mp_connection.wait([conns[w] for w in st.alive], timeout=0.1):
@@ -814,10 +817,11 @@ class Coordinator:
             self.emit(Event("failed", sample_id=in_hand, attempt=st.attempts.get(in_hand), worker=w,
                             reason="worker_lost", detail=detail(message=why)))
         self.emit(Event("worker_lost", worker=w, detail=detail(message=why, requeued=len(back))))
-        left = len(st.alive)
+        left = len(st.alive - st.told_to_stop)  # (a worker told to stop takes no more samples)
         self.echo(f"\nworker {w} lost ({why}); its {len(back)} sample(s) go back to pending; {left} worker(s) go on")
-        if not left:
-            self.aborted = "every Ray worker is gone"
+        if not left and st.pending:
+            self.aborted = ("every Ray worker is gone" if not st.alive else
+                            "no Ray worker is left to take the lost worker's samples")
             self.echo("stopping the run at a safe point; `hsbuild resume` continues")
 
     def _give_up_on(self, st: _Dispatch, procs: dict[int, mp.process.BaseProcess], grace: float) -> None:
@@ -902,6 +906,14 @@ class _Dispatch:
     staged: dict[int, list[str]] = field(default_factory=dict)  # extracted, in the worker's unflushed group
     window: dict[int, int] = field(default_factory=dict)  # samples a worker may hold (its backend's capacity + 1)
     in_flight: set[str] = field(default_factory=set)  # started, not yet staged or done
+
+    def idle(self, w: int, lost_ok: bool = False) -> bool:
+        """Nothing left for worker `w`: none pending, none handed to it. Where a lost worker's samples go back
+        to pending and the run goes on (`lost_ok`: Ray), an idle worker also waits until no other worker still
+        holds samples to extract: stopped early, it could not take back a lost node's samples."""
+        if self.pending or self.assigned.get(w):
+            return False
+        return not lost_ok or not any(self.assigned.get(x) for x in self.alive if x != w)
 
     def stage(self, w: int, sid: str) -> None:
         """The worker holds `sid` in its group (not durable): it no longer counts against PER_WORKER."""

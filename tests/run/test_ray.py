@@ -29,6 +29,7 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 SLOW = "builtin:hidden=512,layers=4,vocab=1024,heads=4,kv_heads=2,intermediate=2048"
+SLOWER = "builtin:hidden=1024,layers=8,vocab=1024,heads=8,kv_heads=2,intermediate=4096"
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
 
 
@@ -114,6 +115,52 @@ def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build
     assert f"node:    {removed[0][:12]} ({socket.gethostname()}): 1 worker(s)" in text and "GONE since" in text, text
     verify_clean(cli, build)
     assert assert_bit_exact(build, model=SLOW) == 48
+
+
+def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle_one(cluster, make_build):
+    """Small samples: the first worker ready is handed them all (its queue holds up to 8192 tokens), so the
+    other has nothing to do from the start. Its actor is killed mid-run: the idle worker must still be there to
+    take its samples back (one told to stop as soon as it had nothing to do could not, and the run stopped with
+    "0 worker(s) go on")."""
+    c, _ = cluster
+    n = 20
+    build = make_build(rows=random_rows(n, seed=9, lo=300, hi=380), model=SLOWER)
+    lay = layout(build)
+    seen: dict = {}
+
+    def kill_the_busy_worker() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                pids = dict(run_query(lay, "SELECT worker, CAST(json_extract(detail, '$.pid') AS BIGINT) "
+                                           "FROM events WHERE kind = 'worker_placed'")[1])
+                started = dict(run_query(lay, "SELECT worker, count(*) FROM events WHERE kind = 'started' "
+                                              "GROUP BY 1")[1])
+                written = run_query(lay, "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+            except Exception:  # noqa: BLE001 - not running yet: look again
+                pids, started, written = {}, {}, 0
+            busy = [w for w, k in started.items() if k >= 2]
+            if len(pids) == 2 and busy and written < n // 2:
+                seen.update(busy=busy[0], started=started, written=written)
+                os.kill(pids[busy[0]], signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_busy_worker, daemon=True)
+    killer.start()
+    report = run_build(build, RunOptions(ray=c.address, workers=2))
+    killer.join(timeout=10)
+    assert seen, "no worker was killed mid-run"
+    # the scenario: at the kill, only the busy worker had started samples (the other had none to do)
+    assert set(seen["started"]) == {seen["busy"]}, seen
+    assert (report.outcome, report.exit_code) == ("completed", 0), report.messages
+    assert sorted(written_once(build)) == sorted(f"s{i:04d}" for i in range(n))
+    with EventLog(lay.events, read_only=True) as log:
+        lost = log.query("SELECT worker FROM events WHERE kind = 'worker_lost'")[1]
+        by = dict(log.query("SELECT worker, count(*) FROM events WHERE kind = 'written' GROUP BY 1")[1])
+    assert lost == [(seen["busy"],)]
+    assert sum(k for w, k in by.items() if w != seen["busy"]) >= 1, by  # the idle one took its samples over
+    assert assert_bit_exact(build, model=SLOWER) == n
 
 
 def test_the_driver_killed_then_resumed_on_the_same_cluster(cluster, make_build, cli):
