@@ -53,7 +53,7 @@ def _written(build: Path) -> int:
 
 
 def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_finishes(tmp_path, tiny_llama, tmpfs):
-    n, inflight = 240, 4
+    n, inflight = 480, 4  # enough that the run is far from its end when the server hangs
     staging = tmpfs
     port = free_port()
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 21, vocab=VOCAB, hi=300))
@@ -80,8 +80,8 @@ def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_fini
                            stderr=subprocess.PIPE, text=True, env={**server_env(), "HSBUILD_SERVER_HUNG": "15"})
     try:
         deadline = time.monotonic() + 900
-        while _written(build) < 10 and run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
+        while _written(build) < 5 and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert run.poll() is None, "the run ended before the server could be stopped: " + run.stderr.read()
         pids = _server_pids(port)
         assert pids, "no launched server found"
