@@ -211,10 +211,12 @@ def main() -> None:
             for i, (name, fn) in enumerate(order):
                 d = base / f"r{r}-{i}"
                 d.mkdir()
+                os.sync()  # (untimed) each method starts with nothing of the previous one's left to write back
                 t, b = fn(d / "out")
                 times[name].append(t)
                 sizes[name] = b
                 shutil.rmtree(d, ignore_errors=True)
+                os.sync()  # the removal's metadata too
         t_pt, t_raw, b_pt = (statistics.median(times["torch.save+fsync"]), statistics.median(times["raw write+fsync"]),
                              sizes["torch.save+fsync"])
         w = max(len(name) for name, _ in methods)

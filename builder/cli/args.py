@@ -113,7 +113,8 @@ def device(s: str) -> str:
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=positive_int, help="extraction worker processes (default: config, 1)")
+    p.add_argument("--workers", type=positive_int, help="extraction worker processes, the CPUs split among them (default: config, 1); on the CPU, "
+                   "several workers of fewer threads each are usually faster (each loads the model)")
     p.add_argument("--limit", type=count, help="process at most N samples in this run")
     p.add_argument("--max-attempts", type=positive_int,
                    help="failed samples are retried until this many attempts (3)")
