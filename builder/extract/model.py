@@ -191,6 +191,15 @@ class BuiltinLlama(nn.Module):
 # ---------------------------------------------------------------------------------------------------
 
 
+def spread_device(device: str, worker: int, gpus: int) -> str:
+    """The device worker `worker` runs on: `cuda` or `auto` with several GPUs visible puts each worker on GPU
+    `worker mod gpus` (a run of 8 workers on an 8-GPU node uses all 8, not the first one 8 times); `cpu`,
+    `cuda:N` and one GPU or none are kept as given."""
+    if device in ("auto", "cuda") and gpus > 1:
+        return f"cuda:{worker % gpus}"
+    return device
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

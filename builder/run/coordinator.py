@@ -702,6 +702,8 @@ class Coordinator:
         match msg:
             case Ready(fingerprint=fp):
                 st.ready.add(wid)
+                if msg.device.startswith("cuda"):
+                    self.echo(f"worker {wid}: on {msg.device}")
                 st.window[wid] = max(PER_WORKER, msg.capacity + 1)  # all its requests in flight, one waiting
                 if meta.get("model_fingerprint") and fp != meta["model_fingerprint"]:
                     self.stop_requested = max(self.stop_requested, 1)

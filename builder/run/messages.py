@@ -37,6 +37,7 @@ class Ready:
     fingerprint: str
     metadata: dict
     capacity: int = 1  # requests its backend keeps in flight (the coordinator hands it that many and more)
+    device: str = ""  # where its forward passes run (in-process backend), e.g. cuda:3
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 
 from builder.errors import SampleError
 from builder.extract.backends.base import Backend, Failure, Request, States, Unavailable
-from builder.extract.model import Extractor
+from builder.extract.model import Extractor, spread_device
 from builder.run.messages import (
     Abandoned,
     Deferred,
@@ -117,7 +117,8 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags, hosted: bool = Fa
     except Exception as e:  # noqa: BLE001
         conn.send(Fatal(wid, f"{type(e).__name__}: {e}"))
         return
-    conn.send(Ready(wid, ex.fingerprint, ex.metadata(), backend.capacity))
+    conn.send(Ready(wid, ex.fingerprint, ex.metadata(), backend.capacity,
+                    str(ex.device) if settings.vllm is None and settings.dump is None else ""))
     group = _Group(settings, conn, flags, ex, backend)
     stopping = False
     try:
@@ -170,8 +171,9 @@ def _open_backend(settings: WorkerSettings) -> tuple[Extractor, Backend]:
     if settings.vllm is None:
         from builder.extract.backends.inprocess import InProcessBackend  # noqa: PLC0415
 
-        ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, settings.device,
-                       final_state=settings.final_state)
+        gpus = torch.cuda.device_count() if settings.device in ("auto", "cuda") and torch.cuda.is_available() else 0
+        ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype,
+                       spread_device(settings.device, settings.worker, gpus), final_state=settings.final_state)
         return ex, InProcessBackend(ex, settings.batch_tokens)
     from builder.extract.backends.vllm import VllmBackend  # noqa: PLC0415
     from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
