@@ -130,7 +130,7 @@ def _written_live(build: Path) -> int:
 
 
 def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server):
-    n = 420  # enough that the run is still going at its 3rd kill: a run starts in seconds and writes fast
+    n = 600  # enough that the run is still going at its 3rd kill: a run starts in seconds and writes fast
     build = _init(tmp_path, vllm_server, n, seed=11)
     rng = random.Random(5)
     kills = mid_run = 0
