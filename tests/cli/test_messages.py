@@ -98,7 +98,7 @@ def _children(pid: int) -> list[int]:
                     reason="the coordinator does not yet mark its lock record before os._exit on a second Ctrl-C "
                            "(builder/run/coordinator.py `_on_signal` must call builder.log.lock.note_interrupted)")
 def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli):
-    build = make_build(120)
+    build = make_build(400)  # tiny samples: a run of them is over in seconds
     lay = layout(build)
     # one sample a group: the first `written` commits at once, long before the run could end by itself (a run
     # that already finished would take the Ctrl-Cs after releasing its lock, and test nothing)
@@ -117,7 +117,7 @@ def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli):
         assert workers, "".join(err)
         for w in workers:  # hold the workers mid-run: the first Ctrl-C's safe stop waits for them
             os.kill(w, signal.SIGSTOP)
-        assert status_snapshot(lay).get("done", 0) < 120, "the run ended before it could be interrupted"
+        assert status_snapshot(lay).get("done", 0) < 400, "the run ended before it could be interrupted"
         p.send_signal(signal.SIGINT)
         while time.monotonic() < deadline and not any("stopping at a safe point" in line for line in err):
             time.sleep(0.05)
