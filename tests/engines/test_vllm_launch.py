@@ -52,6 +52,13 @@ def _written(build: Path) -> int:
         return int(lines[-1]) if cp.returncode == 0 and lines and lines[-1].isdigit() else 0
 
 
+def _why(build: Path, out: str, err: str) -> str:
+    """What a user would look at when the run did not end 0: its summary, its messages, the failures logged."""
+    cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT sample_id, attempt, reason, detail FROM events "
+                                    "WHERE kind = 'failed' ORDER BY seq", "--csv"), capture_output=True, text=True)
+    return f"stdout: {out[-2000:]}\nstderr: {err[-3000:]}\nfailed events: {cp.stdout[-3000:]}{cp.stderr[-500:]}"
+
+
 def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_finishes(tmp_path, tiny_llama, tmpfs):
     n, inflight = 480, 4  # enough that the run is far from its end when the server hangs
     staging = tmpfs
@@ -97,7 +104,7 @@ def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_fini
             run.kill()
         for pid in _server_pids(port):
             os.killpg(pid, signal.SIGKILL)
-    assert run.returncode == 0, err
+    assert run.returncode == 0, _why(build, out, err)
     assert "PAUSED (server_unavailable)" in err and "restarting it" in err and "healthy again" in err
     assert "stopped answering /health" in err and "restart 1" in err, err
     assert not _server_pids(port), "the launched server outlived the run"
@@ -156,7 +163,7 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
         for s in (first, second):
             if s is not None:
                 stop_server(s.proc)
-    assert run.returncode == 0, err
+    assert run.returncode == 0, _why(build, out, err)
     assert "PAUSED (server_unavailable)" in err and "healthy again" in err
     _one_written_each(build, n)
     with EventLog(layout(build).events, read_only=True) as log:
