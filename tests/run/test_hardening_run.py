@@ -323,7 +323,11 @@ def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_buil
 def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishes(make_build, cli):
     """A worker frozen by SIGSTOP never finishes its sample. One Ctrl-C must still end the run (after a bound,
     here 3 s via HSBUILD_STOP_GRACE), name the worker, and leave its sample to resume, not fail it."""
-    build = make_build(300, seed=28)
+    # samples slow enough (a wider model, longer rows: ~0.1 s each) that the run is far from its end when a
+    # worker is frozen: at its end, the worker to freeze may have said `exit` already (tiny samples: 300 in 1 s)
+    n = 200
+    build = make_build(rows=random_rows(n, seed=28, lo=200, hi=300),
+                       model="builtin:hidden=1024,layers=8,vocab=1024,heads=8,kv_heads=2,intermediate=4096")
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "HSBUILD_STOP_GRACE": "3"})
@@ -354,7 +358,7 @@ def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishe
     states = {r["state"]: r["n"] for r in _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1")}
     # a worker frozen between its group's data barrier and its report leaves durable samples the log lacks:
     # resume adopts them after reading them back (`verified`), never extracts or fails them
-    assert set(states) <= {"written", "verified"} and sum(states.values()) == 300, states
+    assert set(states) <= {"written", "verified"} and sum(states.values()) == n, states
     assert ("adopted" in cp.stdout + cp.stderr) == ("verified" in states), cp.stdout + cp.stderr
 
 
