@@ -1,10 +1,11 @@
 """Talking to an inference server over HTTP (stdlib only): health, the served model, one completion.
 
-Errors are typed: `EngineUnavailable` (cannot connect, timed out, 5xx: the engine is gone or busy, the sample
-goes back to pending) and `EngineRejected` (4xx: this request is wrong, the sample fails)."""
+Errors are typed: `EngineUnavailable` (cannot connect, timed out, 5xx, an answer cut short: the engine is gone
+or busy, the sample goes back to pending) and `EngineRejected` (4xx: this request is wrong, the sample fails)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -34,13 +35,20 @@ def _call(url: str, body: dict | None, timeout: float) -> dict:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
-        text = e.read().decode(errors="replace")[:300]
+        try:
+            text = e.read().decode(errors="replace")[:300]
+        except (http.client.HTTPException, OSError):  # its error page cut short
+            text = ""
         if e.code >= 500:
             raise EngineUnavailable(f"{url}: HTTP {e.code}: {text}") from None
         raise EngineRejected(f"{url}: HTTP {e.code}: {text}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise EngineUnavailable(f"{url}: {reason}") from None
+    except http.client.HTTPException as e:  # its answer cut short (IncompleteRead, BadStatusLine): it died mid-reply
+        raise EngineUnavailable(f"{url}: the answer was cut short ({type(e).__name__}: {e})") from None
+    if not raw and body is not None:  # a completion always has a body: the connection closed before it came
+        raise EngineUnavailable(f"{url}: answered with an empty body (the server died mid-reply?)")
     try:
         return json.loads(raw) if raw else {}
     except json.JSONDecodeError:

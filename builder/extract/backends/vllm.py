@@ -178,7 +178,10 @@ def read_when_ready(path: Path | str, timeout: float, wait=lambda s: time.sleep(
             if not path.exists():  # lock released but no file: the writer died
                 raise EngineUnavailable(f"{path}: the server released its lock without writing the file (it "
                                         "died, or its write failed)")
-            raw = path.read_bytes()
+            try:
+                raw = path.read_bytes()
+            except OSError as e:  # gone between the check and the read, or unreadable: the engine's side failed
+                raise EngineUnavailable(f"{path}: could not be read ({type(e).__name__}: {e})") from None
         finally:
             if fd is not None:
                 os.close(fd)

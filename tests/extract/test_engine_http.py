@@ -1,0 +1,75 @@
+"""How hsbuild reads an inference server's answers, against a real socket server on 127.0.0.1 that misbehaves
+the ways a dying server does. A server killed mid-reply (headers sent, body not; or half a status line) is the
+engine's failure: the sample goes back to pending (`EngineUnavailable`), never failed for good. Before, such a
+cut-short answer raised http.client's own errors and the sample was failed as `error` (the run exited 1)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from builder.extract.backends.engine import EngineRejected, EngineUnavailable, complete, healthy
+
+
+def _serve_once(reply: bytes) -> tuple[str, threading.Thread]:
+    """A server that reads one request, sends `reply` (bytes as they are) and closes the connection."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(30)
+
+    def run() -> None:
+        try:
+            conn, _ = srv.accept()
+            with conn:
+                conn.settimeout(10)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                conn.sendall(reply)
+        finally:
+            srv.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", t
+
+
+CUT_SHORT = {
+    "headers sent, body cut": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n{\"id\"",
+    "half a status line": b"HTTP/1.1 2",
+    "headers cut": b"HTTP/1.1 200 OK\r\nContent-Ty",
+    "an error page cut": b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\nbus",
+    "closed at once": b"",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CUT_SHORT))
+def test_an_answer_cut_short_is_the_engine_being_unavailable(case):
+    url, t = _serve_once(CUT_SHORT[case])
+    with pytest.raises(EngineUnavailable, match=r"127\.0\.0\.1"):
+        complete(url, "m", [1, 2, 3], timeout=10)
+    t.join(10)
+
+
+def test_a_4xx_is_the_request_rejected_and_a_whole_answer_is_read():
+    url, t = _serve_once(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 13\r\n\r\nprompt: wrong")
+    with pytest.raises(EngineRejected, match="HTTP 400: prompt: wrong"):
+        complete(url, "m", [1], timeout=10)
+    t.join(10)
+    body = b'{"choices": [{"text": "x"}]}'
+    url, t = _serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert complete(url, "m", [1], timeout=10) == {"choices": [{"text": "x"}]}
+    t.join(10)
+
+
+def test_health_of_a_server_that_dies_mid_reply_is_false_not_an_error():
+    url, t = _serve_once(CUT_SHORT["headers sent, body cut"])
+    assert healthy(url) is False
+    t.join(10)
