@@ -325,7 +325,7 @@ def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishe
     here 3 s via HSBUILD_STOP_GRACE), name the worker, and leave its sample to resume, not fail it."""
     # samples slow enough (a wider model, longer rows: ~0.1 s each) that the run is far from its end when a
     # worker is frozen: at its end, the worker to freeze may have said `exit` already (tiny samples: 300 in 1 s)
-    n = 200
+    n = 80
     build = make_build(rows=random_rows(n, seed=28, lo=200, hi=300),
                        model="builtin:hidden=1024,layers=8,vocab=1024,heads=8,kv_heads=2,intermediate=4096")
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
