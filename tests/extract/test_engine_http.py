@@ -13,6 +13,15 @@ import pytest
 from builder.extract.backends.engine import EngineRejected, EngineUnavailable, complete, healthy
 
 
+def _whole_request(data: bytes) -> bool:
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return len(body) >= length
+
+
 def _serve_once(reply: bytes) -> tuple[str, threading.Thread]:
     """A server that reads one request, sends `reply` (bytes as they are) and closes the connection."""
     srv = socket.socket()
@@ -27,7 +36,7 @@ def _serve_once(reply: bytes) -> tuple[str, threading.Thread]:
             with conn:
                 conn.settimeout(10)
                 data = b""
-                while b"\r\n\r\n" not in data:
+                while not _whole_request(data):  # all of it: unread bytes at close would reset the connection
                     chunk = conn.recv(65536)
                     if not chunk:
                         break
