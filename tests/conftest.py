@@ -32,6 +32,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 fix_threading()
 
 ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)
+# a built-in model wide enough that a sample of a few hundred tokens takes a visible moment (~0.1 s on a CPU core):
+# tests that act mid-run use it so the run is far from its end when they act
+SLOWER = "builtin:hidden=1024,layers=8,vocab=1024,heads=8,kv_heads=2,intermediate=4096"
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

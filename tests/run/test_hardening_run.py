@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_rows, write_jsonl
+from conftest import SLOWER, random_rows, write_jsonl
 from test_run import _children
 
 from builder.layout import layout
@@ -326,8 +326,7 @@ def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishe
     # samples slow enough (a wider model, longer rows: ~0.1 s each) that the run is far from its end when a
     # worker is frozen: at its end, the worker to freeze may have said `exit` already (tiny samples: 300 in 1 s)
     n = 80
-    build = make_build(rows=random_rows(n, seed=28, lo=200, hi=300),
-                       model="builtin:hidden=1024,layers=8,vocab=1024,heads=8,kv_heads=2,intermediate=4096")
+    build = make_build(rows=random_rows(n, seed=28, lo=200, hi=300), model=SLOWER)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "HSBUILD_STOP_GRACE": "3"})

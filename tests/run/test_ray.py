@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import random_rows
+from conftest import SLOWER, random_rows
 from test_run import assert_bit_exact
 
 from builder.formats.reader import HiddenStateDataset
@@ -29,7 +29,6 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 SLOW = "builtin:hidden=512,layers=4,vocab=1024,heads=4,kv_heads=2,intermediate=2048"
-SLOWER = "builtin:hidden=1024,layers=8,vocab=1024,heads=8,kv_heads=2,intermediate=4096"
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
 
 
