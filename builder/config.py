@@ -46,7 +46,8 @@ CODEC_SPECS = "zstd:LEVEL, blosc-lz4:LEVEL, blosc-zstd:LEVEL, blosc-lz4-bitshuff
 FORMAT_KEYS = ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tokens", "backend", "final_state",
                "quantize")
 QUANTIZE = ("none", "fp8")  # how states are stored: exactly, or fp8 with a scale a token (opt-in, lossy)
-POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "workers", "inflight", "batch_tokens")
+POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "inflight", "batch_tokens")
+AUTO_WORKERS = "auto"  # `workers`: sized from the host at each run's start (builder/run/sizing.py)
 BACKENDS = ("inprocess", "vllm")
 UNKNOWN = object()  # a value at init that an old build did not record
 
@@ -61,7 +62,7 @@ class BuildConfig:
     dtype: str = "bfloat16"
     codec: str = DEFAULT_CODEC
     chunk_tokens: int = 128
-    workers: int = 1
+    workers: int | str = AUTO_WORKERS  # a number, or auto (older builds recorded 1)
     device: str = "auto"
     staging: str | None = None
     verify_after_write: bool = False
@@ -121,6 +122,9 @@ class BuildConfig:
             v = getattr(cfg, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise UsageError(f"{path}: {k} = {v!r}: must be an integer >= 1")
+        if cfg.workers != AUTO_WORKERS and (isinstance(cfg.workers, bool) or not isinstance(cfg.workers, int)
+                                            or cfg.workers < 1):
+            raise UsageError(f"{path}: workers = {cfg.workers!r}: must be \"{AUTO_WORKERS}\" or an integer >= 1")
         if not isinstance(cfg.engine_args, list) or not all(isinstance(a, str) for a in cfg.engine_args):
             raise UsageError(f"{path}: engine_args = {cfg.engine_args!r}: must be a list of strings")
         if not isinstance(cfg.aux_layers, list) or not all(isinstance(i, int) for i in cfg.aux_layers):

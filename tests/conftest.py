@@ -101,6 +101,20 @@ def cli():
     return hsbuild
 
 
+def fake_nvml_module():
+    """tests/doctor/fake_nvml.py, for tests outside tests/doctor (there is no GPU here: NVML is faked at its
+    one boundary, `builder.doctor.gpu._nvml`)."""
+    import importlib.util  # noqa: PLC0415
+
+    fake = sys.modules.get("fake_nvml")
+    if fake is None:
+        spec = importlib.util.spec_from_file_location("fake_nvml", Path(__file__).parent / "doctor" / "fake_nvml.py")
+        fake = importlib.util.module_from_spec(spec)
+        sys.modules["fake_nvml"] = fake
+        spec.loader.exec_module(fake)
+    return fake
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(mnt: Path, size: str):
     """A real tmpfs of `size` (e.g. "24m") mounted at `mnt` (created), unmounted after; the test is skipped with

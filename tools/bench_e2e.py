@@ -12,6 +12,7 @@ Reported apart:
   build's fixed-size `.ballast` reserve is shown apart).
 
     python tools/bench_e2e.py                      # 1000 samples of ~256 tokens, a 4-layer hidden-512 Llama
+    python tools/bench_e2e.py --workers 1          # hsbuild with one worker of every thread (default: auto)
     python tools/bench_e2e.py --samples 200 --rounds 1 --dir /mnt/ceph/tmp
     python tools/bench_e2e.py --batch-tokens 2048  # hsbuild packs samples into forward passes
 """
@@ -135,7 +136,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--workers", type=int, default=1, help="hsbuild workers (threads split among them)")
+    ap.add_argument("--workers", default="auto",
+                    help="hsbuild --workers: a number (the threads split among them) or auto (hsbuild's default)")
     ap.add_argument("--batch-tokens", type=int, default=0, help="hsbuild: pack samples into passes (0: off)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads, both sides")
     ap.add_argument("--dir", help="where the outputs go (default: a temp dir; put it on the disk to measure)")

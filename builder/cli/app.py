@@ -21,9 +21,10 @@ from builder.cli.args import fmt_of as _fmt
 from builder.cli.args import int_list as _int_list
 from builder.cli.args import out_flags as _out_flags
 from builder.cli.args import size as _size
+from builder.cli.args import workers as _workers
 from builder.cli.output import print_json, print_rows
 from builder.cli.progress import progress_for
-from builder.config import CODEC_SPECS, DEFAULT_CODEC
+from builder.config import AUTO_WORKERS, CODEC_SPECS, DEFAULT_CODEC
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, HsbuildError
 from builder.humanize import human_bytes, human_seconds, pct
 
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="init + run on the built-in model and sample set, then print status")
     p.add_argument("build", nargs="?", default="hsbuild-demo")
     p.add_argument("--samples", type=positive_int, default=300)
-    p.add_argument("--workers", type=positive_int, default=1)
+    p.add_argument("--workers", type=_workers, default="auto", metavar="N|auto")
     p.add_argument("--no-progress", action="store_true")
 
     cli_exchange.add_commands(sub, out)
@@ -162,6 +163,10 @@ def _standby_for(args: argparse.Namespace):
     except Exception:  # noqa: BLE001 - the coordinator reports a build it cannot read, in its own words
         return None
     workers = args.workers if args.workers is not None else cfg.workers
+    if workers == AUTO_WORKERS:  # sized as the coordinator sizes it (the same rule, moments later)
+        from builder.run.sizing import workers_for  # noqa: PLC0415
+
+        workers = workers_for(cfg, args.device).workers
     # a Hugging Face model: the workers import transformers while they wait (about 3 s of a run's start-up)
     hf = cfg.backend == "inprocess" and isinstance(cfg.model, str) and not cfg.model.startswith("builtin")
     return Standby(workers, preload_hf=hf) if isinstance(workers, int) and 0 < workers <= 256 else None

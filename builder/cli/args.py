@@ -87,6 +87,16 @@ def positive_int(s: str) -> int:
     return n
 
 
+def workers(s: str) -> int | str:
+    """`auto` (sized from the host at the run's start) or a count of 1 or more."""
+    if s == "auto":
+        return s
+    try:
+        return positive_int(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"'{s}': use auto or a number of 1 or more") from None
+
+
 def count(s: str) -> int:
     n = _int(s)
     if n < 0:
@@ -113,8 +123,10 @@ def device(s: str) -> str:
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=positive_int, help="extraction worker processes, the CPUs split among them (default: config, 1); on the CPU, "
-                   "several workers of fewer threads each are usually faster (each loads the model)")
+    p.add_argument("--workers", type=workers, metavar="N|auto",
+                   help="extraction worker processes, the CPUs split among them (default: config; a new build's is "
+                        "auto: one a visible GPU, else one a CPU core as far as half the free memory holds copies "
+                        "of the model, at most 8; one with a vLLM server)")
     p.add_argument("--limit", type=count, help="process at most N samples in this run")
     p.add_argument("--max-attempts", type=positive_int,
                    help="failed samples are retried until this many attempts (3)")

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from builder.config import load_config, require_same_format
+from builder.config import AUTO_WORKERS, load_config, require_same_format
 from builder.doctor.gpu import GpuSampler
 from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import (
@@ -65,6 +65,7 @@ from builder.run.messages import (
 )
 from builder.run.plan import INTERRUPTED_EXTRA, Plan, make_plan
 from builder.run.rebuild import adopt, unlogged
+from builder.run.sizing import usable_cpus, workers_for
 from builder.run.source_changes import diff_source, record_source, refusal
 from builder.run.standby import Flags, Standby, start_ignoring_stop_signals, worker_entry
 from builder.space.capacity import measured_bytes_per_token, project, stored_tokens
@@ -78,7 +79,7 @@ if TYPE_CHECKING:  # (these import torch: only import and engine runs need them,
 
 @dataclass
 class RunOptions:
-    workers: int | None = None
+    workers: int | str | None = None  # a count, or "auto" (builder/run/sizing.py); None: the config's
     limit: int | None = None
     max_attempts: int | None = None
     device: str | None = None
@@ -137,9 +138,18 @@ class Coordinator:
             if v is not None:
                 setattr(self.cfg.watermarks, k, v)
         self.cfg.watermarks.validate()
-        self.workers = self.cfg.workers if self.opts.workers is None else self.opts.workers
-        if self.workers < 1:
-            raise UsageError(f"--workers {self.workers}: must be at least 1")
+        spec = self.cfg.workers if self.opts.workers is None else self.opts.workers
+        self.workers_why: str | None = None  # what `auto` sized the count from (echoed, and in run_started)
+        if spec == AUTO_WORKERS:
+            if self.opts.ray and self.cfg.backend == "inprocess" and self.opts.imports is None:
+                self.workers = 0  # one a node of the cluster, counted once connected (`_size_on_cluster`)
+            else:
+                count = workers_for(self.cfg, self.opts.device, importing=self.opts.imports is not None)
+                self.workers, self.workers_why = count.workers, count.why
+        elif isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
+            raise UsageError(f"--workers {spec}: must be auto or at least 1")
+        else:
+            self.workers = spec
         self.stop_grace = _stop_grace(self.opts.stop_grace)
         if self.opts.limit is not None and self.opts.limit < 0:
             raise UsageError(f"--limit {self.opts.limit}: must be 0 or more samples")
@@ -300,8 +310,13 @@ class Coordinator:
                              remaining_samples=len(plan.todo))
         by_id = {s.sample_id: s for s in plan.todo}
         self._give_up_interrupted(plan)
+        if self.workers == 0:
+            self._size_on_cluster()
+        if self.workers_why is not None and plan.todo and (self.cfg.backend == "inprocess" or importing):
+            self.echo(f"workers: {self.workers} (auto: {self.workers_why})")
         self.emit(Event("run_started", detail=detail(
             workers=self.workers, threads=self._threads(), resume=resume, plan=plan.summary(),
+            **({"workers_auto": self.workers_why} if self.workers_why is not None else {}),
             config=self.cfg.to_toml(),
             config_fingerprint=self.cfg.fingerprint(), model_fingerprint=meta.get("model_fingerprint"),
             code_fingerprint=code_fingerprint(), pid=os.getpid(), previous_owner=lock.previous,
@@ -513,6 +528,13 @@ class Coordinator:
                       f"{', '.join(plan.interrupted_final[:3])}): started {limit} times or more, left in flight by "
                       "runs that ended abruptly; recorded as failed (interrupted_too_often)")
 
+    def _size_on_cluster(self) -> None:
+        """`--workers auto` with --ray: one worker a live node of the cluster (connecting to it now)."""
+        self.pool = self.pool or self._ray_pool()
+        nodes = len(self.pool.nodes())
+        self.workers = max(1, nodes)
+        self.workers_why = f"one a live node of the Ray cluster, {nodes} (--workers N for more)"
+
     def _threads(self) -> int:
         """Intra-op threads of each worker. Recorded in `run_started`: on the CPU, a forward pass's last bits can
         depend on how its reductions were split, so the same sample extracted with another thread count may
@@ -520,7 +542,7 @@ class Coordinator:
         worker gets the CPUs its actor reserves (RAY_CPUS_PER_WORKER)."""
         if self.opts.ray:
             return max(1, int(RAY_CPUS_PER_WORKER))
-        return max(1, (os.cpu_count() or 1) // self.workers)
+        return max(1, usable_cpus() // max(1, self.workers))
 
     def _start_worker(self, ctx, settings: WorkerSettings, flags: Flags, pool, node: str | None = None) -> tuple:
         """A worker: a local process (spawned, its stop signals ignored), or an actor on the Ray cluster whose

@@ -410,7 +410,7 @@ def test_doctor_on_this_machine_cpu_mode_and_real_disk(make_build, cli):
 
 def test_stale_lock_from_a_sigkilled_run_is_reported_and_taken_over(make_build, cli, monkeypatch):
     fake_gpu_env(monkeypatch, None, cuda=False)
-    lay = layout(make_build(n=300))
+    lay = layout(make_build(n=3000))  # enough that the run (one worker a core) is still going at the kill
     run = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(lay.root), "--no-progress"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -429,6 +429,7 @@ def test_stale_lock_from_a_sigkilled_run_is_reported_and_taken_over(make_build, 
         checks = by_name(live)
         assert checks["build.lock"].status == "ok" and checks["build.lock"].data["pid"] == run.pid
         assert checks["build.interrupted"].data["live"] and not live.recorded and not live.problems
+        assert run.poll() is None, "the run ended before it could be killed"
     finally:
         os.kill(run.pid, signal.SIGKILL)
         run.wait()

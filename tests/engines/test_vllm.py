@@ -198,17 +198,11 @@ def test_doctor_names_another_process_holding_the_gpus(tmp_path, vllm_server, mo
     """No GPU here: NVML is faked at its boundary (tests/doctor/fake_nvml.py) and reports the real server's
     processes plus a real foreign process on the GPUs; /proc (who listens on the server's port, parents,
     command lines) is real. Only the foreign one is named, with the command that stops it."""
-    import importlib.util
-    import sys
+    from conftest import fake_nvml_module
 
     from builder.doctor import gpu, procinfo
 
-    fake = sys.modules.get("fake_nvml")
-    if fake is None:
-        spec = importlib.util.spec_from_file_location("fake_nvml", Path(__file__).parent.parent / "doctor" / "fake_nvml.py")
-        fake = importlib.util.module_from_spec(spec)
-        sys.modules["fake_nvml"] = fake
-        spec.loader.exec_module(fake)
+    fake = fake_nvml_module()
     port = int(vllm_server.url.rsplit(":", 1)[1])
     server_pids = procinfo.listening_pids(port)
     assert server_pids, "the server's listening process was not found"

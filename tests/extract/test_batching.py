@@ -227,7 +227,7 @@ def test_init_flag_and_a_batched_run_store_the_same_states(tmp_path, cli, monkey
 
     monkeypatch.setattr(coordinator, "WorkerSettings", recording)
     for name in ("one", "packed"):
-        assert run_build(tmp_path / name, RunOptions(device="cpu")).exit_code == 0
+        assert run_build(tmp_path / name, RunOptions(device="cpu", workers=1)).exit_code == 0  # one settings a run
     assert made == [None, 256]
     one = {item["sample_id"]: item for item in HiddenStateDataset(tmp_path / "one")}
     packed = {item["sample_id"]: item for item in HiddenStateDataset(tmp_path / "packed")}

@@ -116,7 +116,7 @@ def test_idle_build_cannot_be_changed_by_any_statement(make_build, tmp_path, cap
 
 
 def test_live_run_log_cannot_be_changed_by_any_statement(make_build, tmp_path, capsys):
-    build = make_build(600, seed=5)
+    build = make_build(3000, seed=5)  # still going after the attacks (it is stopped with Ctrl-C)
     lay = layout(build)
     out = tmp_path / "out"
     out.mkdir()

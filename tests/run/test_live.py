@@ -17,7 +17,7 @@ from builder.log.query import run_query, status_snapshot
 
 
 def test_live_status_and_sql_during_a_run(make_build, cli):
-    build = make_build(600, seed=5)
+    build = make_build(3000, seed=5)  # still going after the questions (it is stopped with Ctrl-C)
     lay = layout(build)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -47,7 +47,7 @@ def test_live_status_and_sql_during_a_run(make_build, cli):
 
         cp = cli("status", build, "--json")
         live = json.loads(cp.stdout)
-        assert cp.returncode == 0 and live["running"] is True and live["total"] == 600
+        assert cp.returncode == 0 and live["running"] is True and live["total"] == 3000
         assert {"paused", "pause_reason", "free_bytes", "usage", "projected_bytes", "final_bytes", "fits"} <= set(live)
         cp = cli("sql", build, "SELECT state, count(*) AS n FROM samples GROUP BY state ORDER BY state", "--csv")
         assert cp.returncode == 0 and cp.stdout.startswith("state,n\n")

@@ -183,15 +183,17 @@ def test_the_driver_killed_then_resumed_on_the_same_cluster(cluster, make_build,
         if p.poll() is None:
             p.kill()
             p.wait()
-    cp = cli("resume", build, "--ray", c.address, "--workers", "2", "--no-progress", timeout=400)
+    # resumed without --workers: the build's `auto` is one worker a live node
+    cp = cli("resume", build, "--ray", c.address, "--no-progress", timeout=400)
     assert cp.returncode == 0, cp.stderr
+    assert "workers: 3 (auto: one a live node of the Ray cluster, 3" in cp.stderr, cp.stderr
     assert sorted(written_once(build)) == sorted(f"s{i:04d}" for i in range(30))
     verify_clean(cli, build)
     assert assert_bit_exact(build, model=SLOW) == 30
     st = json.loads(cli("status", build, "--json").stdout)
     assert st["done"] == 30
-    # the nodes of the resumed run: its two workers, on two nodes of the same cluster, none gone
-    assert sum(n["workers"] for n in st["nodes"]) == 2 and {n["state"] for n in st["nodes"]} == {"up"}
+    # the nodes of the resumed run: its three workers, one on each node of the same cluster, none gone
+    assert [n["workers"] for n in st["nodes"]] == [1, 1, 1] and {n["state"] for n in st["nodes"]} == {"up"}
 
 
 def test_a_bad_ray_address_is_refused_before_anything_runs(make_build, cli):

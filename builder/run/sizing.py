@@ -1,0 +1,159 @@
+"""How many workers `--workers auto` (a new build's default) starts, from what this host has.
+
+- An engine backend (vLLM): one. The server holds the model and runs the passes; one worker keeps its
+  in-flight window full.
+- The in-process backend on GPUs (`--device auto` or `cuda` with GPUs visible): one worker a visible GPU
+  (`CUDA_VISIBLE_DEVICES` where set, else NVML's count); worker i runs on GPU i mod their count.
+  `--device cuda:N` pins every worker to one GPU: one worker.
+- The in-process backend on the CPU: one worker a usable CPU (each with one intra-op thread: a forward pass
+  over a few hundred tokens keeps several threads poorly busy, several processes do not), at most
+  CPU_WORKERS_MAX, and no more than half the memory available now holds (each worker loads its own copy of
+  the model: its weights in the run's dtype, a quarter more for a pass's activations, WORKER_BASE_BYTES for
+  the interpreter and torch beside them).
+
+The library decides; the run echoes the count and why (`workers: 2 (auto: ...)`) and records both in its
+`run_started` event. A number (`--workers N`, `workers = N` in hsbuild.toml) is always taken as given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from builder.config import BuildConfig
+
+CPU_WORKERS_MAX = 8  # CPU workers `auto` starts at most (each is a process holding the model)
+WORKER_BASE_BYTES = 640 << 20  # a worker process beside its model: the interpreter, torch, transformers, buffers
+MEMORY_SHARE = 0.5  # of the memory available at the run's start, what `auto`'s CPU workers may take together
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class Host:
+    """What `auto` sizes against."""
+    cpus: int  # usable by this process (its affinity mask)
+    mem_available: int | None  # bytes: the kernel's MemAvailable, or the cgroup's room if smaller; None: unknown
+    gpus: int  # visible to a worker
+
+
+@dataclass(frozen=True)
+class WorkerCount:
+    workers: int
+    why: str  # one line: what decided it
+
+
+def usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def mem_available() -> int | None:
+    """Bytes a new process may still take: /proc/meminfo's MemAvailable, lowered to a cgroup v2 limit's room
+    (a container's memory.max less memory.current) where that is smaller. None where neither is readable."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        avail = None
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        room = max(0, limit - used)
+        avail = room if avail is None else min(avail, room)
+    return avail
+
+
+def visible_gpus() -> int:
+    """GPUs a worker can see: CUDA_VISIBLE_DEVICES's entries where it is set (empty or -1: none), else NVML's
+    device count (0 without the library, a driver or a GPU). Does not import torch."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        entries = [e.strip() for e in env.split(",") if e.strip()]
+        if not entries or entries[0].startswith("-"):
+            return 0
+        return len(entries)
+    from builder.doctor.gpu import inventory  # noqa: PLC0415
+
+    inv = inventory(with_processes=False)
+    return len(inv.devices) if inv.available else 0
+
+
+def host_now() -> Host:
+    return Host(cpus=usable_cpus(), mem_available=mem_available(), gpus=visible_gpus())
+
+
+def model_bytes(model: str, dtype: str) -> int:
+    """The bytes one loaded copy of `model` takes in `dtype`: the built-in model's parameter count, or a
+    Hugging Face directory's weight files scaled from their dtype (config.json's torch_dtype) to the run's.
+    0 where that cannot be told (the model is then not what limits the count)."""
+    size = DTYPE_BYTES.get(dtype, 2)
+    if model == "builtin" or model.startswith("builtin:"):
+        from builder.extract.spec import BuiltinSpec  # noqa: PLC0415
+
+        s = BuiltinSpec.parse(model)
+        head_dim = s.hidden // s.heads
+        layer = (2 * s.hidden + s.hidden * head_dim * (2 * s.heads + 2 * s.kv_heads)
+                 + 3 * s.hidden * s.intermediate)
+        return size * (s.vocab * s.hidden + s.layers * layer + s.hidden)  # (no LM head: states only)
+    root = Path(model)
+    if not root.is_dir():
+        return 0
+    files = [p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    safetensors = [p for p in files if p.suffix == ".safetensors"]
+    stored = sum(p.stat().st_size for p in (safetensors or files))
+    try:
+        cfg = json.loads((root / "config.json").read_text())
+        stored_size = DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""), 2)
+    except (OSError, ValueError, AttributeError):
+        stored_size = 2
+    return stored * size // stored_size
+
+
+def auto_workers(backend: str, device: str, model_size: int, host: Host) -> WorkerCount:
+    """The worker count `--workers auto` stands for (see the module's docstring)."""
+    if backend != "inprocess":
+        return WorkerCount(1, f"the {backend} server runs the model; one worker keeps its requests in flight")
+    if device.startswith("cuda:"):
+        return WorkerCount(1, f"--device {device} pins the workers to one GPU")
+    if device in ("auto", "cuda") and host.gpus > 0:
+        return WorkerCount(host.gpus, f"one a GPU, {host.gpus} visible")
+    per_worker = model_size + model_size // 4 + WORKER_BASE_BYTES
+    by_memory = None if host.mem_available is None else int(host.mem_available * MEMORY_SHARE) // per_worker
+    n = max(1, min(host.cpus, CPU_WORKERS_MAX, by_memory if by_memory is not None else host.cpus))
+    why = f"the CPU: {host.cpus} usable core(s)"
+    if by_memory is not None and by_memory < min(host.cpus, CPU_WORKERS_MAX):
+        copies = f"{by_memory} copies" if by_memory else "less than one copy"
+        why += (f", memory for {copies} of the model ({per_worker / 2**30:.1f} GiB a worker, half of "
+                f"{host.mem_available / 2**30:.1f} GiB available)")
+    elif host.cpus > CPU_WORKERS_MAX:
+        why += f", at most {CPU_WORKERS_MAX}"
+    return WorkerCount(n, why + f"; {max(1, host.cpus // n)} thread(s) each")
+
+
+
+def workers_for(cfg: BuildConfig, device: str | None = None, importing: bool = False,
+                host: Host | None = None) -> WorkerCount:
+    """`auto` for this build on this host: `device` is the run's (--device), else the config's. An import's
+    workers read dumped files and load no model."""
+    host = host or host_now()
+    if importing:
+        return auto_workers("inprocess", "cpu", 0, host)
+    return auto_workers(cfg.backend, device or cfg.device,
+                        model_bytes(cfg.model, cfg.dtype) if cfg.backend == "inprocess" else 0, host)
