@@ -189,6 +189,7 @@ class Coordinator:
         self.paused_reason: str | None = None
         self.engine: Engine | None = None  # or RayEngines (--ray): one server per node
         self.pool = None  # the Ray worker pool (--ray), once made
+        self._ray_connected = None  # a RayPool connected (to count the nodes for `auto`), not yet probed
         self._node_workers: dict[str, list] = {}  # --ray with an engine backend: node id -> its worker(s)
         self.engine_down: float | None = None  # since when the server has been unavailable
         self.engine_checked = 0.0
@@ -310,8 +311,9 @@ class Coordinator:
                              remaining_samples=len(plan.todo))
         by_id = {s.sample_id: s for s in plan.todo}
         self._give_up_interrupted(plan)
-        if self.workers == 0:
+        if self.workers == 0 and plan.todo:  # --ray, auto: counted on the cluster
             self._size_on_cluster()
+        self.workers = max(1, self.workers)  # (nothing to do: no cluster asked)
         if self.workers_why is not None and plan.todo and (self.cfg.backend == "inprocess" or importing):
             self.echo(f"workers: {self.workers} (auto: {self.workers_why})")
         self.emit(Event("run_started", detail=detail(
@@ -342,8 +344,9 @@ class Coordinator:
                 if self.engine is not None:
                     self.engine.stop()
             finally:
-                if self.pool is not None:  # (--ray with an engine backend: after its servers stopped)
-                    self.pool.close()
+                for ray_pool in (self.pool, self._ray_connected):  # (--ray with an engine backend: after its servers)
+                    if ray_pool is not None:
+                        ray_pool.close()
         left = len(self._st.pending) if getattr(self, "_st", None) is not None else 0
         if left and not self.stop_requested and not self.aborted:  # (a safety net: no worker took them)
             self.aborted = f"{left} sample(s) were left pending with no worker to take them"
@@ -529,9 +532,12 @@ class Coordinator:
                       "runs that ended abruptly; recorded as failed (interrupted_too_often)")
 
     def _size_on_cluster(self) -> None:
-        """`--workers auto` with --ray: one worker a live node of the cluster (connecting to it now)."""
-        self.pool = self.pool or self._ray_pool()
-        nodes = len(self.pool.nodes())
+        """`--workers auto` with --ray: one worker a live node of the cluster (connecting to it now; the nodes'
+        preflight comes with the pool, after `run_started`)."""
+        from builder.run.ray_pool import RayPool  # noqa: PLC0415
+
+        self._ray_connected = RayPool(self.opts.ray, RAY_CPUS_PER_WORKER)
+        nodes = len(self._ray_connected.nodes())
         self.workers = max(1, nodes)
         self.workers_why = f"one a live node of the Ray cluster, {nodes} (--workers N for more)"
 
@@ -568,7 +574,7 @@ class Coordinator:
         """The Ray cluster's worker pool (--ray), after checking every node sees the build directory."""
         from builder.run.ray_pool import RayPool  # noqa: PLC0415
 
-        pool = RayPool(self.opts.ray, RAY_CPUS_PER_WORKER)
+        pool, self._ray_connected = self._ray_connected or RayPool(self.opts.ray, RAY_CPUS_PER_WORKER), None
         # an engine backend's GPUs are the servers', not hsbuild's (as in the local preflight)
         device = self.opts.device or self.cfg.device if self.cfg.backend == "inprocess" else "cpu"
         problems, warnings = pool.probe(self.lay.root, self.run_id, device)
