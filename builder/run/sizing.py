@@ -3,7 +3,7 @@
 - An engine backend (vLLM): one. The server holds the model and runs the passes; one worker keeps its
   in-flight window full.
 - The in-process backend on GPUs (`--device auto` or `cuda` with GPUs visible): one worker a visible GPU
-  (`CUDA_VISIBLE_DEVICES` where set, else NVML's count); worker i runs on GPU i mod their count.
+  (NVML's count, narrowed by `CUDA_VISIBLE_DEVICES`); worker i runs on GPU i mod their count.
   `--device cuda:N` pins every worker to one GPU: one worker.
 - The in-process backend on the CPU: one worker a usable CPU (each with one intra-op thread: a forward pass
   over a few hundred tokens keeps several threads poorly busy, several processes do not), at most
@@ -81,18 +81,20 @@ def mem_available() -> int | None:
 
 
 def visible_gpus() -> int:
-    """GPUs a worker can see: CUDA_VISIBLE_DEVICES's entries where it is set (empty or -1: none), else NVML's
-    device count (0 without the library, a driver or a GPU). Does not import torch."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        entries = [e.strip() for e in env.split(",") if e.strip()]
-        if not entries or entries[0].startswith("-"):
-            return 0
-        return len(entries)
+    """GPUs a worker can see: NVML's device count (0 without the library, a driver or a GPU: CUDA needs the
+    driver NVML comes with), narrowed to CUDA_VISIBLE_DEVICES's entries where that is set (empty or -1: none).
+    Does not import torch."""
     from builder.doctor.gpu import inventory  # noqa: PLC0415
 
     inv = inventory(with_processes=False)
-    return len(inv.devices) if inv.available else 0
+    count = len(inv.devices) if inv.available else 0
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None or count == 0:
+        return count
+    entries = [e.strip() for e in env.split(",") if e.strip()]
+    if not entries or entries[0].startswith("-"):
+        return 0
+    return min(len(entries), count)
 
 
 def host_now() -> Host:

@@ -66,16 +66,18 @@ def test_gpu_workers_one_a_visible_gpu_unless_pinned_or_served():
     assert auto_workers("inprocess", "cpu", 10 << 20, roomy).workers == CPU_WORKERS_MAX
 
 
-def test_visible_gpus_from_cuda_visible_devices_else_nvml(monkeypatch):
+def test_visible_gpus_are_nvmls_narrowed_by_cuda_visible_devices(monkeypatch):
     fake = fake_nvml_module()
     monkeypatch.setattr(gpu, "_nvml", lambda: fake.FakeNVML([fake.FakeGpu() for _ in range(8)]))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert visible_gpus() == 8
-    for env, n in (("0,1,2", 3), ("GPU-1234,GPU-5678", 2), ("", 0), ("-1", 0)):
+    for env, n in (("0,1,2", 3), ("GPU-1234,GPU-5678", 2), ("", 0), ("-1", 0), (",".join(map(str, range(12))), 8)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
         assert visible_gpus() == n, env
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    # no driver (NVML does not load): no GPU, whatever CUDA_VISIBLE_DEVICES says
     monkeypatch.setattr(gpu, "_nvml", lambda: fake.FakeNVML(library_missing=True))
+    assert visible_gpus() == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert visible_gpus() == 0
 
 
