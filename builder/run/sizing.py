@@ -97,8 +97,9 @@ def visible_gpus() -> int:
     return min(len(entries), count)
 
 
-def host_now() -> Host:
-    return Host(cpus=usable_cpus(), mem_available=mem_available(), gpus=visible_gpus())
+def host_now(gpus: bool = True) -> Host:
+    """This host now; `gpus=False` skips asking NVML (a run that will not use them)."""
+    return Host(cpus=usable_cpus(), mem_available=mem_available(), gpus=visible_gpus() if gpus else 0)
 
 
 def model_bytes(model: str, dtype: str) -> int:
@@ -154,8 +155,8 @@ def workers_for(cfg: BuildConfig, device: str | None = None, importing: bool = F
                 host: Host | None = None) -> WorkerCount:
     """`auto` for this build on this host: `device` is the run's (--device), else the config's. An import's
     workers read dumped files and load no model."""
-    host = host or host_now()
-    if importing:
-        return auto_workers("inprocess", "cpu", 0, host)
-    return auto_workers(cfg.backend, device or cfg.device,
-                        model_bytes(cfg.model, cfg.dtype) if cfg.backend == "inprocess" else 0, host)
+    device = "cpu" if importing else device or cfg.device
+    backend = "inprocess" if importing else cfg.backend
+    host = host or host_now(gpus=backend == "inprocess" and device in ("auto", "cuda"))
+    return auto_workers(backend, device, model_bytes(cfg.model, cfg.dtype) if backend == "inprocess" and not importing
+                        else 0, host)

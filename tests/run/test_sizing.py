@@ -26,6 +26,7 @@ from builder.run.sizing import (
     model_bytes,
     usable_cpus,
     visible_gpus,
+    workers_for,
 )
 
 GiB = 1 << 30
@@ -96,6 +97,21 @@ def test_model_bytes_of_a_hugging_face_directory_scales_its_weights_to_the_runs_
     assert model_bytes(str(model), "float32") == stored
     assert model_bytes(str(model), "bfloat16") == stored // 2
     assert model_bytes(str(tmp_path / "nothing-here"), "bfloat16") == 0
+
+
+def test_a_builds_count_follows_its_backend_device_and_model():
+    host = Host(cpus=4, mem_available=64 * GiB, gpus=0)
+    cfg = BuildConfig(source="s.jsonl", model=TINY)
+    assert workers_for(cfg, host=host).workers == 4
+    assert workers_for(cfg, "cuda:1", host=host).workers == 1
+    served = BuildConfig(source="s.jsonl", model="/models/llama", backend="vllm")
+    assert workers_for(served, host=host).workers == 1
+    # an import reads dumped files, whatever the build's backend: no model is loaded
+    assert workers_for(served, importing=True, host=host).workers == 4
+    # a 70B-shaped model in bf16 (~140 GB) on a 64 GiB host: one worker, and the reason says so
+    big = BuildConfig(source="s.jsonl", model="builtin:hidden=8192,layers=80,heads=64,kv_heads=8,intermediate=28672")
+    count = workers_for(big, host=host)
+    assert count.workers == 1 and "less than one copy" in count.why
 
 
 def _run_started(build) -> dict:
