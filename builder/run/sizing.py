@@ -5,11 +5,11 @@
 - The in-process backend on GPUs (`--device auto` or `cuda` with GPUs visible): one worker a visible GPU
   (NVML's count, narrowed by `CUDA_VISIBLE_DEVICES`); worker i runs on GPU i mod their count.
   `--device cuda:N` pins every worker to one GPU: one worker.
-- The in-process backend on the CPU: one worker a usable CPU (each with one intra-op thread: a forward pass
-  over a few hundred tokens keeps several threads poorly busy, several processes do not), at most
-  CPU_WORKERS_MAX, and no more than half the memory available now holds (each worker loads its own copy of
-  the model: its weights in the run's dtype, a quarter more for a pass's activations, WORKER_BASE_BYTES for
-  the interpreter and torch beside them).
+- The in-process backend on the CPU: one worker a usable CPU (the affinity mask, lowered to a cgroup CPU
+  quota), each with one intra-op thread (a forward pass over a few hundred tokens keeps several threads
+  poorly busy, several processes do not), at most CPU_WORKERS_MAX, and no more than half the memory
+  available now holds (each worker loads its own copy of the model: its weights in the run's dtype, a quarter
+  more for a pass's activations, WORKER_BASE_BYTES for the interpreter and torch beside them).
 
 The library decides; the run echoes the count and why (`workers: 2 (auto: ...)`) and records both in its
 `run_started` event. A number (`--workers N`, `workers = N` in hsbuild.toml) is always taken as given.
@@ -36,7 +36,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 @dataclass(frozen=True)
 class Host:
     """What `auto` sizes against."""
-    cpus: int  # usable by this process (its affinity mask)
+    cpus: int  # usable by this process (its affinity mask, its cgroup's CPU quota)
     mem_available: int | None  # bytes: the kernel's MemAvailable, or the cgroup's room if smaller; None: unknown
     gpus: int  # visible to a worker
 
@@ -47,11 +47,29 @@ class WorkerCount:
     why: str  # one line: what decided it
 
 
-def usable_cpus() -> int:
+CGROUP = Path("/sys/fs/cgroup")  # cgroup v2's mount: this process's limits where it runs in a container
+
+
+def quota_cpus(cgroup: Path = CGROUP) -> int | None:
+    """CPUs a cgroup v2 CPU quota allows (`cpu.max`: "200000 100000" is 2, rounded up), or None where there is
+    no quota ("max") or no such file. A container often sees every core of its host and is throttled to a few."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return None
+    return max(1, -(-int(quota) // int(period)))
+
+
+def usable_cpus(cgroup: Path = CGROUP) -> int:
+    """CPUs this process may use: its affinity mask, lowered to its cgroup's CPU quota where that is smaller."""
+    try:
+        cpus = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cpus = max(1, os.cpu_count() or 1)
+    quota = quota_cpus(cgroup)
+    return min(cpus, quota) if quota is not None else cpus
 
 
 def _read_int(path: str) -> int | None:
@@ -73,7 +91,7 @@ def mem_available() -> int | None:
                 break
     except (OSError, ValueError, IndexError):
         avail = None
-    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    limit, used = _read_int(str(CGROUP / "memory.max")), _read_int(str(CGROUP / "memory.current"))
     if limit is not None and used is not None:
         room = max(0, limit - used)
         avail = room if avail is None else min(avail, room)

@@ -24,6 +24,7 @@ from builder.run.sizing import (
     auto_workers,
     mem_available,
     model_bytes,
+    quota_cpus,
     usable_cpus,
     visible_gpus,
     workers_for,
@@ -65,6 +66,20 @@ def test_gpu_workers_one_a_visible_gpu_unless_pinned_or_served():
     # --device cpu on a GPU node: the CPU rule
     roomy = Host(cpus=96, mem_available=512 * GiB, gpus=8)
     assert auto_workers("inprocess", "cpu", 10 << 20, roomy).workers == CPU_WORKERS_MAX
+
+
+def test_a_containers_cpu_quota_bounds_the_cores(tmp_path):
+    """cgroup v2's cpu.max, as a container runtime writes it (a directory of files stands in for the mount)."""
+    cg = tmp_path / "cgroup"
+    cg.mkdir()
+    assert quota_cpus(cg) is None and usable_cpus(cg) == usable_cpus(tmp_path / "none")  # no file: no quota
+    for text, cpus in (("max 100000\n", None), ("200000 100000\n", 2), ("150000 100000\n", 2), ("50000 100000", 1)):
+        (cg / "cpu.max").write_text(text)
+        assert quota_cpus(cg) == cpus, text
+    (cg / "cpu.max").write_text("100000 100000\n")
+    assert usable_cpus(cg) == 1  # whatever this machine's affinity mask holds
+    (cg / "cpu.max").write_text(f"{1000 * 100000} 100000\n")  # a quota above the mask: the mask
+    assert usable_cpus(cg) == len(os.sched_getaffinity(0))
 
 
 def test_visible_gpus_are_nvmls_narrowed_by_cuda_visible_devices(monkeypatch):
