@@ -3,7 +3,9 @@
 - An engine backend (vLLM): one. The server holds the model and runs the passes; one worker keeps its
   in-flight window full.
 - The in-process backend on GPUs (`--device auto` or `cuda` with GPUs visible): one worker a visible GPU
-  (NVML's count, narrowed by `CUDA_VISIBLE_DEVICES`); worker i runs on GPU i mod their count.
+  (NVML's count, narrowed by `CUDA_VISIBLE_DEVICES`), as far as half this host's available memory holds
+  their copies of the model (each is loaded here before it moves to its GPU); worker i runs on GPU i mod
+  their count.
   `--device cuda:N` pins every worker to one GPU: one worker.
 - The in-process backend on the CPU: one worker a usable CPU (the affinity mask, lowered to a cgroup CPU
   quota), each with one intra-op thread (a forward pass over a few hundred tokens keeps several threads
@@ -147,26 +149,36 @@ def model_bytes(model: str, dtype: str) -> int:
     return stored * size // stored_size
 
 
+def _copies(model_size: int, host: Host) -> tuple[int | None, str]:
+    """How many workers' model copies half the available memory holds (None: unknown), and that as words."""
+    per_worker = model_size + model_size // 4 + WORKER_BASE_BYTES
+    if host.mem_available is None:
+        return None, ""
+    n = int(host.mem_available * MEMORY_SHARE) // per_worker
+    copies = f"{n} copies" if n else "less than one copy"
+    return n, (f"memory for {copies} of the model ({per_worker / 2**30:.1f} GiB a worker, half of "
+               f"{host.mem_available / 2**30:.1f} GiB available)")
+
+
 def auto_workers(backend: str, device: str, model_size: int, host: Host) -> WorkerCount:
     """The worker count `--workers auto` stands for (see the module's docstring)."""
     if backend != "inprocess":
         return WorkerCount(1, f"the {backend} server runs the model; one worker keeps its requests in flight")
     if device.startswith("cuda:"):
         return WorkerCount(1, f"--device {device} pins the workers to one GPU")
+    by_memory, memory = _copies(model_size, host)
     if device in ("auto", "cuda") and host.gpus > 0:
+        # each GPU worker loads its copy in this host's memory before moving it to its GPU
+        if by_memory is not None and by_memory < host.gpus:
+            return WorkerCount(max(1, by_memory), f"{host.gpus} GPUs visible, but {memory}")
         return WorkerCount(host.gpus, f"one a GPU, {host.gpus} visible")
-    per_worker = model_size + model_size // 4 + WORKER_BASE_BYTES
-    by_memory = None if host.mem_available is None else int(host.mem_available * MEMORY_SHARE) // per_worker
     n = max(1, min(host.cpus, CPU_WORKERS_MAX, by_memory if by_memory is not None else host.cpus))
     why = f"the CPU: {host.cpus} usable core(s)"
     if by_memory is not None and by_memory < min(host.cpus, CPU_WORKERS_MAX):
-        copies = f"{by_memory} copies" if by_memory else "less than one copy"
-        why += (f", memory for {copies} of the model ({per_worker / 2**30:.1f} GiB a worker, half of "
-                f"{host.mem_available / 2**30:.1f} GiB available)")
+        why += f", {memory}"
     elif host.cpus > CPU_WORKERS_MAX:
         why += f", at most {CPU_WORKERS_MAX}"
     return WorkerCount(n, why + f"; {max(1, host.cpus // n)} thread(s) each")
-
 
 
 def workers_for(cfg: BuildConfig, device: str | None = None, importing: bool = False,

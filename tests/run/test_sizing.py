@@ -57,9 +57,14 @@ def test_cpu_workers_are_as_many_as_half_the_available_memory_holds_copies_of_th
 
 
 def test_gpu_workers_one_a_visible_gpu_unless_pinned_or_served():
-    host = Host(cpus=96, mem_available=GiB, gpus=8)  # GPU workers: the host's memory does not bound them
-    assert auto_workers("inprocess", "auto", 140 * GiB, host).workers == 8
-    assert auto_workers("inprocess", "cuda", 140 * GiB, host).workers == 8
+    host = Host(cpus=96, mem_available=2048 * GiB, gpus=8)
+    assert auto_workers("inprocess", "auto", 16 * GiB, host).workers == 8
+    assert auto_workers("inprocess", "cuda", 16 * GiB, host).workers == 8
+    # each worker loads its copy in host memory before moving it to its GPU: 8 copies of 140 GB do not fit
+    # in half of 1 TiB, 2 do
+    tight = auto_workers("inprocess", "auto", 140 * GiB, Host(cpus=96, mem_available=1024 * GiB, gpus=8))
+    assert tight.workers == 2 and "8 GPUs visible, but memory for 2 copies" in tight.why
+    assert auto_workers("inprocess", "auto", 140 * GiB, Host(cpus=96, mem_available=None, gpus=8)).workers == 8
     pinned = auto_workers("inprocess", "cuda:3", 140 * GiB, host)
     assert pinned.workers == 1 and "cuda:3" in pinned.why
     assert auto_workers("vllm", "auto", 0, host).workers == 1
