@@ -218,7 +218,9 @@ class RayWorker:
     def _end(self, code: int, lost: str | None = None) -> None:
         if self._done.is_set():
             return
-        self.exitcode, self.lost = code, lost
+        # a reason given before the actor was killed (`kill`: its server's host is gone) is the cause; the
+        # uplink's ActorDiedError that the kill then raises is only its symptom
+        self.exitcode, self.lost = code, self.lost or lost
         self._done.set()
         try:
             self._theirs.close()  # the coordinator reads EOF after the messages already passed on

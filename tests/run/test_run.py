@@ -156,7 +156,7 @@ def test_init_refuses_existing_build_unless_force(make_build, cli, tmp_path):
 
 
 def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli):
-    build = make_build(150, seed=3)
+    build = make_build(1500, seed=3)  # still going at the Ctrl-C (one worker a core)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -165,6 +165,7 @@ def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli):
         if cp.returncode == 0 and json.loads(cp.stdout)[0]["n"] >= 5:
             break
         time.sleep(0.2)
+    assert p.poll() is None, "the run ended before the Ctrl-C"
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
@@ -176,7 +177,7 @@ def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli):
     assert "started" not in states  # stopped between samples: nothing left in flight
     cp = cli("resume", build, "--no-progress")
     assert cp.returncode == 0, cp.stderr
-    assert assert_bit_exact(build) == 150
+    assert assert_bit_exact(build) == 1500
     assert os.path.exists(layout(build).lock)
 
 
