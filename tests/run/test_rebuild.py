@@ -73,12 +73,14 @@ def _written(build) -> int:
 def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli):
     """kill -9 mid-run, then the WAL is lost: the log rolls back to `init`. Resume finds the durable samples in
     the segments' manifests, checks their bytes and records them instead of extracting everything again."""
-    build = make_build(n=600)  # (the run must still be going when killed: 60 samples take this model a moment)
+    n = 1500  # the run (one worker a core) must still be going when killed
+    build = make_build(n=n)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 240
     while _written(build) < 15 and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.3)
+    assert p.poll() is None, "the run ended before it could be killed"
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     lay = layout(build)
@@ -95,10 +97,10 @@ def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli):
     assert adopted >= 15
     with EventLog(lay.events, read_only=True) as log:
         _, rows = log.query("SELECT sample_id, count(*) FROM events WHERE kind = 'written' GROUP BY 1")
-        assert len(rows) == 600 and all(n == 1 for _, n in rows)  # adopted or extracted, each exactly once
+        assert len(rows) == n and all(k == 1 for _, k in rows)  # adopted or extracted, each exactly once
         wrote = log.query("SELECT count(*) FROM events WHERE kind = 'written' AND detail LIKE '%adopted%'")[1][0][0]
         assert wrote == adopted
-    assert assert_bit_exact(build) == 600
+    assert assert_bit_exact(build) == n
 
 
 def test_a_damaged_log_is_one_line_naming_the_repair(make_build, cli):
