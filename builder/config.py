@@ -52,6 +52,11 @@ BACKENDS = ("inprocess", "vllm")
 UNKNOWN = object()  # a value at init that an old build did not record
 
 
+def is_count(v: object) -> bool:
+    """An integer >= 1 (a bool is not one, though Python calls it an int)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 @dataclass
 class BuildConfig:
     source: str
@@ -120,10 +125,9 @@ class BuildConfig:
             raise UsageError(f"{path}: {e}") from e
         for k in POSITIVE_INTS:
             v = getattr(cfg, k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            if v is not None and not is_count(v):
                 raise UsageError(f"{path}: {k} = {v!r}: must be an integer >= 1")
-        if cfg.workers != AUTO_WORKERS and (isinstance(cfg.workers, bool) or not isinstance(cfg.workers, int)
-                                            or cfg.workers < 1):
+        if cfg.workers != AUTO_WORKERS and not is_count(cfg.workers):
             raise UsageError(f"{path}: workers = {cfg.workers!r}: must be \"{AUTO_WORKERS}\" or an integer >= 1")
         if not isinstance(cfg.engine_args, list) or not all(isinstance(a, str) for a in cfg.engine_args):
             raise UsageError(f"{path}: engine_args = {cfg.engine_args!r}: must be a list of strings")

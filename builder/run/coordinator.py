@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from builder.config import AUTO_WORKERS, load_config, require_same_format
+from builder.config import AUTO_WORKERS, is_count, load_config, require_same_format
 from builder.doctor.gpu import GpuSampler
 from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import (
@@ -146,7 +146,7 @@ class Coordinator:
             else:
                 count = workers_for(self.cfg, self.opts.device, importing=self.opts.imports is not None)
                 self.workers, self.workers_why = count.workers, count.why
-        elif isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
+        elif not is_count(spec):
             raise UsageError(f"--workers {spec}: must be auto or at least 1")
         else:
             self.workers = spec

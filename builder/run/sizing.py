@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from builder.extract.spec import BuiltinSpec, is_builtin
+
 if TYPE_CHECKING:
     from builder.config import BuildConfig
 
@@ -74,9 +76,9 @@ def usable_cpus(cgroup: Path = CGROUP) -> int:
     return min(cpus, quota) if quota is not None else cpus
 
 
-def _read_int(path: str) -> int | None:
+def _read_int(path: Path) -> int | None:
     try:
-        text = Path(path).read_text().strip()
+        text = path.read_text().strip()
     except OSError:
         return None
     return int(text) if text.isdigit() else None
@@ -93,7 +95,7 @@ def mem_available() -> int | None:
                 break
     except (OSError, ValueError, IndexError):
         avail = None
-    limit, used = _read_int(str(CGROUP / "memory.max")), _read_int(str(CGROUP / "memory.current"))
+    limit, used = _read_int(CGROUP / "memory.max"), _read_int(CGROUP / "memory.current")
     if limit is not None and used is not None:
         room = max(0, limit - used)
         avail = room if avail is None else min(avail, room)
@@ -127,9 +129,7 @@ def model_bytes(model: str, dtype: str) -> int:
     Hugging Face directory's weight files scaled from their dtype (config.json's torch_dtype) to the run's.
     0 where that cannot be told (the model is then not what limits the count)."""
     size = DTYPE_BYTES.get(dtype, 2)
-    if model == "builtin" or model.startswith("builtin:"):
-        from builder.extract.spec import BuiltinSpec  # noqa: PLC0415
-
+    if is_builtin(model):
         s = BuiltinSpec.parse(model)
         head_dim = s.hidden // s.heads
         layer = (2 * s.hidden + s.hidden * head_dim * (2 * s.heads + 2 * s.kv_heads)

@@ -2,7 +2,7 @@
 
 The rule itself (auto_workers) is a function of what the host has, tested over hosts this machine is not
 (8 GPUs, 64 cores, little memory); the runs below use the real host: its CPU affinity, /proc/meminfo.
-There is no GPU here: the GPU count comes from CUDA_VISIBLE_DEVICES or NVML faked at its boundary.
+There is no GPU here: the GPU count comes from NVML faked at its boundary, narrowed by CUDA_VISIBLE_DEVICES.
 """
 
 from __future__ import annotations
