@@ -178,6 +178,11 @@ def main() -> None:
               "is durable (fsynced), the baseline's is not until its sync")
         print(f"hsbuild's start-up: `hsbuild init` {h['init']:.2f} s (its own process: source, tokenizer, model "
               f"digest), `hsbuild run` until the first sample started {h['startup'] - h['init']:.2f} s")
+        # each round's pair (run one after the other): the spread says how far a median can be trusted here
+        pairs = list(zip(results["baseline"], results["hsbuild"], strict=True))
+        print("per round, end to end: " + ", ".join(f"{bl['total'] / hs['total']:.2f}x" for bl, hs in pairs)
+              + f" (median {statistics.median(bl['total'] / hs['total'] for bl, hs in pairs):.2f}x); steady: "
+              + ", ".join(f"{bl['steady'] / hs['steady']:.2f}x" for bl, hs in pairs))
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

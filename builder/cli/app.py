@@ -155,6 +155,7 @@ def _standby_for(args: argparse.Namespace):
     if getattr(args, "ray", None):
         return None
     from builder.config import load_config  # noqa: PLC0415
+    from builder.extract.spec import is_builtin  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
     from builder.run.standby import Standby  # noqa: PLC0415
 
@@ -168,7 +169,7 @@ def _standby_for(args: argparse.Namespace):
 
         workers = workers_for(cfg, args.device).workers
     # a Hugging Face model: the workers import transformers while they wait (about 3 s of a run's start-up)
-    hf = cfg.backend == "inprocess" and isinstance(cfg.model, str) and not cfg.model.startswith("builtin")
+    hf = cfg.backend == "inprocess" and isinstance(cfg.model, str) and not is_builtin(cfg.model)
     return Standby(workers, preload_hf=hf) if isinstance(workers, int) and 0 < workers <= 256 else None
 
 
