@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,20 @@ ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)
 # a built-in model wide enough that a sample of a few hundred tokens takes a visible moment (~0.1 s on a CPU core):
 # tests that act mid-run use it so the run is far from its end when they act
 SLOWER = "builtin:hidden=1024,layers=8,vocab=1024,heads=8,kv_heads=2,intermediate=4096"
+
+
+def wait_for_commits(build: Path, proc: subprocess.Popen, wal_bytes: int = 64 << 10, timeout: float = 240) -> None:
+    """Return once the run `proc` on `build` has committed a stretch of events: its log's WAL holds `wal_bytes`
+    (64 KiB: about a hundred `written` samples, and far below the size at which DuckDB folds the WAL into the
+    database file). Watched with a stat every 20 ms: polling `hsbuild sql` takes seconds under load, in which a
+    fast run can reach its end. The caller checks that the run is still going."""
+    wal = build / "events.duckdb.wal"
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if wal.stat().st_size >= wal_bytes:
+                return
+        time.sleep(0.02)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

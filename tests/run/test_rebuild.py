@@ -8,9 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import torch
+from conftest import wait_for_commits
 from test_run import assert_bit_exact
 
 from builder.formats.reader import HiddenStateDataset
@@ -69,12 +69,8 @@ def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli):
     wal = lay.events.with_name(lay.events.name + ".wal")
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    # killed once its WAL holds some commits, watched with a stat (polling `hsbuild sql`, seconds apart under
-    # load, let the fast run reach its end, whose checkpoint folds the WAL away); far below the WAL's checkpoint
-    # size, so none of the run's commits is in the database file yet
-    deadline = time.monotonic() + 240
-    while p.poll() is None and time.monotonic() < deadline and not (wal.exists() and wal.stat().st_size >= 64 << 10):
-        time.sleep(0.02)
+    # killed once its WAL holds commits, and before the run's end (whose closing checkpoint folds the WAL away)
+    wait_for_commits(build, p)
     assert p.poll() is None, "the run ended before it could be killed"
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()

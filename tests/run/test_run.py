@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from conftest import random_rows, same_states, write_jsonl
+from conftest import random_rows, same_states, wait_for_commits, write_jsonl
 from torch.utils.data import DataLoader
 
 from builder.config import BuildConfig
@@ -159,12 +159,7 @@ def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli):
     build = make_build(1500, seed=3)  # still going at the Ctrl-C (one worker a core)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # wait until samples are being written
-        cp = cli("sql", build, "SELECT count(*) AS n FROM events WHERE kind='written'", "--json")
-        if cp.returncode == 0 and json.loads(cp.stdout)[0]["n"] >= 5:
-            break
-        time.sleep(0.2)
+    wait_for_commits(build, p)  # samples are being written
     assert p.poll() is None, "the run ended before the Ctrl-C"
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
