@@ -27,6 +27,11 @@ class BuildLayout:
         return self.root / EVENTS_NAME
 
     @property
+    def wal(self) -> Path:
+        """DuckDB's write-ahead log beside the event log: commits not yet folded into the database file."""
+        return self.root / (EVENTS_NAME + ".wal")
+
+    @property
     def data(self) -> Path:
         return self.root / DATA_NAME
 

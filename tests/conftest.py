@@ -18,6 +18,7 @@ from vllm_fixture import tiny_llama, vllm_server  # noqa: F401 (a real vLLM serv
 
 from builder.config import Watermarks
 from builder.extract.model import fix_threading
+from builder.layout import layout
 from builder.run.create import init_build
 
 # Builds in tests live on the machine's ordinary disk, whose fill level we do not control: unless a test is
@@ -43,7 +44,7 @@ def wait_for_commits(build: Path, proc: subprocess.Popen, wal_bytes: int = 64 <<
     (64 KiB: about a hundred `written` samples, and far below the size at which DuckDB folds the WAL into the
     database file). Watched with a stat every 20 ms: polling `hsbuild sql` takes seconds under load, in which a
     fast run can reach its end. The caller checks that the run is still going."""
-    wal = build / "events.duckdb.wal"
+    wal = layout(build).wal
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(FileNotFoundError):

@@ -213,7 +213,7 @@ def check_backend(backend: str, server: str | None, staging: str | None, infligh
 def _remove_previous_build(lay: BuildLayout) -> None:
     """What `init --force` replaces: the config, the log (+ WAL), the data group, the ballast, a stale socket.
     Checks all of them belong to hsbuild before removing any (the caller holds the build lock)."""
-    wal = lay.events.with_name(lay.events.name + ".wal")
+    wal = lay.wal
     sock = lay.root / "hsbuild.sock"
     if lay.events.exists():
         _require_event_log(lay.events)

@@ -145,7 +145,7 @@ def rebuild_log(build: str | Path, make_meta: Callable[[BuildLayout], dict],
         samples = load_samples(lay)
         kept_as = None
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        for p in (lay.events, lay.events.with_name(lay.events.name + ".wal")):
+        for p in (lay.events, lay.wal):
             if p.exists():
                 dest = p.with_name(f"{p.name}.damaged-{stamp}")
                 os.replace(p, dest)

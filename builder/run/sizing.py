@@ -185,8 +185,10 @@ def workers_for(cfg: BuildConfig, device: str | None = None, importing: bool = F
                 host: Host | None = None) -> WorkerCount:
     """`auto` for this build on this host: `device` is the run's (--device), else the config's. An import's
     workers read dumped files and load no model."""
-    device = "cpu" if importing else device or cfg.device
-    backend = "inprocess" if importing else cfg.backend
+    if importing:
+        backend, device, size = "inprocess", "cpu", 0
+    else:
+        backend, device = cfg.backend, device or cfg.device
+        size = model_bytes(cfg.model, cfg.dtype) if backend == "inprocess" else 0
     host = host or host_now(gpus=backend == "inprocess" and device in ("auto", "cuda"))
-    return auto_workers(backend, device, model_bytes(cfg.model, cfg.dtype) if backend == "inprocess" and not importing
-                        else 0, host)
+    return auto_workers(backend, device, size, host)

@@ -42,7 +42,7 @@ BALLAST_PURPOSE = ("reserved space, released when the disk fills so the event lo
 def log_bytes(lay: BuildLayout) -> int:
     """The event log's size on disk now (the database file and its WAL)."""
     total = 0
-    for p in (lay.events, lay.events.with_name(lay.events.name + ".wal")):
+    for p in (lay.events, lay.wal):
         try:
             total += p.stat().st_size
         except OSError:

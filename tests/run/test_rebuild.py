@@ -66,7 +66,7 @@ def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli):
     n = 1500  # the run (one worker a core) must still be going when killed
     build = make_build(n=n)
     lay = layout(build)
-    wal = lay.events.with_name(lay.events.name + ".wal")
+    wal = lay.wal
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     # killed once its WAL holds commits, and before the run's end (whose closing checkpoint folds the WAL away)

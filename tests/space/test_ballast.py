@@ -102,7 +102,7 @@ def test_the_released_ballast_lets_the_log_commit_through_a_checkpoint(tmp_path,
     checksums = json.dumps({f: "crc32c:0123abcd" for f in ("input_ids", "loss_mask", "hidden_state",
                                                            "aux_hidden_state")})
     committed, i = 0, 0
-    wal = lay.events.with_name(lay.events.name + ".wal")
+    wal = lay.wal
     checkpointed = False
     while committed < 60_000:
         batch = []
