@@ -1,4 +1,4 @@
-"""How arrays are encoded in a segment: codecs (zarr's, backed by numcodecs), storage dtypes, checksums."""
+"""How arrays are encoded in a segment: codecs (Zarr v3 codecs, encoded with numcodecs), storage dtypes, checksums."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import crc32c
 import numcodecs
 import numpy as np
-import zarr.codecs as zc
 
 from builder.config import CODEC_SPECS
 from builder.errors import UsageError
@@ -46,7 +45,8 @@ BLOSC_NAMES = {"blosc-lz4": ("lz4", "shuffle"), "blosc-zstd": ("zstd", "shuffle"
 
 def parse_codec(spec: str, typesize: int = 2) -> list:
     """`zstd:LEVEL`, `blosc-lz4:LEVEL`, `blosc-zstd:LEVEL` (byte shuffle), `blosc-lz4-bitshuffle:LEVEL`,
-    `blosc-zstd-bitshuffle:LEVEL` (bit shuffle) or `none` (zarr's codecs, backed by numcodecs).
+    `blosc-zstd-bitshuffle:LEVEL` (bit shuffle) or `none`, as the Zarr v3 codec documents that follow the
+    `bytes` codec in an array's zarr.json (zarr_meta.py); `chunk_encoder` encodes with them.
     A level numcodecs would refuse (or silently clamp) is a UsageError naming --codec, so `init` refuses it
     instead of every sample failing later."""
     name, _, level_s = spec.partition(":")
@@ -62,13 +62,15 @@ def parse_codec(spec: str, typesize: int = 2) -> list:
         if level is not None and not ZSTD_LEVELS[0] <= level <= ZSTD_LEVELS[1]:
             raise UsageError(f"--codec '{spec}': zstd levels are {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]} "
                              "(1 is the default)")
-        return [zc.ZstdCodec(level=1 if level is None else level)]
+        return [{"name": "zstd", "configuration": {"level": 1 if level is None else level, "checksum": False}}]
     if name in BLOSC_NAMES:
         if level is not None and not BLOSC_LEVELS[0] <= level <= BLOSC_LEVELS[1]:
             raise UsageError(f"--codec '{spec}': blosc levels are {BLOSC_LEVELS[0]}..{BLOSC_LEVELS[1]} "
                              "(5 is the default)")
         cname, shuffle = BLOSC_NAMES[name]
-        return [zc.BloscCodec(cname=cname, clevel=5 if level is None else level, shuffle=shuffle, typesize=typesize)]
+        return [{"name": "blosc", "configuration": {"typesize": typesize, "cname": cname,
+                                                    "clevel": 5 if level is None else level, "shuffle": shuffle,
+                                                    "blocksize": 0}}]
     raise UsageError(f"--codec '{spec}': use {CODEC_SPECS}")
 
 
@@ -168,10 +170,10 @@ def chunk_encoder(spec: str, typesize: int = 2) -> Callable[[np.ndarray], bytes]
     (codec,) = parse_codec(spec, typesize) or [None]
     if codec is None:
         return lambda a: a.tobytes()
-    if isinstance(codec, zc.ZstdCodec):
-        z = numcodecs.Zstd(level=codec.level, checksum=codec.checksum)
+    cfg = codec["configuration"]
+    if codec["name"] == "zstd":
+        z = numcodecs.Zstd(level=int(cfg["level"]), checksum=bool(cfg["checksum"]))
         return lambda a: bytes(z.encode(a))
-    cfg = codec.to_dict()["configuration"]
     shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[str(cfg["shuffle"])]
     b = numcodecs.Blosc(cname=str(cfg["cname"]), clevel=int(cfg["clevel"]), shuffle=shuffle,
                         blocksize=int(cfg.get("blocksize", 0)), typesize=int(cfg["typesize"]))

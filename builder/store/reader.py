@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import zarr
 
 from builder.errors import DamagedSampleError
 from builder.store.codec import checksum, from_storage
@@ -138,6 +137,8 @@ class SegmentReader:
     def arrays(self, segment: str) -> dict:
         if segment not in self._cache:
             probe_metadata(self.data_root, segment)
+            import zarr  # noqa: PLC0415 - only a reader of a segment's arrays pays for zarr's import
+
             try:
                 group = zarr.open_group(store=str(self.data_root / segment), mode="r")
                 arrays = {f: group[f] for f in FIELDS}

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import zarr
 
 from builder.config import DEFAULT_CODEC
 from builder.fsutil import atomic_write_bytes, fsync_path, fsync_paths
@@ -52,6 +51,7 @@ from builder.store.codec import (
     to_storage,
 )
 from builder.store.shard import ShardGeometry, shard_parts, shard_path
+from builder.store.zarr_meta import create_doc, group_doc, sharded_array_doc
 
 FIELDS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 DIMS = {"input_ids": 1, "loss_mask": 1, "hidden_state": 2, "aux_hidden_state": 2}
@@ -120,9 +120,9 @@ class _Staged:
 
 
 def init_data_group(data_root: Path, attrs: dict) -> None:
-    zarr.create_group(store=str(data_root), zarr_format=3, attributes={"hsbuild_layout": LAYOUT_VERSION, **attrs},
-                      overwrite=False)
-    fsync_path(data_root / "zarr.json")
+    """The build's data group: its zarr.json (which must not exist yet) holds the build's layout attributes."""
+    data_root.mkdir(parents=True, exist_ok=True)
+    fsync_path(create_doc(data_root, group_doc({"hsbuild_layout": LAYOUT_VERSION, **attrs})))
     fsync_path(data_root)
     fsync_path(data_root.parent)
 
@@ -235,9 +235,9 @@ class SegmentWriter:
         return self
 
     def _create_metadata(self) -> None:
-        group = zarr.create_group(store=str(self.path), zarr_format=3,
-                                  attributes={"segment": self.name, "created_at": time.time(),
-                                              "hsbuild_layout": LAYOUT_VERSION, "shard_chunks": self.shard_chunks})
+        """The segment's group and its four sharded arrays (zarr_meta.py: the documents zarr would write)."""
+        create_doc(self.path, group_doc({"segment": self.name, "created_at": time.time(),
+                                         "hsbuild_layout": LAYOUT_VERSION, "shard_chunks": self.shard_chunks}))
         fp8 = self.quantize == "fp8"
         store_dtype = "uint8" if fp8 else STORAGE_DTYPES[self.dtype]
         width = {"input_ids": 1, "loss_mask": 1, "hidden_state": stored_width(self.hidden_size, self.quantize),
@@ -247,13 +247,13 @@ class SegmentWriter:
                   "aux_hidden_state": store_dtype}
         for fld in FIELDS:
             two_d = DIMS[fld] == 2
-            shape = (SEGMENT_CAPACITY, width[fld]) if two_d else (SEGMENT_CAPACITY,)
-            chunks = (self.chunk_tokens, width[fld]) if two_d else (self.chunk_tokens,)
-            shards = (self.geometry.shard_tokens, width[fld]) if two_d else (self.geometry.shard_tokens,)
-            group.create_array(name=fld, shape=shape, chunks=chunks, shards=shards, dtype=dtypes[fld],
-                               compressors=parse_codec(self.codec, 1 if fp8 and two_d else 2), fill_value=0,
-                               chunk_key_encoding={"name": "default", "separator": "."},
-                               attributes=state_attrs if two_d else {})
+            row = (width[fld],) if two_d else ()
+            (self.path / fld).mkdir()
+            create_doc(self.path / fld, sharded_array_doc(
+                shape=(SEGMENT_CAPACITY, *row), chunk_shape=(self.chunk_tokens, *row),
+                shard_shape=(self.geometry.shard_tokens, *row), dtype=dtypes[fld],
+                compressors=parse_codec(self.codec, 1 if fp8 and two_d else 2),
+                attributes=state_attrs if two_d else {}))
         (self.path / MANIFEST_DIR).mkdir()
         fsync_paths([self.path / f / "zarr.json" for f in FIELDS] + [self.path / f for f in FIELDS]
                     + [self.path / "zarr.json", self.path / MANIFEST_DIR, self.path])
