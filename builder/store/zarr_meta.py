@@ -1,10 +1,10 @@
 """Zarr v3 metadata documents (`zarr.json`) for what hsbuild writes: a group, and an array sharded along its
 first axis.
 
-They are spelled out from the Zarr v3 specification, key for key as zarr-python 3 writes them
-(tests/store/test_zarr_meta.py compares them with zarr's own), so the write path needs no zarr import: `init`
-and every worker creating a segment saved about 0.2 s of CPU each, at a run's CPU-bound start. Shard files and
-chunks are written the same way (shard.py, codec.chunk_encoder); zarr reads all of it as its own.
+They are spelled out from the Zarr v3 specification as zarr-python 3 writes them (tests/store/test_zarr_meta.py
+compares them with zarr's own, as zarr parses both), so the write path needs no zarr import: `init` and every
+worker creating a segment save about 0.2 s of CPU each, at a run's CPU-bound start. Shard files and chunks are
+written the same way (shard.py, codec.chunk_encoder); zarr reads all of it as its own.
 """
 
 from __future__ import annotations
