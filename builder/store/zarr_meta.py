@@ -10,7 +10,6 @@ written the same way (shard.py, codec.chunk_encoder); zarr reads all of it as it
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -63,12 +62,6 @@ def create_doc(directory: Path, doc: dict) -> Path:
     """Write `directory/zarr.json`, which must not exist yet (FileExistsError, nothing touched). Not fsynced:
     the caller makes the node durable together with the rest of what it creates."""
     path = Path(directory) / ZARR_JSON
-    data = encode(doc)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
+    with path.open("xb") as f:  # O_EXCL; a buffered write is whole
+        f.write(encode(doc))
     return path
