@@ -203,6 +203,13 @@ class Coordinator:
             note_interrupted(self.lay, signum)  # the lock record says so: the next run does not blame a crash
             os._exit(EXIT_INTERRUPTED)  # still safe: nothing uncommitted is ever referenced
 
+    def _announce_stop(self) -> bool:
+        """Say once, from the main loop (never from the handler), that a stop was asked for. True once said."""
+        if not self.stop_requested:
+            return False
+        self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
+        return True
+
     # -- events -------------------------------------------------------------------------------------------
     def emit(self, ev: Event) -> None:
         self.batch.emit(ev)
@@ -639,9 +646,7 @@ class Coordinator:
         announced = False
         try:
             while st.alive:
-                if self.stop_requested and not announced:
-                    announced = True
-                    self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
+                announced = announced or self._announce_stop()
                 stopping = bool(self.stop_requested or self.aborted)
                 flags.stop = stopping
                 # fresh figures as soon as samples landed: a fast writer crosses `high` between two timed polls
@@ -684,6 +689,8 @@ class Coordinator:
         finally:
             flags.stop, flags.gate_open = True, True
             bar.close()
+            if not announced:  # Ctrl-C as the last workers' reports were drawn (the loop had no next turn)
+                self._announce_stop()
             try:
                 self.flush(force=True)
             finally:

@@ -261,6 +261,27 @@ def test_ctrl_c_while_the_progress_bar_draws_stops_cleanly_and_says_so_once(make
     assert {r["state"] for r in _events(build, "SELECT state FROM samples")} <= {"written", "pending"}
 
 
+class _LateCtrlC(_Terminal):
+    """Ctrl-C arrives as the run loop's last turn ends (here: as the bar closes), the moment the last workers'
+    final reports were drawn and the loop has no next turn in which to say it is stopping."""
+
+    def close(self) -> None:
+        self.interrupted = True
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # Python runs the handler between these steps
+            pass
+        super().close()
+
+
+def test_ctrl_c_as_the_run_loop_ends_is_still_said_once(make_build):
+    build = make_build(6, seed=26)
+    term = _LateCtrlC(interrupt_after=10**9)
+    report = run_build(build, RunOptions(workers=2, progress=term), echo=term.echo)
+    assert (report.outcome, report.exit_code) == ("interrupted", 130)
+    assert sum("stopping at a safe point" in line for line in term.lines) == 1, term.lines
+    assert {r["state"] for r in _events(build, "SELECT state FROM samples")} == {"written"}
+
+
 class _FailingBar(_Terminal):
     """A progress display that breaks once the first sample is written: the run loop ends in an error while
     its workers are up."""
