@@ -168,6 +168,7 @@ class Coordinator:
         self.echo = echo
         self.run_id = uuid.uuid4().hex
         self.stop_requested = 0
+        self._stop_said = False  # the main loop has said it is stopping (once)
         self._old_handlers: dict = {}  # SIGINT, SIGTERM: what they were before the run took them
         self._landed = False  # a sample was written since the last watermark poll
         self.aborted: str | None = None  # a worker died: stop at a safe point, `resume` continues
@@ -203,12 +204,11 @@ class Coordinator:
             note_interrupted(self.lay, signum)  # the lock record says so: the next run does not blame a crash
             os._exit(EXIT_INTERRUPTED)  # still safe: nothing uncommitted is ever referenced
 
-    def _announce_stop(self) -> bool:
-        """Say once, from the main loop (never from the handler), that a stop was asked for. True once said."""
-        if not self.stop_requested:
-            return False
-        self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
-        return True
+    def _announce_stop(self) -> None:
+        """Say once, from the main loop (never from the handler), that a stop was asked for."""
+        if self.stop_requested and not self._stop_said:
+            self._stop_said = True
+            self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
 
     # -- events -------------------------------------------------------------------------------------------
     def emit(self, ev: Event) -> None:
@@ -643,10 +643,9 @@ class Coordinator:
         stop_since: float | None = None
         abort_since: float | None = None
         abort_grace = max(self.stop_grace, ABORT_GRACE_SECONDS)
-        announced = False
         try:
             while st.alive:
-                announced = announced or self._announce_stop()
+                self._announce_stop()
                 stopping = bool(self.stop_requested or self.aborted)
                 flags.stop = stopping
                 # fresh figures as soon as samples landed: a fast writer crosses `high` between two timed polls
@@ -689,10 +688,9 @@ class Coordinator:
         finally:
             flags.stop, flags.gate_open = True, True
             bar.close()
-            if not announced:  # Ctrl-C as the last workers' reports were drawn (the loop had no next turn)
-                self._announce_stop()
             try:
                 self.flush(force=True)
+                self._announce_stop()  # Ctrl-C as the loop's last turn drew the final reports: said here, once
             finally:
                 _stop_workers(procs, outboxes, st, SHUTDOWN_SECONDS)
                 if pool is not None and pool is not self.pool:
