@@ -4,9 +4,19 @@
 -- events up to fold_checkpoint_mark.upto, schema/events.sql) combined with the events after it. Every part of
 -- the state combines exactly: the last event of a kind is the tail's if the tail has one, counts add up, and
 -- attempts restart at a `superseded` in the tail. Without a checkpoint the tail is the whole log.
+--   attempts: the `started` events since the last `superseded`, less each extraction start (not an import's)
+--   that a transient failure ended: a `failed` whose reason is the environment's fault, not the sample's, as
+--   the sample's next started/written/failed/superseded/retired event (such a start never counts against
+--   --max-attempts). A start left in flight counts. Only the samples with a transient failure in the tail are
+--   paired up (one window over their events); a transient failure that is a sample's first such event in the
+--   tail ends the checkpoint's last start when that one is `mkind`. imports: the starts of imports among them.
 CREATE OR REPLACE VIEW sample_fold AS
 WITH tail AS (
-    SELECT seq, ts, kind, sample_id, fingerprint, num_tokens, nbytes, detail, segment, token_start, checksums, reason
+    SELECT seq, ts, kind, sample_id, fingerprint, num_tokens, nbytes, detail, segment, token_start, checksums, reason,
+           CASE WHEN kind = 'started' AND detail IS NOT NULL
+                THEN coalesce(json_extract_string(detail, '$.origin') = 'import', false) ELSE false END AS imported,
+           -- the transient reasons: exactly builder.log.fold.TRANSIENT_REASONS (tests/log/test_transient_reasons.py)
+           kind = 'failed' AND coalesce(reason IN ('no_space', 'server_unavailable', 'worker_lost'), false) AS transient
     FROM events
     WHERE seq > (SELECT coalesce(max(upto), 0) FROM fold_checkpoint_mark) AND sample_id IS NOT NULL
       AND kind IN ('started', 'written', 'verified', 'failed', 'superseded', 'retired', 'row_moved')
@@ -17,8 +27,7 @@ t AS (
            max(seq) FILTER (WHERE kind = 'verified') AS vseq,
            arg_max(ts, seq) FILTER (WHERE kind = 'verified') AS vts,
            count(*) FILTER (WHERE kind = 'started') AS starts,
-           count(*) FILTER (WHERE kind = 'started' AND detail IS NOT NULL
-                            AND json_extract_string(detail, '$.origin') = 'import') AS imports,
+           count(*) FILTER (WHERE imported) AS imports,
            max(seq) FILTER (WHERE kind = 'superseded') AS eseq,
            max(ts) FILTER (WHERE kind <> 'row_moved') AS updated_at,
            max(seq) FILTER (WHERE kind IN ('superseded', 'row_moved')) AS cseq
@@ -27,11 +36,23 @@ t AS (
 tm AS (SELECT e.* FROM tail e JOIN t ON e.seq = t.mseq),
 tc AS (SELECT e.sample_id, e.fingerprint, e.num_tokens, TRY_CAST(json_extract(e.detail, '$.row') AS BIGINT) AS row_idx
        FROM tail e JOIN t ON e.seq = t.cseq),
-tr AS (SELECT e.sample_id, count(*) AS n,
-              count(*) FILTER (WHERE e.detail IS NOT NULL AND json_extract_string(e.detail, '$.origin') = 'import')
-                  AS ni
+tr AS (SELECT e.sample_id, count(*) AS n, count(*) FILTER (WHERE e.imported) AS ni
        FROM tail e JOIN t ON e.sample_id = t.sample_id AND e.seq > t.eseq
-       WHERE e.kind = 'started' GROUP BY e.sample_id)
+       WHERE e.kind = 'started' GROUP BY e.sample_id),
+-- the tail's transient failures, each with whether the sample's event before it (in the tail) was an extraction
+-- start (NULL: none before it in the tail)
+tf AS (SELECT sample_id, seq, after_start FROM (
+           SELECT sample_id, seq, transient,
+                  lag(kind = 'started' AND NOT imported) OVER (PARTITION BY sample_id ORDER BY seq) AS after_start
+           FROM tail
+           WHERE kind NOT IN ('verified', 'row_moved') AND sample_id IN (SELECT sample_id FROM tail WHERE transient))
+       WHERE transient),
+-- per sample: the starts they ended in the tail, those after its last `superseded`, and whether its first event
+-- in the tail is one
+tx AS (SELECT x.sample_id, count(*) FILTER (WHERE x.after_start) AS n,
+              count(*) FILTER (WHERE x.after_start AND x.seq > t.eseq) AS ne,
+              bool_or(x.after_start IS NULL) AS first
+       FROM tf x JOIN t ON x.sample_id = t.sample_id GROUP BY x.sample_id)
 SELECT
     coalesce(t.sample_id, f.sample_id) AS sample_id,
     CASE WHEN t.mseq IS NULL THEN f.mseq ELSE t.mseq END AS mseq,
@@ -48,7 +69,11 @@ SELECT
     CASE WHEN t.vseq IS NULL THEN f.vseq ELSE t.vseq END AS vseq,
     CASE WHEN t.vseq IS NULL THEN f.vts ELSE t.vts END AS vts,
     coalesce(f.starts, 0) + coalesce(t.starts, 0) AS starts,
-    CASE WHEN t.eseq IS NOT NULL THEN coalesce(tr.n, 0) ELSE coalesce(f.attempts, 0) + coalesce(t.starts, 0) END
+    CASE WHEN t.eseq IS NOT NULL THEN coalesce(tr.n, 0) - coalesce(tx.ne, 0)
+         ELSE coalesce(f.attempts, 0) + coalesce(t.starts, 0) - coalesce(tx.n, 0)
+              - CASE WHEN tx.first AND f.mkind = 'started'
+                          AND NOT coalesce(json_extract_string(f.m_detail, '$.origin') = 'import', false)
+                     THEN 1 ELSE 0 END END
         AS attempts,
     CASE WHEN t.eseq IS NOT NULL THEN coalesce(tr.ni, 0) ELSE coalesce(f.imports, 0) + coalesce(t.imports, 0) END
         AS imports,
@@ -61,7 +86,8 @@ FROM fold_checkpoint f
 FULL OUTER JOIN t ON f.sample_id = t.sample_id
 LEFT JOIN tm ON tm.sample_id = t.sample_id
 LEFT JOIN tc ON tc.sample_id = t.sample_id
-LEFT JOIN tr ON tr.sample_id = t.sample_id;
+LEFT JOIN tr ON tr.sample_id = t.sample_id
+LEFT JOIN tx ON tx.sample_id = t.sample_id;
 
 -- One row per source sample: the fold of its events.
 --   state: the kind of its last started/written/failed event ('pending' if none), except that a `written`
@@ -84,7 +110,7 @@ SELECT
         WHEN f.mkind = 'written' AND f.vseq > f.mseq THEN 'verified'
         ELSE f.mkind
     END AS state,
-    coalesce(f.attempts, 0) AS attempts,
+    coalesce(f.attempts, 0) AS attempts,  -- starts since the restart, less those a transient failure ended
     coalesce(f.c_num_tokens, s.num_tokens) AS source_tokens,
     CASE WHEN f.mkind = 'written' THEN f.m_num_tokens END AS num_tokens,
     CASE WHEN f.mkind = 'written' THEN f.m_nbytes END AS nbytes,

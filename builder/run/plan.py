@@ -14,16 +14,19 @@ import pyarrow as pa
 from builder.errors import QueryError
 from builder.extract.source import Sample
 from builder.log.events import EventLog
+from builder.log.fold import TRANSIENT_REASONS
 
 # Failure reasons that say the stored bytes were damaged (verify); such samples are always re-extracted.
 DAMAGE_REASONS = {"checksum_mismatch", "missing_data", "unreadable"}
-# Failures of the environment, not of the sample; retried without counting against --max-attempts.
-TRANSIENT_REASONS = {"no_space", "server_unavailable", "worker_lost"}  # worker_lost: a Ray node or actor gone
+# TRANSIENT_REASONS (builder/log/fold.py): failures of the environment, not of the sample (worker_lost: a Ray
+# node or actor gone); retried, and the start they end counts neither against --max-attempts nor toward the
+# interrupted limit below (the fold leaves it out of `attempts`).
 # A dump file that could not be imported (`import_truncated`, ...): the sample is extracted by the next run.
 IMPORT_PREFIX = "import_"
 # A sample left `started` by runs that ended abruptly (crash, OOM kill, kill -9) is started again, until it
-# has been started max_attempts + INTERRUPTED_EXTRA times (default 3 + 2 = 5): then it is given up
-# (`failed`, reason `interrupted_too_often`), so a sample that takes the whole run down is not retried forever.
+# has max_attempts + INTERRUPTED_EXTRA counted attempts (default 3 + 2 = 5; starts that a transient failure
+# ended, and imports, are none): then it is given up (`failed`, reason `interrupted_too_often`), so a sample
+# that takes the whole run down is not retried forever.
 INTERRUPTED_EXTRA = 2
 
 
@@ -39,7 +42,9 @@ class Plan:
     retired: int = 0  # removed from the source or skipped: not extracted
     pending: list[str] = field(default_factory=list)  # never started
     todo: list[Sample] = field(default_factory=list)
-    # starts so far of each sample to extract (todo, before --limit) or given up now: numbers its next attempt
+    # starts so far, every one (transient and import starts too), of each sample to extract (todo, before
+    # --limit) or given up now: numbers its next attempt (`attempt` = this + 1, unique and increasing per
+    # sample). Not what --max-attempts counts: that is the fold's `attempts` less `imports`.
     attempts: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -55,7 +60,8 @@ class Plan:
 # to: only registered samples have a state) costs less than that view's join (0.5 s instead of 0.8 at a million
 # samples). The codes follow the `samples` view's state rule (schema/views.sql), written and verified both DONE.
 # Attempts leave out the starts of imports (reading a dump file is no extraction attempt), which the fold keeps
-# apart (`imports`), so the plan reads no event but the fold's tail. tests/run/test_scale_plan.py checks the plan
+# apart (`imports`), and the starts a transient failure ended (the fold's `attempts` has none), so the plan
+# reads no event but the fold's tail. tests/run/test_scale_plan.py checks the plan
 # against a replay of the `samples` view and of the events.
 PENDING, DONE, RETIRED, STARTED, FAILED = range(5)
 PLAN_SQL = f"""

@@ -1,5 +1,6 @@
 """The event fold: the `samples` view (SQL, in a real DuckDB file) agrees with the Python reference fold for any
-sequence of events, and the reference itself keeps the invariants users rely on.
+sequence of events (the fold checkpointed after any of the batches, too), and the reference itself keeps the
+invariants users rely on, among them: a start that a transient failure ended is no attempt.
 
 Events carry random attempt numbers and timestamps that are NOT monotone in `seq` (a clock stepping backwards,
 equal timestamps, several workers' clocks): the fold is defined by `seq` alone, so a view that ordered by `ts`
@@ -11,16 +12,16 @@ import datetime as dt
 import itertools
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from builder.extract.source import Sample
-from builder.log.events import Event, EventLog
-from builder.log.fold import fold
+from builder.log.events import Event, EventLog, detail
+from builder.log.fold import TRANSIENT_REASONS, fold, is_import_start
 
 SAMPLE_IDS = ["a", "b", "c"]
-REASONS = ["nonfinite", "checksum_mismatch", "no_space"]
-RETIRE_REASONS = {"nonfinite": "skipped", "checksum_mismatch": "removed_from_source", "no_space": "skipped"}
+REASONS = ["nonfinite", "checksum_mismatch", "error", *sorted(TRANSIENT_REASONS)]
+RETIRE_REASONS = {r: ["skipped", "removed_from_source"][i % 2] for i, r in enumerate(REASONS)}
 
 # (kind, sample, segment, token_start, reason, attempt, ts offset in seconds): offsets drawn from a small
 # range, so they repeat and go backwards between consecutive events
@@ -36,15 +37,21 @@ raw_event = st.tuples(
 # a write and its verification, back to back (verify after write), possibly with an older timestamp
 write_then_verify = st.tuples(raw_event, st.integers(-3, 3)).map(
     lambda p: [("written", *p[0][1:]), ("verified", *p[0][1:6], p[0][6] + p[1])])
-event_st = st.one_of(raw_event.map(lambda e: [e]), write_then_verify)
+# a start and the failure that ends it, back to back (transient or not), the start an import's or a run's
+start_then_fail = st.tuples(raw_event, st.sampled_from(["error", *sorted(TRANSIENT_REASONS)]),
+                            st.sampled_from([None, "import", "run"])).map(
+    lambda p: [("started", *p[0][1:4], p[0][4], *p[0][5:], p[2]), ("failed", *p[0][1:4], p[1], *p[0][5:])])
+event_st = st.one_of(raw_event.map(lambda e: [e]), write_then_verify, start_then_fail)
 events_st = st.lists(event_st, max_size=14).map(lambda groups: [e for g in groups for e in g])
 
 
 def _events(raw) -> list[Event]:
     out = []
     t0 = dt.datetime(2026, 1, 1)
-    for kind, sid, seg, start, reason, attempt, offset in raw:
+    for kind, sid, seg, start, reason, attempt, offset, *origin in raw:
         ev = Event(kind, run_id="r", sample_id=sid, attempt=attempt, ts=t0 + dt.timedelta(seconds=offset))
+        if kind == "started" and origin and origin[0]:
+            ev.detail = detail(origin=origin[0])
         if kind == "written":
             ev.segment, ev.token_start, ev.num_tokens, ev.nbytes, ev.checksums = seg, start, 7, 100, "{}"
         if kind == "failed":
@@ -60,16 +67,37 @@ def _registry():
     return [Sample(sid, i, z, z.astype(np.uint8), "fp") for i, sid in enumerate(SAMPLE_IDS)]
 
 
+def _cycle(sid: str, reason: str, origin: str | None = None) -> list[tuple]:
+    return [("started", sid, "seg-1", 0, "error", 1, 0, origin), ("failed", sid, "seg-1", 0, reason, 1, 0)]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(raw=events_st)
-def test_samples_view_matches_reference_fold(tmp_path_factory, raw):
+@given(raw=events_st, cuts=st.lists(st.booleans(), min_size=4, max_size=4))
+# a start and the transient failure that ends it in one batch, and split across a checkpoint (the failure is the
+# sample's first event after it), after an import's start, and after a restart
+@example(raw=_cycle("a", "server_unavailable") * 3 + [("started", "a", "seg-1", 0, "error", 1, 0)],
+         cuts=[False] * 4)
+@example(raw=_cycle("a", "error") + [("superseded", "a", "seg-1", 0, "error", 1, 0)] + _cycle("a", "worker_lost")
+         + [("started", "a", "seg-1", 0, "error", 1, 0)], cuts=[False] * 4)
+@example(raw=[("started", "a", "seg-1", 0, "error", 1, 0)] * 2 + [("failed", "a", "seg-1", 0, "no_space", 1, 0)]
+         + [("verified", "a", "seg-1", 0, "error", 1, 0)] + _cycle("a", "worker_lost"), cuts=[True] * 4)
+@example(raw=[("started", "b", "seg-1", 0, "error", 1, 0, "import"), ("started", "a", "seg-1", 0, "error", 1, 0),
+              ("superseded", "a", "seg-1", 0, "error", 1, 0), ("started", "b", "seg-1", 0, "error", 1, 0),
+              ("failed", "b", "seg-1", 0, "no_space", 1, 0), ("started", "a", "seg-1", 0, "error", 1, 0, "import"),
+              ("started", "a", "seg-1", 0, "error", 1, 0), ("failed", "a", "seg-1", 0, "server_unavailable", 1, 0),
+              ("failed", "b", "seg-1", 0, "no_space", 1, 0), ("superseded", "b", "seg-1", 0, "error", 1, 0),
+              ("failed", "b", "seg-1", 0, "no_space", 1, 0)],
+         cuts=[True, False, True, False])
+def test_samples_view_matches_reference_fold(tmp_path_factory, raw, cuts):
     path = tmp_path_factory.mktemp("fold") / "events.duckdb"
     events = _events(raw)
     with EventLog(path) as log:
         log.register_samples(_registry())
-        # commit in a few batches, as the coordinator does
-        for _, batch in itertools.groupby(enumerate(events), key=lambda p: p[0] // 4):
+        # commit in a few batches, as the coordinator does, the fold checkpointed after some of them
+        for k, (_, batch) in enumerate(itertools.groupby(enumerate(events), key=lambda p: p[0] // 4)):
             log.append([e for _, e in batch])
+            if cuts[k % len(cuts)]:
+                log.checkpoint_fold()
         rows = {r["sample_id"]: r for r in log.samples()}
     assert set(rows) == set(SAMPLE_IDS)  # exactly one row per source sample
     by_seq = {e.seq: e for e in events}
@@ -95,8 +123,14 @@ def test_fold_invariants(raw):
         s = fold(mine)
         resets = [i for i, e in enumerate(mine) if e.kind == "superseded"]
         since = mine[resets[-1] + 1:] if resets else mine
-        assert s.attempts == sum(e.kind == "started" for e in since)  # a changed sample starts over
         main = [e for e in mine if e.kind != "verified"]
+        # a changed sample starts over; a start counts unless it was an extraction start and the sample's next
+        # word (verify aside) was a transient failure: the environment's fault, no attempt
+        after = {a.seq: b for a, b in zip(main, main[1:], strict=False)}
+        ended = [e for e in since if e.kind == "started" and not is_import_start(e) and e.seq in after
+                 and after[e.seq].kind == "failed" and after[e.seq].reason in TRANSIENT_REASONS]
+        assert s.attempts == sum(e.kind == "started" for e in since) - len(ended)
+        assert 0 <= s.attempts <= sum(e.kind == "started" for e in mine)
         if not main or main[-1].kind == "superseded":
             assert s.state == "pending" and s.segment is None  # a stray `verified` never makes a sample live
             continue

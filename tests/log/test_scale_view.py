@@ -1,6 +1,7 @@
 """The `samples` view was rewritten for speed (one aggregation per sample instead of window functions, for logs
 of millions of events): on any sequence of events it gives exactly what the previous definition gave, every
-column, every row, and `progress` agrees with it. The previous definition is kept here as the reference.
+column, every row, and `progress` agrees with it. The previous definition is kept here as the reference (with
+one later rule: a start that a transient failure ended is no attempt, written here with a window).
 
 (tests/log/test_fold.py checks the view against the Python fold; this covers the columns that fold does not
 model: source rows and fingerprints after `superseded`/`row_moved`, sizes, details, notes, timestamps.)"""
@@ -39,9 +40,18 @@ current_src AS (
     FROM events WHERE sample_id IS NOT NULL AND kind IN ('superseded', 'row_moved')
     QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY seq DESC) = 1
 ),
+-- an extraction start (not an import's) whose next word (verify aside) is a transient failure is no attempt
+ended AS (
+    SELECT sample_id, seq FROM (
+        SELECT sample_id, seq, kind, detail, lead(kind) OVER w AS next_kind, lead(reason) OVER w AS next_reason
+        FROM se WHERE kind <> 'verified' WINDOW w AS (PARTITION BY sample_id ORDER BY seq))
+    WHERE kind = 'started' AND next_kind = 'failed' AND next_reason IN ('no_space', 'server_unavailable', 'worker_lost')
+      AND coalesce(json_extract_string(detail, '$.origin'), '') <> 'import'
+),
 agg AS (
     SELECT se.sample_id,
-           count(*) FILTER (WHERE kind = 'started' AND seq > coalesce(e.eseq, 0)) AS attempts,
+           count(*) FILTER (WHERE kind = 'started' AND seq > coalesce(e.eseq, 0)
+                            AND seq NOT IN (SELECT seq FROM ended)) AS attempts,
            count(*) FILTER (WHERE kind = 'started') AS starts,
            max(ts) AS updated_at
     FROM se LEFT JOIN resets e USING (sample_id) GROUP BY se.sample_id
