@@ -35,6 +35,7 @@ from builder.extract.spec import (  # noqa: F401 - re-exported: the torch-free h
     check_max_tokens,
     default_aux_layers,
     is_builtin,
+    one_line,
     read_hf,
     suggest_chunk_tokens,
 )
@@ -285,13 +286,14 @@ class Extractor:
             return
         import transformers  # noqa: PLC0415
 
+        local = {"local_files_only": True}  # read_hf found the directory: never a request to the hub
         try:
             try:
-                model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, **local)
             except TypeError:  # transformers < 4.56 knows only torch_dtype
-                model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=self.dtype)
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=self.dtype, **local)
         except Exception as e:  # noqa: BLE001 - report any loader failure as a model error
-            raise ModelError(f"--model '{spec}': cannot load ({type(e).__name__}: {e})") from e
+            raise ModelError(f"--model '{spec}': cannot load ({type(e).__name__}: {one_line(e)})") from e
         self._model = model.to(self.device).eval()
 
     # -- extraction -----------------------------------------------------------------------------------

@@ -136,13 +136,14 @@ class HfTokenizer:
 
     def _load(self):
         if self._tok is None:
+            require_tokenizer_files(self.path)  # else transformers may build an empty tokenizer, or ask the hub
             try:
                 import transformers  # noqa: PLC0415
 
-                self._tok = transformers.AutoTokenizer.from_pretrained(str(self.path))
+                self._tok = transformers.AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
             except Exception as e:  # noqa: BLE001 - any loader failure is the model directory's
                 raise ModelError(f"--model '{self.path}': its tokenizer cannot be loaded ({type(e).__name__}: "
-                                 f"{e}); a source with 'text' or conversation rows needs one (or give "
+                                 f"{one_line(e)}); a source with 'text' or conversation rows needs one (or give "
                                  "input_ids)") from None
         return self._tok
 
@@ -169,6 +170,31 @@ def is_builtin(spec: str) -> bool:
     return spec == "builtin" or spec.startswith("builtin:")
 
 
+# A Hugging Face directory's tokenizer: its `tokenizers` serialization, or the vocabulary a slow tokenizer is made
+# from (sentencepiece, tiktoken, BPE, WordPiece). A tokenizer_config.json alone is none: transformers 5 then builds
+# an empty tokenizer that turns every text into nothing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "spm.model",
+                   "tiktoken.model", "tekken.json", "vocab.json", "vocab.txt")
+
+
+def require_tokenizer_files(path: Path) -> None:
+    """ModelError naming the directory and tokenizer.json when `path` holds no tokenizer: checked here, on the
+    local files, before transformers is asked (it never reaches the hub for a local directory; see read_hf)."""
+    try:
+        names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    except OSError as e:
+        raise ModelError(f"--model '{path}': cannot list the directory for its tokenizer ({e.strerror})") from None
+    if not names.intersection(TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
+        raise ModelError(f"--model '{path}': no tokenizer in {path} (no tokenizer.json, nor a vocabulary such as "
+                         "tokenizer.model or vocab.json); a source with 'text' or conversation rows needs one (or "
+                         "give input_ids)")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (transformers' span several)."""
+    return " ".join(str(e).split())
+
+
 @dataclass(frozen=True)
 class HfFiles:
     """What a Hugging Face model directory's files say: dimensions (config.json), fingerprint, tokenizer."""
@@ -187,9 +213,11 @@ def read_hf(spec: str) -> HfFiles:
     from builder.extract.weights import directory_fingerprint  # noqa: PLC0415
 
     path = Path(spec)
+    if not path.is_dir():  # a local directory only: a name that is not one is never looked up on the hub
+        raise ModelError(f"--model '{spec}': not 'builtin[:...]' and no such directory (a local Hugging Face "
+                         "model directory; nothing is downloaded)")
     if not (path / "config.json").is_file():
-        raise ModelError(f"--model '{spec}': not 'builtin[:...]' and not a Hugging Face model directory "
-                         "(no config.json)")
+        raise ModelError(f"--model '{spec}': not a Hugging Face model directory (no config.json in {spec})")
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -64,7 +64,11 @@ def init_build(
     """Create a build. Validates everything first: on any error nothing on disk changes.
 
     `force` replaces what a previous build (or a half-made one) left in the directory: its log, data, ballast
-    and config; it refuses when one of those is not hsbuild's."""
+    and config; it refuses when one of those is not hsbuild's.
+
+    Every path is recorded absolute (source, staging, a model directory), so that runs start from any directory
+    and never find another directory's `models/A`. Builds made before this keep the model path they recorded
+    (a relative one is still read relative to the directory a command runs from)."""
     lay = layout(path)
     if lay.exists() and not force:
         raise BuildExistsError(f"{lay.root}: already holds a build; pass --force to replace it (its data is deleted)")
@@ -87,6 +91,10 @@ def init_build(
             raise UsageError(f"--staging '{staging}': not an existing directory; create it first, or leave "
                              "--staging out")
         staging = str(Path(staging).absolute())  # runs start from any directory
+    if not is_builtin(model):  # a local directory: recorded as the one it names here, never resolved again
+        if not model.strip():
+            raise UsageError("--model '': give builtin[:...] or a local Hugging Face model directory")
+        model = str(Path(model).absolute())
     parse_codec(codec)
     check_device_spec(device)
     wm = (watermarks or Watermarks()).validate()
