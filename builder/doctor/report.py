@@ -96,6 +96,7 @@ def _system_checks(ctx: Context, probe: bool) -> list[Check]:
     checks = _guard("env.torch", lambda: dc.check_torch(ctx))
     checks += _guard("env.model", lambda: dc.check_model(ctx))
     checks += _guard("env.source", lambda: dc.check_source(ctx))
+    checks += _guard("env.engine_orphans", lambda: dc.check_engine_orphans(ctx))
     checks += _guard("gpu", lambda: dc.check_gpus(ctx))
     checks += _guard("storage.filesystem", lambda: dc.check_filesystem(ctx))
     checks += _guard("storage.locking", lambda: dc.check_locking(ctx))
@@ -189,12 +190,13 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
     own = {os.getpid()}
     if first.held and first.info and first.info.get("pid"):
         own.add(int(first.info["pid"]))
-    ctx = Context(lay, cfg, dev, own, for_run=False, gpu_mem_threshold=gpu_mem_threshold,
+    # live: an owner holds the build (a run may be using its server: env.server sends no probe then)
+    ctx = Context(lay, cfg, dev, own, for_run=False, live=first.held, gpu_mem_threshold=gpu_mem_threshold,
                   cgroup_reader=cgroup_reader)
     checks = _system_checks(ctx, probe)
     with _build_reader(lay, record) as (how, log, state):
+        ctx.live = how == "live"
         if how == "live":
-            ctx.live = True
             if state.info and state.info.get("pid"):
                 ctx.own_pids.add(int(state.info["pid"]))
             ctx.query = _live_query(lay)
