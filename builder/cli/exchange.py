@@ -3,7 +3,9 @@
 Exit codes: export 0 every selected sample exported; 1 some were damaged (listed, not exported: run `hsbuild
 verify`, then `resume`); 2 usage error; 3 the export does not fit below the target's high watermark; 130
 interrupted (the same command continues). Import: 0 every matched file imported; 1 some files were unusable
-(listed: their samples are left for `hsbuild resume`); otherwise as `run`.
+(listed: their samples are left for `hsbuild resume`); 2 also when the dump's layers are unknown (no metadata,
+no --dump-layers); 4 the dump is not the build's (other layers, or states of another width), nothing imported;
+otherwise as `run`.
 """
 
 from __future__ import annotations
@@ -13,12 +15,17 @@ import shlex
 import signal
 import sys
 
-from builder.cli.args import add_run_flags, fraction, positive_int
+from builder.cli.args import add_run_flags, fraction, int_list, positive_int
 from builder.cli.args import fmt_of as _fmt
 from builder.cli.output import print_json, print_rows
 from builder.cli.progress import progress_for
 from builder.errors import EXIT_OK, EXIT_SAMPLES_FAILED
 from builder.humanize import human_bytes
+
+# --dump-layer-convention: the keys of BuildInfo.layer_ids() and their short names (builder/run/imports.py
+# CONVENTIONS; a test keeps the three lists equal)
+LAYER_CONVENTIONS = ("hf_hidden_states", "decoder_layer_output", "vllm_eagle_aux_hidden_state_layer_ids", "hf",
+                     "decoder", "vllm")
 
 FORMATS_HELP = ("specforge: rows_*/data_N.ckpt (SpecForge's prepare_hidden_states); speculators: a datasets dir "
                 "+ hidden_states/hs_N.safetensors; modelopt: ID.pt (Model-Optimizer's compute_hidden_states)")
@@ -57,6 +64,16 @@ def add_commands(sub, out) -> None:
     p.add_argument("--dump-final-state", default="post_norm", choices=["post_norm", "pre_norm"],
                    help="pt: whether the files' final hidden state is after the final norm (HF hidden_states[-1]) "
                         "or before it")
+    p.add_argument("--dump-layers", type=int_list, metavar="IDS",
+                   help="the aux layer ids the dump holds, comma-separated, the final state excluded (required "
+                        "unless the dump says so itself, as an hsbuild export's hsbuild-export.json does); checked "
+                        "against the build's before anything is imported (decoder id -1, the embeddings: "
+                        "--dump-layers=-1,0,1)")
+    p.add_argument("--dump-layer-convention", choices=LAYER_CONVENTIONS, metavar="CONV",
+                   help="the numbering of --dump-layers: hf_hidden_states (hf: HF output_hidden_states index), "
+                        "decoder_layer_output (decoder: decoder layer index = hf - 1), "
+                        "vllm_eagle_aux_hidden_state_layer_ids (vllm); default: the format's own (specforge, "
+                        "modelopt, pt: decoder; speculators: vllm)")
     add_run_flags(p)
 
 
@@ -116,7 +133,9 @@ def cmd_import(args: argparse.Namespace) -> int:
                       verify_after_write=args.verify_after_write, allow_overcommit=args.allow_overcommit,
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
                       flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
-                      imports=ImportOptions(args.dir, args.format, args.dump_final_state), source=args.source,
+                      imports=ImportOptions(args.dir, args.format, args.dump_final_state,
+                                            dump_layers=args.dump_layers, layer_convention=args.dump_layer_convention),
+                      source=args.source,
                       accept_source_changes=args.accept_source_changes,
                       ray=args.ray)
     report = run_build(args.build, opts, echo=lambda m: print(m, file=sys.stderr))
@@ -125,12 +144,16 @@ def cmd_import(args: argparse.Namespace) -> int:
            for p in (d.problems if d else [])]
     bad += [{"path": r["path"], "sample_id": r["sample_id"], "reason": r["reason"], "message": r["message"]}
             for r in report.rejected]
+    claim = d.claim if d else None
     if _fmt(args) == "json":
         print_json({"run_id": report.run_id, "outcome": report.outcome, "imported": report.written,
-                    "scanned": d.scanned if d else 0, "matched": len(d.files) if d else 0, "unusable": bad})
+                    "scanned": d.scanned if d else 0, "matched": len(d.files) if d else 0, "unusable": bad,
+                    "dump_layers": claim.as_dict() if claim else None})
     else:
         print(f"import {report.run_id[:8]}: {report.outcome}; imported {report.written} sample(s) from "
               f"{d.scanned if d else 0} file(s); {len(bad)} file(s) unusable")
+        if claim:
+            print(f"dump layers: {claim.describe()}, the build's")
         if bad:
             print_rows(["path", "sample_id", "reason", "message"],
                        [[b["path"], b["sample_id"] or "", b["reason"], b["message"]] for b in bad],

@@ -115,12 +115,18 @@ def cases(cmd: str, d: Path, b: Path) -> list[Case]:
             ([str(b), str(b / "inside"), "--format", "specforge"], str(b / "inside")),
             ([nope, out, "--format", "specforge"], nope)]
     if cmd == "import":
-        dump = str(d / "dump")
-        return [([str(b), dump, "--no-progress", "--format", "pt", *f], name) for f, name in RUN] + [
+        dump, layers = str(d / "dump"), ["--dump-layers", "0,1,2"]  # the build's aux layers, pt's numbering
+        return [([str(b), dump, "--no-progress", "--format", "pt", *layers, *f], name) for f, name in RUN] + [
             ([str(b), dump, "--no-progress", *f], name) for f, name in (
-                (["--format", "nope"], None), (["--format", "pt"], dump),
-                (["--format", "pt", "--dump-final-state", "middle"], "--dump-final-state"))] + [
-            ([str(b), nope, "--format", "modelopt"], nope), ([nope, dump, "--format", "pt"], nope)]
+                (["--format", "nope", *layers], "--format"), (["--format", "pt", *layers], dump),
+                (["--format", "pt", *layers, "--dump-final-state", "middle"], "--dump-final-state"),
+                (["--format", "pt"], "--dump-layers"),  # a dump that does not say which layers it holds
+                (["--format", "pt", "--dump-layers", "x"], "--dump-layers"),
+                (["--format", "pt", "--dump-layers", ""], "--dump-layers"),
+                (["--format", "pt", "--dump-layers", "1,1,2"], "--dump-layers"),
+                (["--format", "pt", "--dump-layers=-2,0,1"], "--dump-layers"),
+                (["--format", "pt", *layers, "--dump-layer-convention", "mine"], "--dump-layer-convention"))] + [
+            ([str(b), nope, "--format", "modelopt", *layers], nope), ([nope, dump, "--format", "pt", *layers], nope)]
     if cmd == "skip":
         return [([str(b), "s0000", "--reason", ""], "--reason"), ([str(b), "--reason", "x"], "ID"),
                 ([nope, "s0000", "--reason", "x"], nope)]
@@ -193,6 +199,8 @@ def _first_flag(cmd: str, argv: list[str]) -> str:
     carried = set(SETUP_FLAGS)
     if cmd in ("export", "import"):
         carried.add("--format")
+    if cmd == "import":
+        carried.add("--dump-layers")  # every import case names the dump's layers; its own cases say so
     flags = [a.split("=")[0] for a in argv if a.startswith("--")]
     return next((f for f in flags if f not in carried), flags[-1] if flags else argv[0])
 

@@ -4,7 +4,8 @@ bit-exact to what the build would have extracted itself.
 
 Real builds of the small builtin model; the dumps are real exports of a fully run build (`export_build`), then
 damaged the way the incident damaged them (files missing, one cut short, SpecForge batch padding), or
-hand-made with torch.save as a home-grown script writes them."""
+hand-made with torch.save as a home-grown script writes them. Which layers a dump holds comes from its own
+metadata (an hsbuild export's journal) or `--dump-layers`, and a dump of other layers or widths is refused whole."""
 
 from __future__ import annotations
 
@@ -19,18 +20,21 @@ import pytest
 import torch
 from conftest import ROOMY, random_rows, write_jsonl
 
-from builder.formats.export import ExportOptions, export_build
+from builder.formats.build_info import BuildInfo
+from builder.formats.export import JOURNAL, ExportOptions, export_build
 from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
-from builder.run.imports import ImportOptions
+from builder.run.imports import CONVENTIONS, BuildGeometry, DumpRefused, ImportOptions
 from builder.trainers import make_format
 from builder.trainers.base import Sample as TrainerSample
 
 MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 H, N_AUX = 64, 3
+# the default aux layers of a 4-layer model (hidden_states 1, 2, 3): a trainer format's own numbering of them
+DECODER_IDS, HF_IDS = "0,1,2", "1,2,3"
 N = 16
 WM = ("--low", "0.997", "--high", "0.998", "--flood", "0.999")  # as ROOMY: a fairly full CI disk never pauses
 
@@ -134,8 +138,15 @@ def new_build(tmp_path: Path, source, name: str, **kw) -> Path:
     return init_build(tmp_path / name, source.src, model=MODEL, **kw).root
 
 
-def imports(d: Path, fmt: str) -> RunOptions:
-    return RunOptions(workers=1, imports=ImportOptions(str(d), fmt))
+def imports(d: Path, fmt: str, layers: list[int] | None = None, conv: str | None = None, **kw) -> RunOptions:
+    return RunOptions(workers=1, imports=ImportOptions(str(d), fmt, dump_layers=layers, layer_convention=conv), **kw)
+
+
+def import_details(build: Path) -> tuple[dict, dict]:
+    """(the last run_started's detail.import, the last `import` event's detail)."""
+    started = events(build, "SELECT detail FROM events WHERE kind = 'run_started' ORDER BY seq DESC LIMIT 1")
+    done = events(build, "SELECT detail FROM events WHERE kind = 'import' ORDER BY seq DESC LIMIT 1")
+    return json.loads(started[0]["detail"])["import"], json.loads(done[0]["detail"])
 
 
 # -- 1. the incident ----------------------------------------------------------------------------------------
@@ -145,6 +156,7 @@ def test_incident_old_dump_imported_the_gaps_extracted_and_all_bit_exact(source,
     exactly the 4 samples without a usable file, and the build equals a build extracted from scratch."""
     dump = tmp_path / "old-dump"
     shutil.copytree(source.root / "specforge", dump)
+    (dump / JOURNAL).unlink()  # SpecForge's own dumps keep no record of their layers: the user says which
     sid_of = by_tokens(source.rows)
     file_of = {sid_of[tuple(torch.load(p, weights_only=True)["input_ids"].tolist())]: p
                for p in dump.rglob("data_*.ckpt")}
@@ -169,8 +181,9 @@ def test_incident_old_dump_imported_the_gaps_extracted_and_all_bit_exact(source,
 
     b = tmp_path / "b"
     cli("init", b, "--source", source.src, "--model", MODEL, *WM, check=True)
-    cp = cli("import", b, dump, "--format", "specforge", "--no-progress")
+    cp = cli("import", b, dump, "--format", "specforge", "--dump-layers", DECODER_IDS, "--no-progress")
     assert cp.returncode == 1, cp.stdout + cp.stderr
+    assert f"dump layers: {DECODER_IDS} (decoder_layer_output ids, from --dump-layers), the build's" in cp.stdout
     assert "Traceback" not in cp.stderr
     imported = set(sids) - deleted - {truncated}
     assert f"imported {len(imported)} sample(s) from {N - 3} file(s); 1 file(s) unusable" in cp.stdout, cp.stdout
@@ -264,6 +277,9 @@ def test_planted_faults_are_reported_with_their_reason_and_left_for_the_next_run
     assert len(ev) == 1
     detail = json.loads(ev[0]["detail"])
     assert detail["format"] == "modelopt" and detail["imported"] == len(good)
+    # the export's journal said which layers the dump holds (modelopt's numbering: decoder layers)
+    assert detail["dump_layers"] == {"layers": [0, 1, 2], "convention": "decoder_layer_output", "source": "dump",
+                                     "metadata": str(dump / JOURNAL)}
     assert {u["reason"] for u in detail["unusable"]} == {"token_mismatch", "truncated"}
     assert {r["reason"] for r in detail["rejected"]} == {"bad_shape", "nonfinite", "bad_dtype", "bad_keys"}
     assert_same_states(b, source.states, good)
@@ -301,6 +317,8 @@ def test_import_twice_imports_nothing_the_second_time_and_pre_norm_dumps_become_
     rep = run_build(b, imports(dump, "speculators"), echo=quiet)
     assert (rep.outcome, rep.exit_code, rep.written) == ("completed", 0, N)
     assert rep.dump.problems == [] and rep.rejected == []
+    assert rep.dump.claim.as_dict() == {"layers": [1, 2, 3], "convention": "vllm_eagle_aux_hidden_state_layer_ids",
+                                        "source": "dump", "metadata": str(dump / JOURNAL)}  # vLLM's numbering
     assert_same_states(b, source.states)  # A is the post-norm build of the same source and model
     assert {fmt for _, fmt in provenance(b).values()} == {"speculators"}
 
@@ -351,7 +369,8 @@ def test_a_file_cut_short_is_reported_truncated_in_every_format(source, tmp_path
     raw = written[cut].read_bytes()
     written[cut].write_bytes(raw[: len(raw) // 2])
     b = new_build(tmp_path, source, "b")
-    rep = run_build(b, RunOptions(limit=0, imports=ImportOptions(str(dump), fmt)), echo=quiet)
+    layers = [1, 2, 3] if fmt == "speculators" else [0, 1, 2]  # its own numbering: vLLM ids, else decoder layers
+    rep = run_build(b, RunOptions(limit=0, imports=ImportOptions(str(dump), fmt, dump_layers=layers)), echo=quiet)
     assert rep.written == 0 and rep.dump.scanned == 2
     assert rep.dump.files == {whole: str(written[whole])}
     assert [(p.path, p.reason) for p in rep.dump.problems] == [(str(written[cut]), "truncated")], \
@@ -385,7 +404,7 @@ def test_plain_pt_dump_of_a_home_grown_script_imports_bit_exact(source, tmp_path
     files = write_script_dump(dump, source.states, sorted(source.states))
     before = sha256_tree(dump)
     b = new_build(tmp_path, source, "b")
-    cp = cli("import", b, dump, "--format", "pt", "--no-progress")
+    cp = cli("import", b, dump, "--format", "pt", "--dump-layers", DECODER_IDS, "--no-progress")
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert f"imported {N} sample(s) from {N} file(s); 0 file(s) unusable" in cp.stdout
     assert provenance(b) == {sid: (str(p), "pt") for sid, p in files.items()}
@@ -402,7 +421,7 @@ def test_a_relative_dump_dir_is_recorded_as_an_absolute_path(source, tmp_path, c
     dump = tmp_path / "rel"
     files = write_script_dump(dump, source.states, sids)
     b = new_build(tmp_path, source, "b")
-    cp = cli("import", b, "rel", "--format", "pt", "--no-progress", cwd=tmp_path)
+    cp = cli("import", b, "rel", "--format", "pt", "--dump-layers", DECODER_IDS, "--no-progress", cwd=tmp_path)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     ev = json.loads(events(b, "SELECT detail FROM events WHERE kind = 'import'")[0]["detail"])
     assert Path(ev["dir"]).is_absolute() and Path(ev["dir"]).resolve() == dump.resolve()
@@ -419,7 +438,7 @@ def test_bad_usage_exits_2_with_one_line_and_changes_nothing(source, tmp_path, c
     seq = events(b, "SELECT max(seq) AS n FROM events")[0]["n"]
 
     missing = tmp_path / "no-such-dump"
-    cp = cli("import", b, missing, "--format", "specforge", "--no-progress")
+    cp = cli("import", b, missing, "--format", "specforge", "--dump-layers", DECODER_IDS, "--no-progress")
     lines = cp.stderr.strip().splitlines()
     assert cp.returncode == 2 and len(lines) == 1, cp.stderr
     assert str(missing) in lines[0] and lines[0].startswith("hsbuild import: error:")
@@ -428,7 +447,7 @@ def test_bad_usage_exits_2_with_one_line_and_changes_nothing(source, tmp_path, c
     empty.mkdir()
     (empty / "notes.txt").write_text("nothing here\n")
     (empty / "x.pt").write_bytes(b"not specforge's")
-    cp = cli("import", b, empty, "--format", "specforge", "--no-progress")
+    cp = cli("import", b, empty, "--format", "specforge", "--dump-layers", DECODER_IDS, "--no-progress")
     lines = cp.stderr.strip().splitlines()
     assert cp.returncode == 2 and len(lines) == 1, cp.stderr
     assert str(empty) in lines[0] and "specforge" in lines[0] and "Traceback" not in cp.stderr
@@ -439,3 +458,157 @@ def test_bad_usage_exits_2_with_one_line_and_changes_nothing(source, tmp_path, c
 
     assert events(b, "SELECT max(seq) AS n FROM events")[0]["n"] == seq  # no run was recorded
     assert set(sample_states(b).values()) <= {"pending"}
+
+
+# -- 6. which layers the dump holds ---------------------------------------------------------------------------
+def test_a_dump_of_other_layers_of_the_same_width_is_refused_whole(source, tmp_path, cli):
+    """A's dumps hold hidden_states 1, 2, 3; build B keeps 0, 1, 2: as wide, other layers. Told by the flag (a
+    SpecForge dump keeps no record) or by the dump's own journal, the import is refused before anything is
+    written: exit 4, one line naming both lists; no sample written, not even a run started; the dump unchanged.
+    A flag cannot talk the dump's own journal out of what it says."""
+    b = new_build(tmp_path, source, "b", aux_layers=[0, 1, 2])
+    assert BuildInfo.load(layout(b)).layer_ids()["decoder_layer_output"][:-1] == [-1, 0, 1]
+    bare = tmp_path / "bare"
+    shutil.copytree(source.root / "specforge", bare)
+    (bare / JOURNAL).unlink()
+    seq = events(b, "SELECT max(seq) AS n FROM events")[0]["n"]
+    data = sha256_tree(layout(b).data)
+    journal = source.root / "specforge" / JOURNAL
+    for dump, flags, said in ((bare, ["--dump-layers", DECODER_IDS], "from --dump-layers"),
+                              (source.root / "specforge", [], f"from {journal}"),
+                              (source.root / "specforge", ["--dump-layers=-1,0,1"], f"from {journal}")):
+        before = sha256_tree(dump)
+        cp = cli("import", b, dump, "--format", "specforge", *flags, "--no-progress")
+        lines = cp.stderr.strip().splitlines()
+        assert cp.returncode == 4 and len(lines) == 1, (flags, cp.stdout + cp.stderr)
+        assert lines[0].startswith("hsbuild import: error:") and "Traceback" not in cp.stderr
+        assert f"aux layers {DECODER_IDS} (decoder_layer_output ids, {said}" in lines[0], lines[0]
+        assert "the build -1,0,1 (decoder_layer_output ids)" in lines[0], lines[0]
+        assert f"--aux-layers {HF_IDS}" in lines[0]  # the build the dump belongs in
+        assert cp.stdout == ""
+        assert sha256_tree(dump) == before
+    assert events(b, "SELECT max(seq) AS n FROM events")[0]["n"] == seq  # no run, no `written`, nothing at all
+    assert set(sample_states(b).values()) == {"pending"}
+    assert sha256_tree(layout(b).data) == data
+
+    # the same through the API: the typed refusal, exit code 4
+    with pytest.raises(DumpRefused) as err:
+        run_build(b, imports(bare, "specforge", [0, 1, 2]), echo=quiet)
+    assert err.value.exit_code == 4
+
+
+def test_missing_dump_layers_without_metadata_is_refused_in_one_line_naming_the_flag(source, tmp_path, cli):
+    """No journal, no --dump-layers: never guessed. Exit 2, one line naming the flag and the build's layers in
+    the format's numbering (speculators: vLLM ids; pt: decoder layers), nothing recorded."""
+    b = new_build(tmp_path, source, "b")
+    seq = events(b, "SELECT max(seq) AS n FROM events")[0]["n"]
+    dump = tmp_path / "script-dump"
+    write_script_dump(dump, source.states, sorted(source.states)[:2])
+    for fmt, ids, conv in (("pt", DECODER_IDS, "decoder_layer_output"),
+                           ("speculators", HF_IDS, "vllm_eagle_aux_hidden_state_layer_ids")):
+        cp = cli("import", b, dump, "--format", fmt, "--no-progress")
+        lines = cp.stderr.strip().splitlines()
+        assert cp.returncode == 2 and len(lines) == 1, cp.stdout + cp.stderr
+        assert lines[0].startswith(f"hsbuild import: error: {dump}: the dump does not say which layers"), lines[0]
+        assert f"--dump-layers {ids} if it holds the build's aux layers ({conv} ids, {fmt}'s numbering" in lines[0]
+        assert "--dump-layer-convention" in lines[0]
+    # a flag of its own malformed: one line naming it
+    for flags, named in ((["--dump-layers", "1,x"], "--dump-layers"), (["--dump-layers", "0,0,1"], "--dump-layers"),
+                         (["--dump-layers", "-2,0,1"], "--dump-layers"),
+                         (["--dump-layers", "0,1,2", "--dump-layer-convention", "mine"], "--dump-layer-convention")):
+        cp = cli("import", b, dump, "--format", "pt", *flags, "--no-progress")
+        lines = cp.stderr.strip().splitlines()
+        assert cp.returncode == 2 and len(lines) == 1 and named in lines[0], (flags, cp.stderr)
+    assert events(b, "SELECT max(seq) AS n FROM events")[0]["n"] == seq
+    # an hsbuild export's journal that does not read: refused, never passed over
+    dump = tmp_path / "torn-journal"
+    shutil.copytree(source.root / "modelopt", dump)
+    (dump / JOURNAL).write_text('{"hsbuild_export": 1, "layer_')
+    cp = cli("import", b, dump, "--format", "modelopt", "--dump-layers", DECODER_IDS, "--no-progress")
+    assert cp.returncode == 2 and str(dump / JOURNAL) in cp.stderr and "--dump-layers" in cp.stderr, cp.stderr
+    assert events(b, "SELECT max(seq) AS n FROM events")[0]["n"] == seq
+
+
+@pytest.mark.parametrize("conv,ids,ok", [(None, [0, 1, 2], True), ("decoder", [0, 1, 2], True),
+                                         ("decoder_layer_output", [0, 1, 2], True), ("hf", [1, 2, 3], True),
+                                         ("hf_hidden_states", [1, 2, 3], True), ("vllm", [1, 2, 3], True),
+                                         ("hf", [0, 1, 2], False), (None, [1, 2, 3], False),
+                                         (None, [2, 1, 0], False), (None, [0, 1], False)],
+                         ids=["default", "decoder", "decoder-full", "hf", "hf-full", "vllm", "hf-off-by-one",
+                              "decoder-off-by-one", "reordered", "too-few"])
+def test_the_convention_flag_converts_the_claim(source, tmp_path, conv, ids, ok):
+    """The same layers given in any numbering pass, and are recorded as given; the decoder ids read as HF ids
+    (and vice versa), another order or count are other layers: refused. (--limit 0: the claim is checked and
+    recorded, nothing imported.)"""
+    dump = tmp_path / "script-dump"
+    write_script_dump(dump, source.states, sorted(source.states)[:2])
+    b = new_build(tmp_path, source, "b")
+    if not ok:
+        with pytest.raises(DumpRefused, match="not this build's layers") as err:
+            run_build(b, imports(dump, "pt", ids, conv, limit=0), echo=quiet)
+        assert err.value.exit_code == 4
+        assert set(sample_states(b).values()) == {"pending"}
+        return
+    rep = run_build(b, imports(dump, "pt", ids, conv, limit=0), echo=quiet)
+    full = CONVENTIONS.get(conv, conv) or "decoder_layer_output"
+    want = {"layers": ids, "convention": full, "source": "flag"}
+    assert rep.dump.claim.as_dict() == want and len(rep.dump.files) == 2
+    started, done = import_details(b)
+    assert started["dump_layers"] == want and done["dump_layers"] == want
+
+
+@pytest.mark.parametrize("cut", ["aux", "final"])
+def test_a_dump_of_another_width_is_refused_whole(source, tmp_path, cli, cut):
+    """A dump whose states are narrower than the build's (two aux layers, or a model of half the hidden size),
+    its layers claimed as the build's: refused as a whole before anything is written (exit 4, one line naming
+    both widths), not as one `bad_shape` a file; the dump unchanged."""
+    dump = tmp_path / "narrow"
+    files = write_script_dump(dump, source.states, sorted(source.states)[:5])
+    for p in files.values():
+        d = torch.load(p, weights_only=True)
+        key = "aux_hidden_states" if cut == "aux" else "hidden_states"
+        keep = (N_AUX - 1) * H if cut == "aux" else H // 2
+        d[key] = d[key][..., :keep].clone()
+        torch.save(d, p)
+    before = sha256_tree(dump)
+    b = new_build(tmp_path, source, "b")
+    seq = events(b, "SELECT max(seq) AS n FROM events")[0]["n"]
+    cp = cli("import", b, dump, "--format", "pt", "--dump-layers", DECODER_IDS, "--no-progress")
+    lines = cp.stderr.strip().splitlines()
+    assert cp.returncode == 4 and len(lines) == 1, cp.stdout + cp.stderr
+    a, f = ((N_AUX - 1) * H, H) if cut == "aux" else (N_AUX * H, H // 2)
+    assert f"its states are {a} (aux) and {f} (final) wide" in lines[0], lines[0]
+    assert f"the build holds {N_AUX} aux layers of hidden size {H}: {N_AUX * H} and {H}" in lines[0], lines[0]
+    assert "nothing imported" in lines[0] and "Traceback" not in cp.stderr
+    assert events(b, "SELECT max(seq) AS n FROM events")[0]["n"] == seq
+    assert "written" not in set(sample_states(b).values())
+    assert sha256_tree(dump) == before
+
+
+def test_the_claim_is_recorded_in_the_run_and_shown_in_the_report(source, tmp_path, cli):
+    """run_started's `import`, the final `import` event, the text report and --json all carry the claim."""
+    dump = tmp_path / "script-dump"
+    write_script_dump(dump, source.states, sorted(source.states)[:3])
+    b = new_build(tmp_path, source, "b")
+    cp = cli("import", b, dump, "--format", "pt", "--dump-layers", HF_IDS, "--dump-layer-convention", "hf",
+             "--no-progress", "--json")
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    want = {"layers": [1, 2, 3], "convention": "hf_hidden_states", "source": "flag"}
+    out = json.loads(cp.stdout)
+    assert out["dump_layers"] == want and out["imported"] == 3
+    started, done = import_details(b)
+    assert started["dump_layers"] == want and done["dump_layers"] == want
+    assert {f for f, _ in provenance(b).values()} == {str(p) for p in dump.rglob("sample_*.pt")}
+    assert_same_states(b, source.states, set(provenance(b)))
+
+
+def test_the_imports_numberings_are_the_builds(source, tmp_path):
+    """The import checks claims in BuildInfo.layer_ids()'s numberings (computed again below the formats layer),
+    and --dump-layer-convention offers exactly their keys and short names."""
+    from builder.cli.exchange import LAYER_CONVENTIONS  # noqa: PLC0415
+
+    for b in (source.a, new_build(tmp_path, source, "b", aux_layers=[0, 3, 2])):
+        want = BuildInfo.load(layout(b)).layer_ids()
+        assert BuildGeometry.load(layout(b)).layer_ids() == want
+    assert set(CONVENTIONS.values()) == set(want)
+    assert set(LAYER_CONVENTIONS) == set(want) | set(CONVENTIONS)

@@ -9,6 +9,9 @@ the build's dtype (`bad_dtype`), finite values (`nonfinite`), and token ids equa
 a `Failure` with reason `import_<check>`: the sample is left for `resume` to extract, and never counted against
 --max-attempts. The dump's files are only read, never modified. Its final state is put in the build's
 convention (post-norm derived from pre-norm with the build's final norm; the other way round is refused).
+
+`bad_shape` here is one odd file's: a dump whose layers or width contradict the build's as a whole never gets
+this far (`run.imports.check_dump` and `check_width` refuse it before the run dispatches anything).
 """
 
 from __future__ import annotations
