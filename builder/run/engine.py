@@ -3,12 +3,20 @@ serves this build's model and layers (one probe), launch and stop it (`--launch`
 dies mid-run.
 
 Connect mode (default): hsbuild waits for a server someone else runs. Launch mode: hsbuild starts the exact
-`serve-command` as its child (its output in BUILD/logs/server.log), which dies with it (PR_SET_PDEATHSIG), so
-a run killed with -9 leaves no server squatting the GPUs, and restarts it when it dies."""
+`serve-command` as its child (its output in BUILD/logs/server.log), in a process group of its own, which dies with
+it (PR_SET_PDEATHSIG), so a run killed with -9 leaves no server squatting the GPUs, and restarts it when it dies.
+Before a restart and at the run's end the whole group is killed: vLLM's engine processes (`VLLM::EngineCore`,
+its workers) outlive an API server killed with -9 (they are reparented, holding the GPUs), and would otherwise
+stay as rogue processes.
+
+Which server: every check (`check_server`, builder/doctor/server_identity.py) reads the server's own configuration
+(its command line: model, layer ids, staging folder) besides probing it; the workers run the same check each
+time the server comes back. Each build stages into its own subfolder of the staging folder (`staging_name`)."""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
@@ -16,20 +24,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from builder.config import BuildConfig
+from builder.doctor.server_identity import Expected, ServerCheck, check_server, staging_name
 from builder.errors import EXIT_PREFLIGHT, HsbuildError, UsageError
-from builder.extract.backends.engine import EngineUnavailable, healthy
+from builder.extract.backends.engine import EngineUnavailable, ServerRefused, healthy
 from builder.extract.backends.vllm import VllmSettings, clear_staging, staging_usage
-from builder.extract.backends.vllm_server import (
-    EngineSpec,
-    probe,
-    probe_problems,
-    serve_command,
-    signature_differs,
-)
+from builder.extract.backends.vllm_server import EngineSpec, serve_command, serve_env
 from builder.layout import BuildLayout
+from builder.run.cgroup import ServerCgroup
 
 DEFAULT_INFLIGHT = 16
 HEALTH_TIMEOUT = 1800.0  # a large checkpoint can take many minutes to load (the incident's: 680 s)
@@ -41,22 +44,36 @@ class EngineError(HsbuildError, ConnectionError):
     exit_code = EXIT_PREFLIGHT
 
 
+class EngineRefused(EngineError):
+    """The server is not the build's (another model, other layers, another staging folder, unreadable without
+    --trust-server): the run is refused (`engine_refused` event)."""
+
+
 @dataclass
 class EngineOptions:
     launch: bool = False
     health_timeout: float | None = None  # None: $HSBUILD_SERVER_TIMEOUT, else HEALTH_TIMEOUT
+    trust_server: bool = False  # a server whose configuration cannot be read is judged by its answers alone
+
+
+LEGACY_CONNECTOR = "ExampleHiddenStatesConnector"  # what older builds' hsbuild.toml named: now hsbuild's
 
 
 def engine_spec(cfg: BuildConfig, meta: dict) -> EngineSpec:
     extra = cfg.engine_args or []
-    return EngineSpec(model=cfg.model, server=cfg.server or "", staging=str(Path(cfg.staging or "").absolute()),
+    connector = cfg.engine_connector
+    if connector == LEGACY_CONNECTOR and not cfg.engine_connector_module:
+        connector = None
+    return EngineSpec(model=str(Path(cfg.model).absolute()), server=cfg.server or "",
+                      staging=str(Path(cfg.staging or "").absolute()),
                       layer_ids=list(meta.get("engine_layer_ids") or []), dtype=cfg.dtype,
-                      connector=cfg.engine_connector, connector_module=cfg.engine_connector_module,
+                      connector=connector, connector_module=cfg.engine_connector_module if connector else None,
                       engine_args=tuple(extra))
 
 
-def vllm_settings(cfg: BuildConfig, meta: dict, model_name: str) -> VllmSettings:
-    return VllmSettings(server=cfg.server or "", model_name=model_name, staging=str(cfg.staging),
+def vllm_settings(cfg: BuildConfig, meta: dict, model_name: str, staging_dir: str | Path) -> VllmSettings:
+    """The workers' settings: `staging_dir` is the build's own subfolder of its server's staging folder."""
+    return VllmSettings(server=cfg.server or "", model_name=model_name, staging=str(staging_dir),
                         aux_layers=list(meta["aux_layers"]), num_layers=int(meta["num_layers"]),
                         hidden_size=int(meta["hidden_size"]), dtype=cfg.dtype, final_state=cfg.final_state,
                         inflight=cfg.inflight or DEFAULT_INFLIGHT)
@@ -77,8 +94,11 @@ class Engine:
         server's output, in BUILD/logs/ (one per node when each node runs its own: builder/run/ray_engines.py)."""
         self.lay, self.cfg, self.meta, self.opts, self.echo = lay, cfg, meta, opts, echo
         self.spec = spec or engine_spec(cfg, meta)
+        self.staging_dir = Path(self.spec.staging) / staging_name(meta)  # the build's own: cleared by its runs
+        self.server_check: ServerCheck | None = None  # once checked: what the workers check again
         self.log_path = lay.root / "logs" / log_name
         self.proc: subprocess.Popen | None = None
+        self.cgroup: ServerCgroup | None = None  # the launched server's own cgroup, where one could be made
         self.launched_at = 0.0
         self.model_name: str | None = None
         self.restarts = 0
@@ -88,15 +108,21 @@ class Engine:
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self, should_stop=lambda: False) -> None:
-        """Launch (launch mode) and wait until healthy; then clear what crashed runs left in staging."""
+        """Launch (launch mode) and wait until healthy; then clear what crashed runs of this build left in its
+        staging subfolder (other builds' subfolders are theirs)."""
         staging = Path(self.spec.staging)
         if not staging.is_dir():
             raise UsageError(f"staging {staging}: not an existing directory; create it (mkdir -p {staging}) or "
                              "fix `staging` in hsbuild.toml")
+        try:
+            self.staging_dir.mkdir(exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"staging {staging}: cannot create the build's subfolder {self.staging_dir.name} "
+                             f"({e.strerror}); make the folder writable") from None
         if self.opts.launch and not healthy(self.spec.server):
             self.launch()
         self.wait_healthy(should_stop)
-        removed = clear_staging(staging)
+        removed = clear_staging(self.staging_dir)
         if removed:
             self.echo(f"removed {removed} staging file(s) left by an earlier run (never trusted: re-extracted)")
 
@@ -105,11 +131,22 @@ class Engine:
         self.log_path.parent.mkdir(exist_ok=True)
         out = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         env = dict(os.environ)
-        if urlparse(self.spec.server).hostname in ("127.0.0.1", "localhost"):  # its internal sockets: loopback too
-            env.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        self.echo(f"launching the server ({len(cmd)} args; log: {self.log_path}): {' '.join(cmd[:6])} ...")
+        for k, v in serve_env(self.spec).items():  # a loopback server's internal sockets: loopback too
+            env.setdefault(k, v)
+        self.kill_group()  # (what is left of an earlier launch: never two servers' engines at once)
+        # its own cgroup where the machine allows: a process that leaves the group (setsid) stays contained
+        self.cgroup = ServerCgroup.create(f"hsbuild-server-{os.getpid()}-{self.restarts}")
+        cg = self.cgroup
+
+        def setup() -> None:  # pragma: no cover - in the child, between fork and exec
+            _die_with_parent()
+            if cg is not None:
+                cg.enter()
+
+        self.echo(f"launching the server ({len(cmd)} args; log: {self.log_path}; own process group"
+                  + (f", cgroup {cg.path}" if cg else "") + f"): {' '.join(cmd[:6])} ...")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent, env=env)
+                                     preexec_fn=setup, env=env)
         self.launched_at = time.monotonic()
         out.close()
 
@@ -136,20 +173,60 @@ class Engine:
     def stop(self) -> None:
         self.unwatch()
         try:  # what killed runs' requests finished writing after this run began: nothing trusts it
-            clear_staging(Path(self.spec.staging))
+            clear_staging(self.staging_dir)
         except OSError:
             pass
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_group()
+
+    def group_members(self) -> list[int]:
+        """The processes still in the launched server's process group (its engine processes outlive an API
+        server killed with -9: reparented, not ended)."""
+        if self.proc is None:
+            return []
+        pgid = self.proc.pid
+        out = self.cgroup.pids() if self.cgroup is not None else []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    stat = (d / "stat").read_bytes()
+                    if int(stat[stat.rfind(b")") + 2:].split()[2]) == pgid and int(d.name) not in out:
+                        out.append(int(d.name))
+                except (OSError, ValueError, IndexError):
+                    continue
+        return out
+
+    def kill_group(self, timeout: float = 30.0) -> None:
+        """Kill every process of the launched server's group (SIGKILL) and wait until none is left: before a
+        restart and at the run's end, so no engine process of an old server holds the GPUs the next needs."""
+        if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.cgroup is not None and self.cgroup.kill(timeout):  # (also what left the group with setsid)
+            self.cgroup = None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = [p for p in self.group_members() if _state(p) not in ("Z", None)]
+            if not left:
+                return
+            time.sleep(0.1)
 
     def restart_if_dead(self) -> bool:
         """Launch mode: start the server again if it died, or if a restarted one is still not healthy after the
@@ -160,7 +237,9 @@ class Engine:
             self.kill_hung()
         if self.opts.launch and self.proc is not None and self.proc.poll() is not None:
             self.restarts += 1
-            self.echo(f"the server exited (code {self.proc.returncode}); restarting it (restart {self.restarts})")
+            left = self.group_members()
+            self.echo(f"the server exited (code {self.proc.returncode}); restarting it (restart {self.restarts})"
+                      + (f" after killing the {len(left)} process(es) of its group still running" if left else ""))
             self.launch()
             return True
         return False
@@ -191,11 +270,7 @@ class Engine:
         """Launch mode: a server that is alive but does not answer /health is killed (then restarted)."""
         if self.opts.launch and self.proc is not None and self.proc.poll() is None:
             self.echo(f"the server (pid {self.proc.pid}) stopped answering /health; killing it to restart it")
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+            self.kill_group()
 
     def healthy(self) -> bool:
         return healthy(self.spec.server)
@@ -206,27 +281,36 @@ class Engine:
         return self.spec.server
 
     def staging_usage(self) -> tuple[int, int]:
-        """(files, bytes) in its staging folder now."""
-        return staging_usage(Path(self.spec.staging))
+        """(files, bytes) in the build's staging subfolder now."""
+        return staging_usage(self.staging_dir)
 
     # -- what it serves ----------------------------------------------------------------------------------------
     def check(self, recorded: dict | None) -> dict:
-        """Probe: the server returns this build's layer count, hidden size and dtype, and (after the first run)
-        the same states for the fixed probe prompt as the server the build began with."""
+        """The server is the build's (`check_server`: its command line, /v1/models, a probe compared with the
+        build's first probe when there is one). Keeps what the workers check again when it comes back (with this
+        run's probe as the reference on a build's first run). EngineError (exit 4) when it is not."""
+        sc = ServerCheck(server=self.spec.server,
+                         expected=Expected(model=self.spec.model, layer_ids=list(self.spec.layer_ids),
+                                           staging=self.spec.staging, dtype=self.cfg.dtype),
+                         staging_dir=str(self.staging_dir), vocab_size=int(self.meta["vocab_size"]),
+                         hidden_size=int(self.meta["hidden_size"]), build_root=str(self.lay.root),
+                         reference=(recorded or {}).get("signature"), trust=self.opts.trust_server)
         try:
-            p = probe(self.spec.server, int(self.meta["vocab_size"]))
+            found = check_server(sc)
+        except ServerRefused as e:
+            raise EngineRefused(str(e)) from None
         except EngineUnavailable as e:
             raise EngineError(f"{self.spec.server}: the probe request failed ({e})") from None
-        self.model_name = p.model_id
-        problems = probe_problems(p, self.spec.layer_ids, int(self.meta["hidden_size"]), self.cfg.dtype)
-        if not problems and recorded and recorded.get("signature"):
-            rel = signature_differs(p.signature, recorded["signature"])
-            if rel is not None:
-                problems.append(f"returns other states for the probe prompt than when the build began (largest "
-                                f"relative difference {rel:.1%}): another model or other layers")
-        if problems:
-            raise EngineError(f"{self.spec.server} (serving {p.root}): " + "; ".join(problems)
-                              + f". Serve the build's model with `hsbuild serve-command {self.lay.root}`")
-        return {"model_id": p.model_id, "root": p.root, "layers": p.layers, "hidden": p.hidden, "dtype": p.dtype,
-                "signature": p.signature}
+        self.model_name = found["model_id"]
+        self.server_check = dataclasses.replace(sc, reference=sc.reference or found["signature"],
+                                                model_name=found["model_id"])
+        return found
 
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (R, S, D, Z, ...), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return stat[stat.rfind(b")") + 2:].split()[0].decode()
+    except (OSError, IndexError):
+        return None

@@ -124,6 +124,16 @@ class Unreachable:
     attempt: int
     fingerprint: str
     message: str
+    refused: bool = False  # the server that came back is not the build's (another model, other layers): stop
+    need_bytes: int = 0  # > 0: the staging volume is full (ENOSPC); the run pauses until it has this much free
+
+
+@dataclass(frozen=True)
+class ServerChecked:
+    """The server came back and was checked again (its command line, /v1/models, a probe): it is the build's."""
+
+    worker: int
+    found: dict
 
 
 @dataclass(frozen=True)
@@ -163,8 +173,8 @@ class Exit:
 
 
 ToWorker = Task | Stop
-FromWorker = (Ready | Fatal | Started | Staged | Written | Failed | NoSpace | Deferred | Unreachable | Skipped | Abandoned | Sealed | SealFailed
-              | Exit)
+FromWorker = (Ready | Fatal | Started | Staged | Written | Failed | NoSpace | Deferred | Unreachable | ServerChecked
+              | Skipped | Abandoned | Sealed | SealFailed | Exit)
 
 
 @dataclass
@@ -189,6 +199,7 @@ class WorkerSettings:
     min_free: int = 0
     final_state: str = "post_norm"
     vllm: object | None = None  # extract.backends.vllm.VllmSettings: the vLLM backend; None: in-process
+    server_check: object | None = None  # doctor.server_identity.ServerCheck: run when the server comes back
     final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
     dump: object | None = None  # extract.backends.dump.DumpSettings: an import; None: extraction
     batch_tokens: int | None = None  # in-process: pack samples into forward passes of up to this many tokens

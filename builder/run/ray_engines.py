@@ -25,9 +25,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from builder.config import BuildConfig
+from builder.doctor.server_identity import staging_name
 from builder.errors import UsageError
 from builder.extract.backends.vllm import clear_staging
-from builder.run.engine import Engine, EngineError, EngineOptions, engine_spec
+from builder.run.engine import Engine, EngineError, EngineOptions, EngineRefused, engine_spec
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CALL_SECONDS = 30.0  # a call to a node's EngineHost that takes longer: the node is treated as gone
@@ -51,6 +52,7 @@ class HostAnswer:
     value: object = None
     error: str | None = None
     usage: bool = False  # the error is the user's to fix (exit 2), not the server's
+    refused: bool = False  # the error is a refusal: the server is not the build's
     lines: tuple[str, ...] = ()  # what the node's engine had to say since the last call
 
 
@@ -73,19 +75,21 @@ class EngineHost:
     """One node's server (decorated with ray.remote by `RayEngines`): a threaded actor, so that `halt` reaches
     it while `start` waits for the server to become healthy."""
 
-    def __init__(self, build_root: str, cfg: BuildConfig, meta: dict, launch: bool) -> None:
+    def __init__(self, build_root: str, cfg: BuildConfig, meta: dict, launch: bool, trust_server: bool = False) -> None:
         from builder.layout import layout  # noqa: PLC0415
 
         self.lay, self.cfg, self.meta, self.launch = layout(Path(build_root)), cfg, meta, launch
+        self.trust_server = trust_server
         self.engine: Engine | None = None
         self.lines: list[str] = []
         self.halted = False
         self._lock = threading.Lock()
 
-    def _answer(self, value: object = None, error: str | None = None, usage: bool = False) -> HostAnswer:
+    def _answer(self, value: object = None, error: str | None = None, usage: bool = False,
+                refused: bool = False) -> HostAnswer:
         with self._lock:
             lines, self.lines = tuple(self.lines), []
-        return HostAnswer(value, error, usage, lines)
+        return HostAnswer(value, error, usage, refused, lines)
 
     def _echo(self, line: str) -> None:
         with self._lock:
@@ -105,7 +109,8 @@ class EngineHost:
                 return self._answer(error=f"cannot create the staging folder {staging}: {e}; the build's staging "
                                     "must be an existing directory on every node", usage=True)
             spec = dataclasses.replace(spec, server=f"http://127.0.0.1:{_free_port()}", staging=str(staging))
-        self.engine = Engine(self.lay, self.cfg, self.meta, EngineOptions(launch=self.launch), self._echo,
+        self.engine = Engine(self.lay, self.cfg, self.meta,
+                             EngineOptions(launch=self.launch, trust_server=self.trust_server), self._echo,
                              spec=spec, log_name=f"server-{node_id[:12]}.log" if self.launch else "server.log")
         try:
             self.engine.start(lambda: self.halted)
@@ -120,10 +125,12 @@ class EngineHost:
         self.halted = True
 
     def check(self, recorded: dict | None) -> HostAnswer:
+        """Value: (what the check found, the ServerCheck its worker runs when the server comes back)."""
         try:
-            return self._answer(self.engine.check(recorded))
+            found = self.engine.check(recorded)
         except EngineError as e:
-            return self._answer(error=str(e))
+            return self._answer(error=str(e), refused=isinstance(e, EngineRefused))
+        return self._answer((found, self.engine.server_check))
 
     def watch(self) -> HostAnswer:
         self.engine.watch()
@@ -151,10 +158,13 @@ class EngineHost:
 class RayEngines:
     """Every node's server, answering the calls the coordinator makes of its one `Engine`."""
 
-    def __init__(self, ray, nodes: list[dict], lay, cfg: BuildConfig, meta: dict, launch: bool, echo) -> None:
+    def __init__(self, ray, nodes: list[dict], lay, cfg: BuildConfig, meta: dict, launch: bool, echo,
+                 trust_server: bool = False) -> None:
         if not launch:
             check_connect_server(cfg.server)
         self.ray, self.lay, self.cfg, self.meta, self.launch, self.echo = ray, lay, cfg, meta, launch, echo
+        self.trust_server = trust_server
+        self.checks: dict[str, object] = {}  # node id -> the ServerCheck its worker runs when its server returns
         self._cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)(EngineHost)
         self._nodes = nodes
         self.hosts: dict[str, object] = {}  # node id -> its EngineHost actor (the nodes still here)
@@ -215,7 +225,7 @@ class RayEngines:
             self.hosts[nid] = self._cls.options(
                 num_cpus=0, num_gpus=gpus,
                 scheduling_strategy=strategies.NodeAffinitySchedulingStrategy(nid, soft=False),
-            ).remote(str(self.lay.root), self.cfg, self.meta, self.launch)
+            ).remote(str(self.lay.root), self.cfg, self.meta, self.launch, self.trust_server)
         refs = {nid: a.start.remote() for nid, a in self.hosts.items()}
         left = dict(refs)
         halted = False
@@ -251,8 +261,9 @@ class RayEngines:
             if ans is None:
                 continue
             if ans.error is not None:
-                raise EngineError(f"node {nid[:12]}: {ans.error}")
-            found = found or ans.value
+                raise (EngineRefused if ans.refused else EngineError)(f"node {nid[:12]}: {ans.error}")
+            node_found, self.checks[nid] = ans.value
+            found = found or node_found
         if found is None:
             raise EngineError("--ray: no node's server answered the probe (every node is gone)")
         self.model_name = found["model_id"]
@@ -334,12 +345,17 @@ class RayEngines:
             e = self.engines.get(nid)
             if e is not None:
                 try:  # where this machine sees that node's folder (one machine, a shared filesystem)
-                    clear_staging(Path(e.staging))
+                    clear_staging(Path(e.staging) / staging_name(self.meta))
                 except OSError:
                     pass
 
     def worker_vllm(self, settings, nid: str):
-        """`settings` (the build's VllmSettings) pointed at node `nid`'s server and staging."""
+        """`settings` (the build's VllmSettings) pointed at node `nid`'s server and the build's subfolder of its
+        staging folder."""
         e = self.engines[nid]
-        return dataclasses.replace(settings, server=e.server, staging=e.staging)
+        return dataclasses.replace(settings, server=e.server, staging=str(Path(e.staging) / staging_name(self.meta)))
+
+    def worker_check(self, nid: str):
+        """The check node `nid`'s worker runs when that node's server comes back."""
+        return self.checks.get(nid)
 

@@ -36,6 +36,7 @@ from builder.run.messages import (
     Ready,
     Sealed,
     SealFailed,
+    ServerChecked,
     Skipped,
     Staged,
     Started,
@@ -113,7 +114,7 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags, hosted: bool = Fa
     wid = settings.worker
     try:
         torch.set_num_threads(max(1, settings.threads))
-        ex, backend = _open_backend(settings)
+        ex, backend = _open_backend(settings, conn)
     except Exception as e:  # noqa: BLE001
         conn.send(Fatal(wid, f"{type(e).__name__}: {e}"))
         return
@@ -159,8 +160,9 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags, hosted: bool = Fa
     conn.send(Exit(settings.worker))
 
 
-def _open_backend(settings: WorkerSettings) -> tuple[Extractor, Backend]:
-    """The extractor (model metadata and token checks) and the backend that runs the forward passes."""
+def _open_backend(settings: WorkerSettings, conn=None) -> tuple[Extractor, Backend]:  # noqa: ANN001
+    """The extractor (model metadata and token checks) and the backend that runs the forward passes. An engine
+    backend checks the server again each time it comes back (`ServerChecked` to the coordinator on `conn`)."""
     if settings.dump is not None:
         from builder.extract.backends.dump import DumpBackend  # noqa: PLC0415
         from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
@@ -180,7 +182,16 @@ def _open_backend(settings: WorkerSettings) -> tuple[Extractor, Backend]:
 
     ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, "cpu", load_weights=False)
     norm = FinalNorm.load(Path(settings.final_norm)) if settings.final_norm else None
-    return ex, VllmBackend(settings.vllm, norm)
+    recheck = None
+    if settings.server_check is not None:
+        from builder.doctor.server_identity import check_server  # noqa: PLC0415
+
+        def recheck() -> None:
+            found = check_server(settings.server_check)
+            if conn is not None:
+                conn.send(ServerChecked(settings.worker, found))
+
+    return ex, VllmBackend(settings.vllm, norm, recheck)
 
 
 GROUP_BYTES = 32 << 20  # encoded bytes a worker stages before making them durable in one barrier
@@ -277,8 +288,9 @@ class _Group:
                 self.stage(task, ids, mask, aux, final, t0)
             case Failure(reason=reason, message=message):
                 self._fail(task, reason, message)
-            case Unavailable(message=message):
-                self.conn.send(Unreachable(self.wid, task.sample_id, task.attempt, task.fingerprint, message))
+            case Unavailable(message=message, refused=refused, need_bytes=need):
+                self.conn.send(Unreachable(self.wid, task.sample_id, task.attempt, task.fingerprint, message,
+                                           refused, need))
 
     def stage(self, task: Task, ids, mask, aux, final, t0: float) -> None:
         s, wid = self.settings, self.wid

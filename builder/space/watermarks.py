@@ -122,6 +122,7 @@ class SpaceMonitor:
         if cfg.staging and Path(cfg.staging).is_dir():  # a missing one is doctor's FAIL (storage.staging)
             self.paths.append(Path(cfg.staging))
         self._paused: str | None = None
+        self._which = 0  # the index in `paths` of the volume that paused it (0: the build's, 1: staging)
         self._last_poll = 0.0
         self._usage: list[Usage] = [disk_usage(p) for p in self.paths]
         self._full_at: float | None = None
@@ -156,8 +157,11 @@ class SpaceMonitor:
         return out
 
     def describe(self) -> str:
-        u = self._usage[0]
-        return (f"{u.path} {u.usage:.1%} used, {human_bytes(u.free)} free "
+        """The volume the pause is about (the staging volume when that one crossed a watermark), else the
+        build's."""
+        i = self._which if self._paused in ("min_free", "high_watermark") and self._which < len(self._usage) else 0
+        u = self._usage[i]
+        return (f"{'staging ' if i else ''}{u.path} {u.usage:.1%} used, {human_bytes(u.free)} free "
                 f"(low {pct(self.wm.low)}, high {pct(self.wm.high)}, flood {pct(self.wm.flood)})")
 
     def account(self, nbytes: int, tokens: int) -> None:
@@ -178,11 +182,13 @@ class SpaceMonitor:
         self._last_poll = now
         usages = self.refresh()
         if self._paused is None:
-            for u in usages:
+            for i, u in enumerate(usages):
                 if self.wm.min_free and u.free < self.wm.min_free:
-                    self._paused = "min_free"
+                    self._paused, self._which = "min_free", i
                 elif self.wm.high < 1.0 and u.usage >= self.wm.high:  # 1.0: off, as for flood (a full
-                    self._paused = "high_watermark"  # volume then pauses by the disk-full path, `disk_full`)
+                    self._paused, self._which = "high_watermark", i  # volume then pauses by the disk-full path)
+                if self._paused is not None:
+                    break
         else:
             clear = all(u.usage < self.wm.low and not (self.wm.min_free and u.free < self.wm.min_free)
                         for u in usages)

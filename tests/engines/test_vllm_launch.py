@@ -1,5 +1,5 @@
 """`hsbuild run --launch`: hsbuild starts the exact serve-command as its child, and when that server hangs
-mid-run (SIGSTOP; one killed with -9: test_vllm_ray.py) the run pauses (`server_unavailable`), in-flight samples go back to pending (not failed for
+mid-run (SIGSTOP; its API process killed with -9: below, and across nodes in test_vllm_ray.py) the run pauses (`server_unavailable`), in-flight samples go back to pending (not failed for
 good, not counted against --max-attempts), the server is restarted, and the run finishes by itself. The
 staging folder is a small real tmpfs: it never holds more than the in-flight window."""
 
@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 from conftest import random_rows, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
-from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm, server_env
+from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm
 
 from builder.config import BuildConfig
 from builder.extract.backends.vllm import staging_usage
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.run.cgroup import ServerCgroup
 from builder.run.create import init_build
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -66,11 +67,7 @@ def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_fini
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 21, vocab=VOCAB, hi=300))
     build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=f"http://127.0.0.1:{port}",
                        staging=str(staging), inflight=inflight).root
-    path = layout(build).config  # the CPU connector shim, as a user sets a connector in hsbuild.toml
-    cfg = BuildConfig.from_toml(path)
-    cfg.engine_connector, cfg.engine_connector_module = "CpuHiddenStatesConnector", "vllm_cpu_connector"
-    cfg.engine_args = list(ENGINE_ARGS)
-    cfg.save(path)
+    _engine_args(build)
 
     peak = {"files": 0, "bytes": 0}
     done = threading.Event()
@@ -84,7 +81,7 @@ def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_fini
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress", "--launch"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env={**server_env(), "HSBUILD_SERVER_HUNG": "15"})
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "HSBUILD_SERVER_HUNG": "15"})
     try:
         deadline = time.monotonic() + 900
         while _written(build) < 5 and run.poll() is None and time.monotonic() < deadline:
@@ -117,8 +114,86 @@ def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_fini
     # bounded staging: never more files than requests in flight, nor more bytes than that many of the largest
     largest = 300 * 4 * 128 * 2 + 300 * 8 + 4096
     assert peak["files"] <= inflight + 1 and peak["bytes"] <= (inflight + 1) * largest, peak
-    assert not list(staging.glob("*.safetensors"))
+    assert not list(staging.rglob("*.safetensors"))
     assert _check_against_transformers(build, tiny_llama, "post_norm") == n
+
+
+def _engine_args(build: Path) -> None:
+    """No torch.compile warm-up for the tiny model (tests/vllm_fixture.py ENGINE_ARGS), set as a user would."""
+    path = layout(build).config
+    cfg = BuildConfig.from_toml(path)
+    cfg.engine_args = list(ENGINE_ARGS)
+    cfg.save(path)
+
+
+def _group(pgid: int) -> list[tuple[int, str]]:
+    """(pid, command) of the live (not zombie) processes of process group `pgid`, from /proc."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_bytes()
+            fields = stat[stat.rfind(b")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != b"Z":
+                out.append((int(p.name), (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_launch_mode_kill_9_of_the_api_server_leaves_no_engine_process_behind(tmp_path, tiny_llama):
+    """A crash of the launched server's API process alone (kill -9) leaves vLLM's engine processes running,
+    reparented (`VLLM::EngineCore`, its worker): the incident's rogue GPU holder. Before the restart every process
+    of the old server's group is killed (checked in /proc), the run finishes, and none of either server outlives
+    it."""
+    n = 600
+    port = free_port()
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 4, vocab=VOCAB, hi=300))
+    build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=f"http://127.0.0.1:{port}",
+                       staging=str(staging), inflight=4).root
+    _engine_args(build)
+    run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress", "--launch"), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    old: list[tuple[int, str]] = []
+    try:
+        deadline = time.monotonic() + 900
+        while _written(build) < 5 and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert run.poll() is None, "the run ended before the server could be killed: " + run.stderr.read()
+        [api] = _server_pids(port)
+        old = _group(api)
+        assert any("VLLM::EngineCore" in c for _, c in old), f"no engine process in the server's group: {old}"
+        can = ServerCgroup.create(f"hsbuild-probe-{os.getpid()}")
+        if can is not None:  # where this machine lets a cgroup be made, the server runs in its own
+            can.kill(1)
+            cgroups = {Path(f"/proc/{pid}/cgroup").read_text().split("0::", 1)[1].split()[0] for pid, _ in old}
+            assert len(cgroups) == 1 and "/hsbuild-server-" in cgroups.pop(), old
+        os.kill(api, signal.SIGKILL)  # the API process alone, as a crash would
+        deadline = time.monotonic() + 600
+        while _server_pids(port) in ([], [api]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        new = _server_pids(port)
+        assert new and api not in new, "no new server was launched"
+        survivors = _group(api)
+        assert not survivors, f"processes of the killed server outlived its restart: {survivors}"
+        out, err = run.communicate(timeout=1200)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for pid in _server_pids(port):
+            os.killpg(pid, signal.SIGKILL)
+    assert run.returncode == 0, _why(build, out, err)
+    assert "restarting it (restart 1)" in err, err
+    assert not _server_pids(port), "the launched server outlived the run"
+    assert not _group(api), "processes of the first server remain"
+    _one_written_each(build, n)
+    with EventLog(layout(build).events, read_only=True) as log:
+        rechecks = log.query("SELECT count(*) FROM events WHERE kind = 'engine_probe' AND "
+                             "json_extract(detail, '$.recheck')::BOOLEAN")[1][0][0]
+    assert rechecks >= 1, "the restarted server was not checked again before samples went to it"
 
 
 def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_back(tmp_path, tiny_llama):
@@ -169,4 +244,7 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
     with EventLog(layout(build).events, read_only=True) as log:
         assert log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0] == 0
         unavailable = log.query("SELECT count(*) FROM events WHERE reason = 'server_unavailable' AND kind = 'failed'")
+        rechecks = log.query("SELECT count(*) FROM events WHERE kind = 'engine_probe' AND "
+                             "json_extract(detail, '$.recheck')::BOOLEAN")[1][0][0]
     assert unavailable[1][0][0] >= 1  # in flight when it died: back to pending, then written
+    assert rechecks >= 1  # the server that came back was checked (command line, /v1/models, probe) first

@@ -47,7 +47,7 @@ def test_connect_mode_each_nodes_worker_talks_to_the_server_at_the_builds_loopba
     assert (report.outcome, report.exit_code) == ("completed", 0), "\n".join(lines)
     _one_written_each(build, n)
     with EventLog(layout(build).events, read_only=True) as log:
-        probe = json.loads(log.query("SELECT detail FROM events WHERE kind = 'engine_probe'")[1][0][0])
+        probe = json.loads(log.query("SELECT detail FROM events WHERE kind = 'engine_probe' ORDER BY seq")[1][0][0])
         placed = log.query("SELECT DISTINCT json_extract_string(detail, '$.node') FROM events "
                            "WHERE kind = 'worker_placed'")[1]
         per_node = log.query("SELECT node, written FROM nodes")[1]
@@ -55,7 +55,7 @@ def test_connect_mode_each_nodes_worker_talks_to_the_server_at_the_builds_loopba
     assert len(placed) == 2  # one worker per node's server, and each wrote samples
     assert len(per_node) == 2 and all(k > 0 for _, k in per_node) and sum(k for _, k in per_node) == n, per_node
     assert _check_against_transformers(build, vllm_server.model, "post_norm") == n
-    assert not list(vllm_server.staging.glob("*.safetensors"))
+    assert not list(vllm_server.staging.rglob("*.safetensors"))
     assert cli("verify", build).returncode == 0
 
 

