@@ -10,7 +10,8 @@ EXIT_OK = 0
 EXIT_SAMPLES_FAILED = 1  # finished, but some samples failed (run) / damage found (verify)
 EXIT_USAGE = 2  # usage error or bad input; nothing committed changed
 EXIT_WONT_FIT = 3  # projected build size does not fit below the high watermark, or the volume is full
-EXIT_PREFLIGHT = 4  # a blocking preflight (doctor) problem
+EXIT_PREFLIGHT = 4  # a blocking preflight (doctor) problem; a server or dump that is not the build's; no cluster
+EXIT_BUSY = 5  # another live process owns the build (a run, a verify sweep, an export): try again when it ends
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM; everything committed is safe
 
 
@@ -48,6 +49,8 @@ class BuildNotFoundError(UsageError, FileNotFoundError):
 
 class BuildLockedError(HsbuildError, BlockingIOError):
     """Another live process owns the build (a run or verify is going)."""
+
+    exit_code = EXIT_BUSY
 
 
 class BuildReadOnlyError(UsageError, PermissionError):
@@ -148,6 +151,12 @@ class WontFitError(HsbuildError, OSError):
 
 class PreflightError(HsbuildError, RuntimeError):
     """A blocking preflight problem (see `hsbuild doctor`)."""
+
+    exit_code = EXIT_PREFLIGHT
+
+
+class ClusterUnreachableError(HsbuildError, ConnectionError):
+    """`--ray ADDRESS`: no Ray cluster answers there (within a bound, never an endless retry)."""
 
     exit_code = EXIT_PREFLIGHT
 

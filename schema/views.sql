@@ -146,14 +146,19 @@ recent AS (
       AND NOT EXISTS (SELECT 1 FROM events WHERE kind = 'run_finished' AND seq > (SELECT wseq FROM last_write))
       AND epoch(now()) - epoch((SELECT wts FROM last_write)) < 600
 ),
+-- requeued: failed for a transient reason (the environment's fault: the server down, a full volume, a lost
+-- node): back to pending, retried without counting; counted as pending, not failed (the same list as sample_fold)
+st_r AS (SELECT *, state = 'failed' AND coalesce(error IN ('no_space', 'server_unavailable', 'worker_lost'), false)
+                   AS requeued FROM st),
 counts AS (
     SELECT
         count(*) FILTER (WHERE state <> 'retired') AS total,
-        count(*) FILTER (WHERE state = 'pending') AS pending,
+        count(*) FILTER (WHERE state = 'pending' OR requeued) AS pending,
+        count(*) FILTER (WHERE requeued) AS requeued,
         count(*) FILTER (WHERE state = 'started') AS started,
         count(*) FILTER (WHERE state = 'written') AS written,
         count(*) FILTER (WHERE state = 'verified') AS verified,
-        count(*) FILTER (WHERE state = 'failed') AS failed,
+        count(*) FILTER (WHERE state = 'failed' AND NOT requeued) AS failed,
         count(*) FILTER (WHERE state = 'retired') AS retired,
         coalesce(sum(num_tokens) FILTER (WHERE state IN ('written', 'verified')), 0) AS tokens_done,
         -- what will be stored: each sample cut to the build's --max-tokens (meta `format`)
@@ -171,8 +176,8 @@ counts AS (
                                                     FROM meta WHERE key = 'format'), source_tokens)))
                  FILTER (WHERE state NOT IN ('written', 'verified', 'retired')), 0) AS todo_tokens,
         -- failed samples per reason (a map; NULL when none failed)
-        histogram(coalesce(error, 'unknown')) FILTER (WHERE state = 'failed') AS failed_by_reason
-    FROM st
+        histogram(coalesce(error, 'unknown')) FILTER (WHERE state = 'failed' AND NOT requeued) AS failed_by_reason
+    FROM st_r
 )
 SELECT
     c.*,

@@ -10,6 +10,7 @@ cgroup between fork and exec (`enter`), before it can start anything.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -96,3 +97,36 @@ class ServerCgroup:
             except OSError:
                 pass
         return empty
+
+
+PREFIX = "hsbuild-server-"  # + the launching hsbuild's pid + "-" + its restart count
+_NAME = re.compile(re.escape(PREFIX) + r"(\d+)-\d+")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = (PROC / str(pid) / "stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+
+
+def reap_stale(timeout: float = 30.0) -> int:
+    """Kill what is left in the server cgroups of hsbuild processes that are gone (a run killed with -9 cannot
+    stop its server: the API server dies with it, PR_SET_PDEATHSIG, but its engine processes may not), and remove
+    those cgroups. Returns how many processes it killed. Another live hsbuild's server is never touched."""
+    root = cgroup2_root()
+    if root is None:
+        return 0
+    killed = 0
+    try:
+        names = [d.name for d in root.iterdir() if d.is_dir()]
+    except OSError:
+        return 0
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m and not _alive(int(m.group(1))):
+            cg = ServerCgroup(root / name)
+            killed += len(cg.pids())
+            cg.kill(timeout)
+    return killed

@@ -27,12 +27,12 @@ from pathlib import Path
 
 from builder.config import BuildConfig
 from builder.doctor.server_identity import Expected, ServerCheck, check_server, staging_name
-from builder.errors import EXIT_PREFLIGHT, HsbuildError, UsageError
+from builder.errors import EXIT_PREFLIGHT, HsbuildError, Interrupted, UsageError
 from builder.extract.backends.engine import EngineUnavailable, ServerRefused, healthy
 from builder.extract.backends.vllm import VllmSettings, clear_staging, staging_usage
 from builder.extract.backends.vllm_server import EngineSpec, serve_command, serve_env
 from builder.layout import BuildLayout
-from builder.run.cgroup import ServerCgroup
+from builder.run.cgroup import PREFIX, ServerCgroup, reap_stale
 
 DEFAULT_INFLIGHT = 16
 HEALTH_TIMEOUT = 1800.0  # a large checkpoint can take many minutes to load (the incident's: 680 s)
@@ -134,8 +134,11 @@ class Engine:
         for k, v in serve_env(self.spec).items():  # a loopback server's internal sockets: loopback too
             env.setdefault(k, v)
         self.kill_group()  # (what is left of an earlier launch: never two servers' engines at once)
+        stale = reap_stale()  # servers launched by hsbuild runs that were killed (-9) and could not stop them
+        if stale:
+            self.echo(f"killed {stale} process(es) left by a server that an earlier, killed hsbuild run launched")
         # its own cgroup where the machine allows: a process that leaves the group (setsid) stays contained
-        self.cgroup = ServerCgroup.create(f"hsbuild-server-{os.getpid()}-{self.restarts}")
+        self.cgroup = ServerCgroup.create(f"{PREFIX}{os.getpid()}-{self.restarts}")
         cg = self.cgroup
 
         def setup() -> None:  # pragma: no cover - in the child, between fork and exec
@@ -163,7 +166,7 @@ class Engine:
                                   f"`hsbuild serve-command {self.lay.root}` prints (or pass --launch), or raise "
                                   "HSBUILD_SERVER_TIMEOUT")
             if should_stop():
-                raise EngineError(f"stopped while waiting for {self.spec.server} to become healthy")
+                raise Interrupted(f"stopped while waiting for {self.spec.server} to become healthy")
             if waited - last >= 10 or last == 0.0:
                 last = waited or 0.001
                 self.echo(f"waiting for {self.spec.server}/health ({waited:.0f} s; "

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.errors import UsageError
+from builder.errors import ClusterUnreachableError, UsageError
 
 TAKE_SECONDS = 0.5  # an uplink call waits this long for the worker's next messages
 FLAG_POLL_SECONDS = 0.05  # how often the run-wide flags are compared and copied to the actor
@@ -290,6 +290,24 @@ def worker_env(fixed: dict[str, str]) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k.startswith("HSBUILD_")}, **fixed}
 
 
+CONNECT_TIMEOUT_S = 10.0  # a cluster's head that does not accept a connection in this long is not there
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """HOST:PORT accepts a TCP connection within `timeout` s, else ClusterUnreachableError naming the address
+    (Ray's own client retries a silent address for minutes). `auto` is Ray's to find (it fails fast)."""
+    if address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ClusterUnreachableError(
+            f"--ray {address}: no Ray cluster answers there ({e.strerror or type(e).__name__}, waited at most "
+            f"{timeout:g} s); start one with `ray start --head --node-ip-address=HOST --port={port}` on that host, "
+            "or give the address `ray status` prints on a node of the cluster") from None
+
+
 class RayPool:
     """Starts workers as actors on a Ray cluster (`address`: 'auto' or host:port), one per `resources` slot."""
 
@@ -298,6 +316,7 @@ class RayPool:
         self.ray = ray
         self._owned = not ray.is_initialized()  # connected here: disconnected by `close`
         if self._owned:
+            check_reachable(address)
             try:
                 ray.init(address=address, log_to_driver=False, include_dashboard=False)
             except Exception as e:  # noqa: BLE001 - ConnectionError, ValueError, ...

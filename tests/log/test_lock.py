@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from builder.cli.app import main
-from builder.errors import BuildLockedError, ForeignLockError
+from builder.errors import EXIT_BUSY, BuildLockedError, ForeignLockError
 from builder.layout import layout
 from builder.log.events import EventLog, open_log
 from builder.log.lock import RECORD_SIZE, BuildLock, flock_holders, inspect_lock
@@ -99,7 +99,7 @@ def test_a_lock_record_from_another_host_is_refused_until_taken_over(make_build,
 
     cp = cli("verify", build, "--quick", "--no-progress")
     err = cp.stderr.strip().splitlines()
-    assert cp.returncode == 2 and len(err) == 1 and "gpu-node-17" in err[0] and "--take-over" in err[0], cp.stderr
+    assert cp.returncode == EXIT_BUSY and len(err) == 1 and "gpu-node-17" in err[0] and "--take-over" in err[0], cp.stderr
     cp = cli("verify", build, "--quick", "--no-progress", "--take-over")
     assert cp.returncode == 0, cp.stderr
     with EventLog(lay.events, read_only=True) as log:

@@ -26,6 +26,9 @@ def test_the_view_spells_out_exactly_the_transient_reasons():
     lists = re.findall(r"kind = 'failed' AND coalesce\(reason IN \(([^)]*)\), false\) AS transient", sql)
     assert len(lists) == 1, "sample_fold must name the transient reasons in exactly one place"
     assert set(re.findall(r"'([^']*)'", lists[0])) == set(TRANSIENT_REASONS)
+    # every other list of them (`progress` counts a sample failed for one of them as pending) is the same
+    others = [m for m in re.findall(r"IN \(([^)]*)\)", sql) if "server_unavailable" in m]
+    assert len(others) >= 2 and all(set(re.findall(r"'([^']*)'", m)) == set(TRANSIENT_REASONS) for m in others)
     assert plan.TRANSIENT_REASONS is TRANSIENT_REASONS  # the plan decides with the same list
     assert not set(OTHER_REASONS) & TRANSIENT_REASONS
 
@@ -57,3 +60,22 @@ def test_a_start_counts_unless_a_transient_failure_ended_it(tmp_path, reason):
             imports = dict(log.query("SELECT sample_id, imports FROM sample_fold")[1])
             assert imports == {"a": 0, "b": 0, "c": 1}
             log.checkpoint_fold()
+
+
+def test_progress_counts_a_sample_a_transient_failure_sent_back_as_pending(tmp_path):
+    """`status` reads `progress`: a sample whose last word is a transient failure went back to pending (the run
+    retries it, uncounted); it is neither `failed` nor in `failed_by_reason`, and `requeued` says how many."""
+    z = np.zeros(3, dtype=np.int32)
+    with EventLog(tmp_path / "events.duckdb") as log:
+        log.register_samples([Sample(sid, i, z, z.astype(np.uint8), "fp") for i, sid in enumerate("abcd")])
+
+        def ev(kind, sid, **kw):
+            return Event(kind, run_id="r", sample_id=sid, fingerprint="fp", attempt=1, **kw)
+
+        log.append([ev("started", "a"), ev("failed", "a", reason="server_unavailable"),
+                    ev("started", "b"), ev("failed", "b", reason="no_space"),
+                    ev("started", "c"), ev("failed", "c", reason="nonfinite")])
+        p = log.progress()
+    assert (p["total"], p["pending"], p["requeued"], p["failed"]) == (4, 3, 2, 1)
+    assert p["failed_by_reason"] == {"nonfinite": 1}
+    assert p["remaining"] == 3

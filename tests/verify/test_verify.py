@@ -29,7 +29,7 @@ from verify_helpers import (
 
 from builder.cli.app import main
 from builder.config import load_config
-from builder.errors import BuildLockedError, UsageError
+from builder.errors import EXIT_BUSY, BuildLockedError, UsageError
 from builder.extract.model import Extractor
 from builder.extract.source import load_source
 from builder.layout import layout
@@ -294,7 +294,7 @@ def test_verify_refuses_while_the_build_is_owned(build, cli):
         with pytest.raises(BuildLockedError):
             sweep(build)
         cp = cli("verify", build, "--quick")
-        assert cp.returncode == 2 and "busy" in cp.stderr
+        assert cp.returncode == EXIT_BUSY and "busy" in cp.stderr
 
 
 def test_a_check_that_cannot_run_condemns_nothing(build, monkeypatch, capsys):
