@@ -207,8 +207,14 @@ per_run AS (
            count(*) FILTER (WHERE kind = 'failed') AS failed,
            count(*) FILTER (WHERE kind = 'paused') AS pauses,
            coalesce(sum(num_tokens) FILTER (WHERE kind = 'written'), 0) AS tokens,
-           coalesce(sum(nbytes) FILTER (WHERE kind = 'written'), 0) AS nbytes
+           coalesce(sum(nbytes) FILTER (WHERE kind = 'written'), 0) AS nbytes,
+           max(ts) AS last_at
     FROM events GROUP BY run_id
+),
+-- how long each run took: to its end, or (unfinished: killed, or still going) to its last event
+timed AS (
+    SELECT s.run_id, epoch(coalesce(e.finished_at, p.last_at)) - epoch(s.started_at) AS duration_s
+    FROM starts s LEFT JOIN ends e USING (run_id) LEFT JOIN per_run p USING (run_id)
 )
 SELECT
     s.run_id,
@@ -217,11 +223,17 @@ SELECT
     e.finished_at,
     coalesce(e.outcome, 'unfinished') AS outcome,
     p.written, p.verified, p.failed, p.pauses, p.tokens, p.nbytes,
+    round(t.duration_s, 3) AS duration_s,
+    -- throughput over the whole run (start-up, pauses and the final flush included): what a user waited for
+    CASE WHEN t.duration_s > 0 THEN round(p.written / t.duration_s, 3) END AS samples_per_s,
+    CASE WHEN t.duration_s > 0 THEN round(p.tokens / t.duration_s, 1) END AS tokens_per_s,
+    CASE WHEN t.duration_s > 0 THEN round(p.nbytes / 1e6 / t.duration_s, 3) END AS mb_per_s,
     s.config,
     e.summary
 FROM starts s
 LEFT JOIN ends e USING (run_id)
 LEFT JOIN per_run p USING (run_id)
+LEFT JOIN timed t USING (run_id)
 ORDER BY s.started_at;
 
 -- GPU utilisation and memory per device, sampled every few seconds during GPU runs (NVML).

@@ -13,6 +13,7 @@ L-3, plus the final hidden state (index L).
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,19 @@ def pick_device(device: str) -> torch.device:
     return dev
 
 
+def quiet_third_party() -> None:
+    """No progress bars or info chatter of transformers or huggingface_hub in hsbuild's output (the run draws its
+    own progress); their warnings and errors still show."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import transformers  # noqa: PLC0415
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_warning()
+    except (ImportError, AttributeError):
+        pass
+
+
 class Extractor:
     """Loads a model and extracts the EAGLE-3 auxiliary hidden states plus the final hidden state."""
 
@@ -286,6 +300,7 @@ class Extractor:
             return
         import transformers  # noqa: PLC0415
 
+        quiet_third_party()  # transformers' "Loading weights" bars, one per worker, in hsbuild's own output
         local = {"local_files_only": True}  # read_hf found the directory: never a request to the hub
         try:
             try:
