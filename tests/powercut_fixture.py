@@ -101,10 +101,11 @@ class PowerCutFS:
     """BACKING + MOUNT + STATE under `tmp_path/name`, and the lazyfs daemon between BACKING and MOUNT."""
 
     def __init__(self, tmp_path: Path, dirs: str = "strict", name: str = "powercut", python: str | None = None,
-                 lazyfs: Path | None = None):
+                 lazyfs: Path | None = None, threads: bool = False):
         if dirs not in ("strict", "journal"):
             raise ValueError(f"dirs={dirs!r}: use 'strict' (POSIX worst case) or 'journal' (ext4/xfs)")
         self.dirs = dirs
+        self.threads = threads  # several FUSE threads: reads, statfs and the control file answer during a stall
         self.python = python or lazyfs_python()
         self.lazyfs = Path(lazyfs) if lazyfs else find_lazyfs()
         if self.lazyfs is None:
@@ -116,6 +117,7 @@ class PowerCutFS:
         for p in (self.backing, self.mnt):
             p.mkdir(parents=True, exist_ok=True)
         self.mounted = False
+        self.stalled = False
         self.report: dict | None = None
         self.pgids: list[int] = []  # process groups started by popen(): they die with the power
         self.procs: list[subprocess.Popen] = []
@@ -129,7 +131,8 @@ class PowerCutFS:
         """Mount BACKING at MOUNT. Whatever BACKING holds now counts as durable."""
         if self.mounted:
             raise PowerCutError("already mounted")
-        r = self._lazyfs("mount", str(self.backing), str(self.mnt), "--dirs", self.dirs, "--state", str(self.state))
+        r = self._lazyfs("mount", str(self.backing), str(self.mnt), "--dirs", self.dirs, "--state", str(self.state),
+                         *(["--threads"] if self.threads else []))
         if r.returncode != 0:
             raise PowerCutError(f"lazyfs mount failed ({r.returncode}): {r.stdout.strip()} {r.stderr.strip()}")
         self.mounted = True
@@ -182,6 +185,21 @@ class PowerCutFS:
         if r.returncode != 0:
             raise PowerCutError(f"lazyfs sync failed: {r.stderr}")
 
+    def stall(self) -> None:
+        """From now on writes, fsyncs and namespace changes wait (a full Ceph pool); reads and statfs go on
+        (mount with threads=True, else everything waits)."""
+        r = self._lazyfs("stall", str(self.mnt))
+        if r.returncode != 0:
+            raise PowerCutError(f"lazyfs stall failed: {r.stdout} {r.stderr}")
+        self.stalled = True
+
+    def thaw(self) -> None:
+        """The waiting requests go through."""
+        r = self._lazyfs("thaw", str(self.mnt))
+        if r.returncode != 0:
+            raise PowerCutError(f"lazyfs thaw failed: {r.stdout} {r.stderr}")
+        self.stalled = False
+
     def status(self) -> dict:
         r = self._lazyfs("status", str(self.mnt))
         return json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr.strip()}
@@ -198,6 +216,11 @@ class PowerCutFS:
 
     def close(self) -> None:
         """Teardown: kill what we started, unmount whatever way works. Never raises."""
+        if self.stalled:  # (a process waiting on a stalled request cannot be killed until then)
+            try:
+                self.thaw()
+            except Exception:  # noqa: BLE001
+                pass
         self._kill_groups()
         if os.path.ismount(self.mnt):
             try:
@@ -290,12 +313,13 @@ def require_powercut() -> None:
 
 @pytest.fixture
 def powercut(tmp_path):
-    """powercut(dirs='strict', name='powercut') -> a mounted PowerCutFS under tmp_path; unmounted at teardown."""
+    """powercut(dirs='strict', name='powercut', threads=False) -> a mounted PowerCutFS under tmp_path; unmounted
+    (thawed first) at teardown."""
     require_powercut()
     made: list[PowerCutFS] = []
 
-    def make(dirs: str = "strict", name: str = "powercut") -> PowerCutFS:
-        fs = PowerCutFS(tmp_path, dirs=dirs, name=name)
+    def make(dirs: str = "strict", name: str = "powercut", threads: bool = False) -> PowerCutFS:
+        fs = PowerCutFS(tmp_path, dirs=dirs, name=name, threads=threads)
         made.append(fs)
         return fs.mount()
 
