@@ -40,7 +40,8 @@ def add_commands(sub, out) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--take-over", action="store_true", help=TAKE_OVER_HELP)
 
-    p = sub.add_parser("gc", parents=[out], help="remove orphaned bytes (crashed writers' leftovers)")
+    p = sub.add_parser("gc", parents=[out], help="remove orphaned bytes (crashed writers' leftovers); durable "
+                                                 "work the log missed is kept for `hsbuild resume` to adopt")
     p.add_argument("build")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     p.add_argument("--take-over", action="store_true", help=TAKE_OVER_HELP)
@@ -141,6 +142,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print_json(rep.as_dict())
         return EXIT_OK
     items = rep.orphans.orphans
+    b = shlex.quote(args.build)
     if fmt == "csv":
         print_rows(["path", "kind", "bytes", "files"], [[o.path, o.kind, o.nbytes, o.files] for o in items], "csv")
         return EXIT_OK
@@ -150,7 +152,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                   + (f" ({o.files} files)" if o.kind == "segment" else ""))
         if items:
             print(f"dry run: {len(items)} orphan(s), {rep.orphans.files} file(s), {human_bytes(rep.orphans.nbytes)} "
-                  f"reclaimable; remove with: hsbuild gc {shlex.quote(args.build)}")
+                  f"reclaimable; remove with: hsbuild gc {b}")
         else:
             print("dry run: nothing to remove (no orphaned bytes)")
     elif items:
@@ -158,6 +160,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
               f"{human_bytes(rep.removed_bytes)}")
     else:
         print("gc: nothing to remove; freed 0 B")
+    kept = rep.orphans.adoptable
+    if kept:
+        print(f"gc: kept {rep.orphans.adoptable_samples} durable sample(s) in {len(kept)} group(s) "
+              f"({human_bytes(sum(a.nbytes for a in kept))}) that the log does not list yet (a crash, a full disk "
+              f"or a lost WAL before their events committed): not orphans; adopt them with: hsbuild resume {b}")
     return EXIT_OK
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import struct
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -162,6 +163,44 @@ def fp8_error(t: torch.Tensor, stored: np.ndarray, logical_dtype: str) -> float:
 
 def checksum(a: np.ndarray) -> str:
     return f"crc32c:{crc32c.crc32c(np.ascontiguousarray(a).data):08x}"
+
+
+ZSTD_MAGIC = 0xFD2FB528
+ZSTD_SKIPPABLE = 0x184D2A50  # ... to 0x184D2A5F: skippable frames (a 4-byte length, then that many bytes)
+BLOSC_HEADER = struct.Struct("<4xI4xI")  # c-blosc 1's 16 bytes: ..., nbytes (uint32 LE), blocksize, cbytes
+_U32 = struct.Struct("<I")
+_ZSTD_FCS = {1: struct.Struct("<B"), 2: struct.Struct("<H"), 4: struct.Struct("<I"), 8: struct.Struct("<Q")}
+
+
+def declared_size(codec: object, frame: bytes | memoryview) -> int | None:
+    """How many bytes an encoded chunk says it decodes to, from its header alone (no decoding), or None when it
+    does not say. blosc: the header's `nbytes`, the whole chunk's size (ValueError when the header's compressed
+    size is not the chunk's length: c-blosc would read past the chunk's end). zstd: the frame content size of its
+    first frame (after any skippable frames); None for a frame without one (streamed) or bytes that are no
+    zstd frame. Readers decode straight into a chunk-sized buffer only when this equals its size: a codec
+    asked to decode a shorter chunk into a bigger buffer fills its start and says nothing."""
+    size = len(frame)  # bytes, or a memoryview of bytes (format B)
+    if isinstance(codec, numcodecs.Blosc):
+        nbytes, cbytes = BLOSC_HEADER.unpack_from(frame) if size >= BLOSC_HEADER.size else (0, -1)
+        if cbytes != size:  # c-blosc trusts its header's compressed size and reads past a shorter buffer
+            raise ValueError(f"a blosc chunk of {size} bytes whose header says {max(cbytes, 0)}")
+        return nbytes
+    if not isinstance(codec, numcodecs.Zstd):
+        return None
+    pos = 0
+    while size - pos >= 8 and _U32.unpack_from(frame, pos)[0] & 0xFFFFFFF0 == ZSTD_SKIPPABLE:
+        pos += 8 + _U32.unpack_from(frame, pos + 4)[0]
+    if size - pos < 6 or _U32.unpack_from(frame, pos)[0] != ZSTD_MAGIC:
+        return None
+    fhd = frame[pos + 4]
+    single = (fhd >> 5) & 1
+    fcs_len = (single, 2, 4, 8)[fhd >> 6]
+    if not fcs_len:
+        return None
+    at = pos + 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+    if size < at + fcs_len:
+        return None
+    return _ZSTD_FCS[fcs_len].unpack_from(frame, at)[0] + (256 if fcs_len == 2 else 0)
 
 
 def chunk_encoder(spec: str, typesize: int = 2) -> Callable[[np.ndarray], bytes]:

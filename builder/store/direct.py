@@ -10,7 +10,9 @@ index twice, copies every chunk into new bytes, then into a per-shard buffer, th
 event loop; this is the same bytes with one copy and no event loop (tools/bench_read.py measures both).
 
 Every way a file can be missing or damaged raises DamagedSampleError with the reasons the rest of the store uses
-(`missing_data`, `unreadable`); an OSError that says nothing about the data (EMFILE, EIO) propagates.
+(`missing_data`, `unreadable`); an OSError that says nothing about the data (EMFILE, EIO) propagates. A chunk
+that decodes to anything but exactly its chunk's bytes is `unreadable`, checksums compared or not: the output
+is never left partly unwritten (`np.empty`'s leftovers).
 Only layout-2 (sharded) fields whose codec is one hsbuild writes are read here (`FieldLayout.of` returns None
 otherwise, and the caller falls back to Zarr).
 """
@@ -28,6 +30,7 @@ import numcodecs
 import numpy as np
 
 from builder.errors import DamagedSampleError
+from builder.store.codec import declared_size
 from builder.store.shard import CRC_BYTES, EMPTY, INDEX_ENTRY, ShardIndexError, decode_index, shard_path
 
 MISSING, UNREADABLE = "missing_data", "unreadable"
@@ -197,11 +200,31 @@ def _pread_into(fd: int, view: memoryview, offset: int, rel: Path, segment: str,
 
 
 def _decode(codec, src, dst: np.ndarray, rel: Path, segment: str, fld: str) -> DamagedSampleError | None:
+    """Decode one chunk into `dst` (its row of the output), which it must fill exactly. A codec asked to decode
+    a shorter chunk into a bigger buffer fills its start and says nothing (numcodecs' zstd and blosc both), so
+    the chunk is decoded in place only when its header says it is exactly `dst`'s size (the decoder then
+    refuses anything longer, and zstd and blosc check that the frame produces what its header says); a chunk
+    that says nothing (a streamed zstd frame, frames one after another) is decoded into a buffer of its own
+    and its size compared. A wrong size is damage, whether or not checksums are compared afterwards."""
+    want = dst.nbytes
     try:
-        codec.decode(src, out=dst)
+        said = declared_size(codec, src)
+        if said == want:
+            codec.decode(src, out=dst)
+            return None
+        if said is not None and (isinstance(codec, numcodecs.Blosc) or said > want):
+            got = said  # one blosc chunk says its whole size; a first zstd frame longer than the chunk: too long
+        else:
+            out = np.frombuffer(codec.decode(src), dtype=np.uint8)
+            got = out.size
+            if got == want:
+                dst.reshape(-1).view(np.uint8)[:] = out
+                return None
     except (MemoryError, OSError):
         raise
     except Exception as e:  # noqa: BLE001 - bytes present but not a chunk of this codec and size
         return DamagedSampleError(UNREADABLE, f"shard file {rel}: chunk files do not decode ({type(e).__name__}: "
                                               f"{str(e)[:200]})", segment=segment, field=fld)
-    return None
+    return DamagedSampleError(UNREADABLE, f"shard file {rel}: a chunk decodes to {got} bytes, not the {want} of "
+                                          "a chunk of this field (a short or foreign frame)", segment=segment,
+                              field=fld)

@@ -1,11 +1,20 @@
-"""Orphans: bytes in a build that no committed `written` event references, and `hsbuild gc`, which removes them.
+"""Orphans: bytes in a build that no committed `written` event references and no run would adopt, and
+`hsbuild gc`, which removes them.
 
 Crashed writers leave them: shard files (and chunk files, in layout 1 segments) in ranges no `written` event
-covers, with the manifests of those groups (the group was made durable, its events were never committed), whole
-segments no `written` event references, Zarr's `*.<uuid>.partial` temp files and
+covers and no manifest vouches for (a group torn before its manifest was durable), manifests none of whose
+samples is logged or adoptable, whole segments that hold neither, Zarr's `*.<uuid>.partial` temp files and
 hsbuild's `.*.<pid>.tmp` temp files. A segment's metadata (zarr.json, seal.json) belongs to it while any
-`written` event references the segment. Bytes that a superseded `written` still references (a sample verify
-found damaged and resume re-extracted elsewhere) are kept; they are not orphans.
+`written` event references the segment or any group in it is adoptable. Bytes that a superseded `written` still
+references (a sample verify found damaged and resume re-extracted elsewhere) are kept; they are not orphans.
+
+**Adoptable groups are never orphans** (docs/design.md section 11): a group made durable whose `written` events
+never committed (a crash between the data barrier and the log's commit, a lost or rolled-back WAL, a full disk
+that stopped the log) is what the next run reads back and records `written` instead of extracting it again.
+gc keeps every group whose manifest lists a sample the run would adopt (registered with the same fingerprint,
+not written, verified or retired: `run.rebuild.adopt`'s rule), whole (manifest and every shard of it), and
+reports them (`OrphanReport.adoptable`) with the command that adopts them, `hsbuild resume BUILD`. Once the run
+has adopted them they are referenced; once their samples are done from other bytes they are orphans.
 
 Only a process holding the build lock may scan: otherwise a live writer's uncommitted chunks would look
 orphaned. `scan_orphans` reports, `remove_orphans` deletes exactly what a scan reported; neither prints.
@@ -29,12 +38,13 @@ from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail, open_log
 from builder.log.lock import BuildLock
 from builder.log.server import QueryServer
-from builder.store.segment import FIELDS, MANIFEST_DIR, field_geometry, list_segments
-from builder.store.shard import ShardGeometry
+from builder.store.segment import DIMS, FIELDS, MANIFEST_DIR, MANIFEST_FORMAT, field_geometry, list_segments
+from builder.store.shard import ShardGeometry, shard_path
 
 PARTIAL_RE = re.compile(r".+\.[0-9a-f]{32}\.partial$")  # zarr LocalStore: path.with_suffix(".<uuid4>.partial")
 TMP_RE = re.compile(r"^\..+\.\d+\.tmp$")  # fsutil.atomic_write_bytes: .<name>.<pid>.tmp
 ONE_D = {"input_ids", "loss_mask"}
+DONE_STATES = ("written", "verified", "retired")  # a sample in one of these is never adopted (run.rebuild.adopt)
 
 
 @dataclass
@@ -46,8 +56,19 @@ class Orphan:
 
 
 @dataclass
+class Adoptable:
+    """A durable group the log does not list, kept because the next run adopts (some of) its samples."""
+
+    path: str  # its manifest, relative to the build root
+    samples: int  # of its samples, those a run would adopt
+    nbytes: int  # its manifest and shard files
+    files: int
+
+
+@dataclass
 class OrphanReport:
     orphans: list[Orphan] = field(default_factory=list)
+    adoptable: list[Adoptable] = field(default_factory=list)  # kept: `hsbuild resume` adopts them
 
     @property
     def count(self) -> int:
@@ -64,10 +85,17 @@ class OrphanReport:
     def by_kind(self) -> dict[str, int]:
         return dict(Counter(o.kind for o in self.orphans))
 
+    @property
+    def adoptable_samples(self) -> int:
+        return sum(a.samples for a in self.adoptable)
+
     def as_dict(self, with_items: bool = False) -> dict:
-        d: dict = {"count": self.count, "files": self.files, "bytes": self.nbytes, "by_kind": self.by_kind()}
+        d: dict = {"count": self.count, "files": self.files, "bytes": self.nbytes, "by_kind": self.by_kind(),
+                   "adoptable": {"groups": len(self.adoptable), "samples": self.adoptable_samples,
+                                 "bytes": sum(a.nbytes for a in self.adoptable)}}
         if with_items:
             d["items"] = [o.__dict__ for o in self.orphans]
+            d["adoptable"]["items"] = [a.__dict__ for a in self.adoptable]
         return d
 
 
@@ -123,19 +151,70 @@ def _shard_orphan(parts: tuple[str, ...], shards: set[int]) -> bool:
     return len(bits) != want or int(bits[1]) not in shards or (want == 3 and bits[2] != "0")
 
 
-def _manifest_orphan(parts: tuple[str, ...], seg_dir: Path, starts: set[int]) -> bool:
-    """Layout 2: a group manifest none of whose samples is referenced (a group that never committed)."""
-    if len(parts) != 2 or parts[0] != MANIFEST_DIR or not parts[1].endswith(".json"):
-        return False
+def _manifest_orphan(parts: tuple[str, ...], keep: set[str]) -> bool:
+    """Layout 2: a group manifest that vouches for nothing committed or adoptable (`keep`: the names of those
+    that do)."""
+    return len(parts) == 2 and parts[0] == MANIFEST_DIR and parts[1].endswith(".json") and parts[1] not in keep
+
+
+@dataclass
+class _Group:
+    name: str  # the manifest's file name
+    ranges: list[tuple[int, int]]  # (token_start, num_tokens) of each of its samples
+    referenced: bool  # a `written` event names one of its samples
+    adoptable: int  # its samples a run would adopt (not referenced: the log does not list them)
+
+
+def _groups(seg_dir: Path, starts: set[int], registered: dict[str, tuple[str, str]]) -> list[_Group]:
+    """The segment's readable manifests, each with what it vouches for. An entry is adoptable as
+    `run.rebuild.adopt` takes it: every field a manifest entry has (as `run.rebuild.durable_samples` reads it),
+    the sample registered with the same fingerprint, and not done (written, verified) or retired."""
+    out = []
+    d = seg_dir / MANIFEST_DIR
     try:
-        m = json.loads((seg_dir / parts[0] / parts[1]).read_bytes())
-        return not any(int(x["token_start"]) in starts for x in m["samples"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return True  # unreadable: describes nothing that is committed
+        names = sorted(n for n in os.listdir(d) if n.endswith(".json") and not n.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for name in names:
+        try:
+            m = json.loads((d / name).read_bytes())
+            entries = list(m["samples"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: vouches for nothing
+        known = m.get("format") == MANIFEST_FORMAT  # a run reads (and adopts from) only these (read_manifests)
+        g = _Group(name, [], False, 0)
+        for x in entries:
+            try:
+                start, n = int(x["token_start"]), int(x["num_tokens"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            g.ranges.append((start, n))
+            if start in starts:
+                g.referenced = True
+            elif known and _adoptable(x, registered):
+                g.adoptable += 1
+        out.append(g)
+    return out
+
+
+def _adoptable(x: dict, registered: dict[str, tuple[str, str]]) -> bool:
+    try:
+        sid, fp = str(x["sample_id"]), str(x["fingerprint"])
+        int(x["attempt"]), int(x["nbytes"]), dict(x["checksums"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    reg = registered.get(sid)
+    return reg is not None and reg[0] == fp and reg[1] not in DONE_STATES
+
+
+def registered_samples(log: EventLog) -> dict[str, tuple[str, str]]:
+    """sample_id -> (its current fingerprint, its state), from the `samples` view."""
+    _, rows = log.query("SELECT sample_id, fingerprint, state FROM samples")
+    return {str(r[0]): (str(r[1]), str(r[2])) for r in rows}
 
 
 def _scan_segment(seg_dir: Path, indices: set[int] | None, root: Path,
-                  sharded: tuple[set[int], set[int]] | None = None) -> list[Orphan]:
+                  sharded: tuple[set[int], set[str]] | None = None) -> list[Orphan]:
     found = []
     for dirpath, _dirs, files in os.walk(seg_dir):
         rel_dir = Path(dirpath).relative_to(seg_dir).parts
@@ -146,7 +225,7 @@ def _scan_segment(seg_dir: Path, indices: set[int] | None, root: Path,
             if kind is None and sharded is not None:
                 if _shard_orphan(rel, sharded[0]):
                     kind = "shard"
-                elif _manifest_orphan(rel, seg_dir, sharded[1]):
+                elif _manifest_orphan(rel, sharded[1]):
                     kind = "manifest"
             elif kind is None and indices is not None and _chunk_orphan(rel, indices):
                 kind = "chunk"
@@ -156,8 +235,10 @@ def _scan_segment(seg_dir: Path, indices: set[int] | None, root: Path,
 
 
 def scan_orphans(lay: BuildLayout, log: EventLog) -> OrphanReport:
-    """Everything reclaimable in the build. The caller must hold the build lock."""
+    """Everything reclaimable in the build, and the durable groups kept because a run would adopt them. The
+    caller must hold the build lock."""
     refs = referenced_chunks(log)
+    registered = registered_samples(log)
     try:
         default_ct: int | None = load_config(lay).chunk_tokens
     except Exception:  # noqa: BLE001 - without a config, only segment metadata says how chunks map
@@ -174,21 +255,34 @@ def scan_orphans(lay: BuildLayout, log: EventLog) -> OrphanReport:
             report.orphans.append(Orphan(str(Path(entry.path).relative_to(root)), kind, _size(entry.path)))
     for seg in list_segments(lay.data):
         seg_dir = lay.data / seg
-        if seg not in refs:
-            files = [os.path.join(d, f) for d, _, fs in os.walk(seg_dir) for f in fs]
-            report.orphans.append(Orphan(str(seg_dir.relative_to(root)), "segment", sum(map(_size, files)),
-                                         len(files)))
-            continue
+        seg_refs = refs.get(seg, [])
         try:
             ct, sc = field_geometry(seg_dir, "aux_hidden_state")
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             ct, sc = default_ct, 0
+        groups = _groups(seg_dir, {start for start, _ in seg_refs}, registered) if sc else []
+        kept = [g for g in groups if g.referenced or g.adoptable]
+        if not seg_refs and not any(g.adoptable for g in groups):
+            files = [os.path.join(d, f) for d, _, fs in os.walk(seg_dir) for f in fs]
+            report.orphans.append(Orphan(str(seg_dir.relative_to(root)), "segment", sum(map(_size, files)),
+                                         len(files)))
+            continue
         if sc:
             geo = ShardGeometry(ct, sc)
-            shards = {i for start, n in refs[seg] for i in geo.shards(start, n)}
-            report.orphans.extend(_scan_segment(seg_dir, None, root, (shards, {start for start, _ in refs[seg]})))
+            shards = {i for start, n in seg_refs for i in geo.shards(start, n)}
+            for g in kept:  # a kept group is kept whole: its manifest and every shard of each of its samples
+                shards.update(i for start, n in g.ranges for i in geo.shards(start, n))
+            for g in kept:
+                if g.adoptable and not g.referenced:
+                    own = {i for start, n in g.ranges for i in geo.shards(start, n)}
+                    paths = [seg_dir / MANIFEST_DIR / g.name] + [shard_path(seg_dir, f, DIMS[f], i)
+                                                                  for f in FIELDS for i in sorted(own)]
+                    present = [p for p in paths if p.exists()]
+                    report.adoptable.append(Adoptable(str(paths[0].relative_to(root)), g.adoptable,
+                                                      sum(_size(str(p)) for p in present), len(present)))
+            report.orphans.extend(_scan_segment(seg_dir, None, root, (shards, {g.name for g in kept})))
             continue
-        indices = _chunk_indices(refs[seg], ct) if ct else None  # unknown geometry: remove temp files only
+        indices = _chunk_indices(seg_refs, ct) if ct else None  # unknown geometry: remove temp files only
         report.orphans.extend(_scan_segment(seg_dir, indices, root))
     return report
 
@@ -240,6 +334,7 @@ class GcReport:
 
 def collect_garbage(build: str | Path, dry_run: bool = False, take_over: bool = False) -> GcReport:
     """`hsbuild gc`: under the build lock, find the orphans and (unless dry_run) remove them; record `gc`.
+    Durable groups a run would adopt are kept, and listed in `report.orphans.adoptable` (`hsbuild resume`).
     On a full disk the removal still happens (it is what frees space); a `gc` event that cannot be committed
     is reported in `record_error` rather than raised."""
     lay = layout(build).require()
@@ -259,7 +354,8 @@ def collect_garbage(build: str | Path, dry_run: bool = False, take_over: bool = 
                 try:
                     log.append([Event("gc", run_id=gc_id, detail=detail(
                         removed_files=report.removed_files, removed_bytes=report.removed_bytes,
-                        items=report.orphans.count, by_kind=report.orphans.by_kind(), pid=os.getpid()))])
+                        items=report.orphans.count, by_kind=report.orphans.by_kind(),
+                        kept_adoptable=report.orphans.adoptable_samples, pid=os.getpid()))])
                 except DiskFullError as e:
                     report.record_error = str(e)
         finally:
