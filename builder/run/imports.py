@@ -5,7 +5,10 @@ order, a home-grown script by whatever it liked, and a file whose tokens are not
 this build whatever its name says. A file's ids must equal the sample's ids as the build stores them (the
 source row, cut to --max-tokens); a SpecForge file may carry trailing (token 0, mask 0) batch padding, which is
 tried off. Samples with equal tokens share a file (their states are the same). Files whose tokens cannot be
-read, or match no sample, are listed with the reason; they are never modified.
+read, or match no sample, are listed with the reason; they are never modified. Several files holding the same
+tokens are compared by their states (`settle`, loaded and hashed only for such samples): identical, the first is
+imported and the others listed `duplicate` (harmless); different, none is imported, each is listed `conflict`
+naming the others, and the sample is left for extraction (which of them is right cannot be told).
 
 Which layers a dump holds cannot be read off its tensors: a dump of layers [1, 3, 6] is as wide as one of the
 build's [2, 4, 5]. So an import needs a claim (`check_dump`), taken from the dump's own metadata where it has any
@@ -114,20 +117,24 @@ class LayerClaim:
 @dataclass(frozen=True)
 class FileProblem:
     path: str
-    reason: str  # truncated, unreadable, bad_keys, bad_shape, token_mismatch, duplicate
+    # truncated, unreadable, bad_keys, bad_shape, token_mismatch; conflict (problems: the same tokens as another
+    # file, other states); duplicate (DumpIndex.duplicates: the same tokens and states as the file imported)
+    reason: str
     message: str
-    sample_id: str | None = None  # when the file's name says which sample it was meant for
+    sample_id: str | None = None  # the sample its tokens match, else the one its file's name points at
 
 
 @dataclass
 class DumpIndex:
     files: dict[str, str] = field(default_factory=dict)  # sample id -> dump file
-    problems: list[FileProblem] = field(default_factory=list)
+    problems: list[FileProblem] = field(default_factory=list)  # unusable files: their samples are not imported
+    duplicates: list[FileProblem] = field(default_factory=list)  # copies of a file imported: harmless, not imported
     scanned: int = 0
     claim: LayerClaim | None = None  # the layers the dump holds, checked against the build's
 
     def summary(self) -> dict:
         return {"scanned": self.scanned, "matched_samples": len(self.files), "problems": len(self.problems),
+                **({"duplicates": len(self.duplicates)} if self.duplicates else {}),
                 **({"dump_layers": self.claim.as_dict()} if self.claim is not None else {})}
 
 
@@ -275,6 +282,7 @@ def index_dump(opts: ImportOptions, samples: Iterable[Sample], max_tokens: int |
         by_key.setdefault(_key(ids), []).append(s.sample_id)
         by_row[s.row] = s.sample_id
         ids_of.add(s.sample_id)
+    n_tokens = {sids[0]: n for (n, _), sids in by_key.items()}
 
     def read(p: Path):
         try:
@@ -285,6 +293,7 @@ def index_dump(opts: ImportOptions, samples: Iterable[Sample], max_tokens: int |
             return Rejected("unreadable", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 
     out = DumpIndex(scanned=len(paths), claim=claim)
+    holders: dict[tuple[str, ...], list[str]] = {}  # the samples of one token sequence -> the files holding it
     with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
         for p, got in zip(paths, pool.map(read, paths), strict=True):
             if isinstance(got, Rejected):
@@ -297,16 +306,67 @@ def index_dump(opts: ImportOptions, samples: Iterable[Sample], max_tokens: int |
                                                 f"its {ids.shape[0]} token ids are no source row of the build",
                                                 _hint(opts.format, p, by_row, ids_of)))
                 continue
-            new = [sid for sid in matched if sid not in out.files]
-            if not new:
-                out.problems.append(FileProblem(str(p), "duplicate", f"holds the same tokens as "
-                                                                     f"{out.files[matched[0]]}", matched[0]))
-                continue
-            for sid in new:
-                out.files[sid] = str(p)
+            holders.setdefault(tuple(matched), []).append(str(p))
+        for sids, files in holders.items():
+            chosen = files[0] if len(files) == 1 else settle(fmt, sids, files, n_tokens[sids[0]], out, pool)
+            if chosen is not None:
+                for sid in sids:
+                    out.files[sid] = chosen
     if claim is not None and claim.build is not None:
         check_width(fmt, root, out, claim)
     return out
+
+
+def settle(fmt, sids: tuple[str, ...], files: list[str], n: int, out: DumpIndex, pool=None) -> str | None:
+    """Several files hold the tokens of `sids` (n tokens as stored): which one to import, if any. Each is loaded
+    and its states hashed (`states_digest`; only for such samples: a clean dump pays nothing). All the same bit
+    for bit: the first is imported, the others are `duplicate` (out.duplicates, harmless). Any two different:
+    none is imported, each is a `conflict` naming the others (out.problems), and the sample is left for
+    extraction. A file that does not load is that file's problem and takes no part in the comparison."""
+    def digest(path: str):
+        try:
+            return states_digest(fmt.load(Path(path)), n)
+        except Rejected as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - any failure to read a file is that file's problem
+            return Rejected("unreadable", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+
+    sid = sids[0]
+    got = dict(zip(files, (pool.map if pool is not None else map)(digest, files), strict=True))
+    ok = [p for p in files if not isinstance(got[p], Rejected)]
+    for p in files:
+        if isinstance(got[p], Rejected):
+            out.problems.append(FileProblem(p, got[p].reason, str(got[p]), sid))
+    if not ok:
+        return None
+    if len({got[p] for p in ok}) == 1:
+        for p in ok[1:]:
+            out.duplicates.append(FileProblem(p, "duplicate", f"the same tokens and states as {ok[0]}, which is "
+                                                              "imported: this one is not", sid))
+        return ok[0]
+    for p in ok:
+        others = [q for q in ok if q != p]
+        out.problems.append(FileProblem(p, "conflict", f"the same {n} tokens as {', '.join(others)} but other "
+                                                       "states: none of them is imported (which is right cannot be "
+                                                       "told); the sample is left for extraction", sid))
+    return None
+
+
+def states_digest(got, n: int) -> bytes:
+    """A hash of a loaded file's states (aux, final) as the sample's n tokens hold them (SpecForge's batch padding
+    past n left out), with their dtype, shape and final-state convention: equal only when the states are the
+    same bit for bit."""
+    import torch  # noqa: PLC0415 - (fmt.load gave torch tensors: it is loaded)
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(got.final_state).encode())
+    for t in (got.aux, got.final):
+        if t.dim() >= 1 and t.shape[0] > n:
+            t = t[:n]
+        t = t.contiguous()
+        h.update(f"|{t.dtype}{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.digest()
 
 
 def check_width(fmt, root: Path, index: DumpIndex, claim: LayerClaim) -> None:

@@ -78,6 +78,7 @@ class Written:
     truncated: int  # tokens cut by max_tokens
     seconds: float
     verified: bool  # read back and checked (--verify-after-write)
+    check_error: str | None = None  # --verify-after-write could not read it back (EIO, EMFILE, ...): not checked
 
 
 @dataclass(frozen=True)

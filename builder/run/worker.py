@@ -352,17 +352,21 @@ class _Group:
             self._pending.popleft().result()  # _commit reports its failures itself and never raises
 
     def _commit(self, items: list[_StagedSample], group: StagedGroup | None, no: int) -> None:
+        reported: set[int] = set()  # items already reported (written, failed): never reported again
         try:
-            self._commit_group(items, group, no)
+            self._commit_group(items, group, no, reported)
         except BaseException as e:  # noqa: BLE001 - a sample must never go unreported
-            for it in items:
-                self._fail(it.task, "error", f"writing its group: {type(e).__name__}: {e}")
+            for i, it in enumerate(items):
+                if i not in reported:
+                    self._fail(it.task, "error", f"writing its group: {type(e).__name__}: {e}")
         finally:
             self._settled(no)
 
-    def _commit_group(self, items: list[_StagedSample], group: StagedGroup | None, no: int) -> None:
-        """Make the group durable, then report each sample (`Written`, checked first with --verify-after-write).
-        The pause point: never starts while writers are paused."""
+    def _commit_group(self, items: list[_StagedSample], group: StagedGroup | None, no: int,
+                      reported: set[int] | None = None) -> None:
+        """Make the group durable, then report each sample (`Written`, checked first with --verify-after-write;
+        its index goes into `reported`). The pause point: never starts while writers are paused."""
+        reported = set() if reported is None else reported
         s, wid, w = self.settings, self.wid, self.writer
         assert w is not None and group is not None
         while not self.flags.gate_open and not self.flags.stop:
@@ -383,20 +387,38 @@ class _Group:
                     self._fail(t, "error", f"writing its group: {type(e).__name__}: {e}")
             return
         self._settled(no)  # on disk now: the volume's own figures count it (not twice in a projection)
-        for it in items:
+        retries = None  # the check's default (builder.verify.checks.RETRIES)
+        for i, it in enumerate(items):
             t, loc = it.task, it.location
-            verified = False
+            verified, check_error = False, None
             if s.verify_after_write:
-                from builder.verify.checks import check_location  # noqa: PLC0415
-
-                finding = check_location(Path(s.data_root), loc.segment, loc.token_start, loc.num_tokens,
-                                         loc.checksums, s.chunk_tokens)
-                if finding is not None:
-                    self._fail(t, finding[0], finding[1])
+                res = self._check(loc, retries)
+                if res.finding is not None:  # evidence about the bytes: the sample is damaged
+                    reported.add(i)
+                    self._fail(t, res.finding[0], res.finding[1])
                     continue
-                verified = True
+                if res.error is not None:  # the check could not run: written, not checked, never `failed`
+                    check_error = res.error
+                    # the rest of the group: one retry each (a device gone would stall the commit ~1 s a sample)
+                    retries = 1
+                verified = res.error is None
+            reported.add(i)
             self.conn.send(Written(wid, t.sample_id, t.attempt, t.fingerprint, loc, it.truncated,
-                                   time.perf_counter() - it.t0, verified))
+                                   time.perf_counter() - it.t0, verified, check_error))
+
+    def _check(self, loc: Location, retries: int | None):
+        """--verify-after-write: read the durable sample back and compare its checksums (`SampleCheck`). A read
+        that cannot run (EIO, EMFILE, ENOMEM, ...) is retried with a short backoff (`check_with_retries`), then
+        returned as `error`: that says nothing about the bytes (docs/design.md section 9)."""
+        from builder.verify import checks  # noqa: PLC0415
+
+        s = self.settings
+
+        def check():
+            return checks.check_sample(Path(s.data_root), loc.segment, loc.token_start, loc.num_tokens,
+                                       loc.checksums, s.chunk_tokens)
+
+        return checks.check_with_retries(check, **({} if retries is None else {"retries": retries}))
 
     def seal(self) -> None:
         self.drain()

@@ -125,7 +125,7 @@ def source(tmp_path_factory):
         mp.setenv("HSBUILD_CACHE_DIR", str(root / "hsbuild-cache"))
         rows = random_rows(N, seed=21, hi=60)
         src = write_jsonl(root / "source.jsonl", rows)
-        a = init_build(root / "a", src, model=MODEL, watermarks=ROOMY).root
+        a = init_build(root / "a", src, model=MODEL, watermarks=ROOMY, final_state="post_norm").root
         rep = run_build(a, RunOptions(workers=1), echo=quiet)
         assert (rep.outcome, rep.written) == ("completed", N)
         for fmt in ("specforge", "modelopt"):
@@ -135,6 +135,7 @@ def source(tmp_path_factory):
 
 def new_build(tmp_path: Path, source, name: str, **kw) -> Path:
     kw.setdefault("watermarks", ROOMY)
+    kw.setdefault("final_state", "post_norm")  # as A, and as SpecForge's and Model-Optimizer's dumps
     return init_build(tmp_path / name, source.src, model=MODEL, **kw).root
 
 
@@ -180,7 +181,7 @@ def test_incident_old_dump_imported_the_gaps_extracted_and_all_bit_exact(source,
     before = sha256_tree(dump)
 
     b = tmp_path / "b"
-    cli("init", b, "--source", source.src, "--model", MODEL, *WM, check=True)
+    cli("init", b, "--source", source.src, "--model", MODEL, "--final-state", "post_norm", *WM, check=True)
     cp = cli("import", b, dump, "--format", "specforge", "--dump-layers", DECODER_IDS, "--no-progress")
     assert cp.returncode == 1, cp.stdout + cp.stderr
     assert f"dump layers: {DECODER_IDS} (decoder_layer_output ids, from --dump-layers), the build's" in cp.stdout
@@ -612,3 +613,117 @@ def test_the_imports_numberings_are_the_builds(source, tmp_path):
         assert BuildGeometry.load(layout(b)).layer_ids() == want
     assert set(CONVENTIONS.values()) == set(want)
     assert set(LAYER_CONVENTIONS) == set(want) | set(CONVENTIONS)
+
+
+# -- 6. several files with the same tokens ----------------------------------------------------------------------
+def test_conflicting_files_are_both_refused_and_identical_ones_imported_once(source, tmp_path, cli):
+    """A modelopt dump with two extra files: one holding the same tokens and states as a sample's own file
+    (saved again: other bytes, the same states), one holding the same tokens as another sample's file with one
+    state changed. The identical pair imports once (the other file listed `duplicate`); the conflicting pair
+    imports neither (both listed `conflict`, each naming the other) and `resume` extracts that sample."""
+    dump = tmp_path / "dups"
+    shutil.copytree(source.root / "modelopt", dump)
+    sids = sorted(source.states)
+    dup, conf = sids[2], sids[5]
+    (dump / "extra").mkdir()
+    same, other = dump / "extra" / "again.pt", dump / "extra" / "changed.pt"
+    torch.save(torch.load(dump / f"{dup}.pt", weights_only=True), same)
+    d = torch.load(dump / f"{conf}.pt", weights_only=True)
+    d["hidden_states"][1, 3] = d["hidden_states"][1, 3] + 1  # one value of one token's final state
+    torch.save(d, other)
+    assert same.read_bytes() != (dump / f"{dup}.pt").read_bytes()
+    before = sha256_tree(dump)
+
+    b = new_build(tmp_path, source, "b")
+    cp = cli("import", b, dump, "--format", "modelopt", "--no-progress")
+    assert cp.returncode == 1, cp.stdout + cp.stderr
+    assert f"imported {N - 1} sample(s) from {N + 2} file(s); 2 file(s) unusable" in cp.stdout, cp.stdout
+    rows = sorted(table(cp.stdout))
+    assert len(rows) == 2, cp.stdout
+    for row, path in zip(rows, sorted([str(dump / f"{conf}.pt"), str(other)]), strict=True):
+        assert row.startswith(path + " ") and row[len(path):].split()[:2] == [conf, "conflict"], row
+    dup_line = next(line for line in cp.stdout.splitlines() if "duplicate file(s)" in line)
+    assert dup_line.startswith("1 duplicate file(s) not imported"), dup_line
+    assert "Traceback" not in cp.stderr
+
+    # neither conflicting file is committed; the duplicated sample once, from one of its two files
+    prov = provenance(b)
+    assert conf not in prov and set(prov) == set(sids) - {conf}
+    assert prov[dup][0] in {str(same), str(dump / f"{dup}.pt")}
+    assert len(events(b, "SELECT seq FROM events WHERE kind = 'written' AND sample_id = ?", [dup])) == 1
+    assert sample_states(b)[conf] == "pending"
+    _, done = import_details(b)
+    unusable = {u["path"]: u for u in done["unusable"]}
+    assert set(unusable) == {str(dump / f"{conf}.pt"), str(other)}
+    for path, u in unusable.items():
+        others = set(unusable) - {path}
+        assert (u["reason"], u["sample_id"]) == ("conflict", conf) and others.pop() in u["message"], u
+    assert [(x["reason"], x["sample_id"]) for x in done["duplicates"]] == [("duplicate", dup)]
+    assert {done["duplicates"][0]["path"], prov[dup][0]} == {str(same), str(dump / f"{dup}.pt")}
+    assert_same_states(b, source.states, set(prov))
+
+    # the sample is left for extraction: the next run extracts exactly it, and the build equals A
+    rep = run_build(b, RunOptions(workers=1), echo=quiet)
+    assert (rep.outcome, rep.exit_code, rep.written) == ("completed", 0, 1)
+    assert set(started_in(b, last_run(b))) == {conf}
+    assert_same_states(b, source.states)
+    assert sha256_tree(dump) == before
+
+
+def test_identical_duplicates_alone_are_no_error(source, tmp_path, cli):
+    """A script's dump with a second copy of one file: imported once, the copy reported `duplicate`, exit 0."""
+    dump = tmp_path / "script-dump"
+    files = write_script_dump(dump, source.states, sorted(source.states)[:3])
+    sid, path = next(iter(files.items()))
+    copy = dump / "zz-copy" / path.name
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+    b = new_build(tmp_path, source, "b")
+    cp = cli("import", b, dump, "--format", "pt", "--dump-layers", DECODER_IDS, "--no-progress", "--json")
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    out = json.loads(cp.stdout)
+    assert out["imported"] == 3 and out["unusable"] == []
+    assert [(d["path"], d["sample_id"]) for d in out["duplicates"]] == [(str(copy), sid)]
+    assert str(path) in out["duplicates"][0]["message"]
+    assert provenance(b)[sid] == (str(path), "pt")  # the first in the dump's order
+
+
+def test_settle_compares_states_only_over_the_samples_tokens(tmp_path):
+    """`settle` without a run: SpecForge-style padding past the sample's tokens is no difference, one changed
+    bit is; a file that does not load is that file's own problem and takes no part."""
+    from builder.run.imports import DumpIndex, settle  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(3)
+    n = 9
+    ids = torch.arange(3, 3 + n)
+    aux = torch.randn(n, N_AUX * H, generator=g).to(torch.bfloat16)
+    final = torch.randn(n, H, generator=g).to(torch.bfloat16)
+
+    def save(name: str, ids=ids, aux=aux, final=final) -> str:
+        p = tmp_path / name
+        torch.save({"input_ids": ids, "aux_hidden_states": aux, "hidden_states": final}, p)
+        return str(p)
+
+    plain = save("a.pt")
+    pad = 4
+    padded = save("b.pt", torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)]),
+                  torch.cat([aux, torch.randn(pad, N_AUX * H, generator=g).to(torch.bfloat16)]),
+                  torch.cat([final, torch.randn(pad, H, generator=g).to(torch.bfloat16)]))
+    flipped = final.clone()
+    flipped.view(torch.int16)[4, 7] ^= 1  # one bit of one value
+    changed = save("c.pt", final=flipped)
+    cut = tmp_path / "d.pt"
+    cut.write_bytes(Path(plain).read_bytes()[:100])
+    fmt = make_format("pt")
+
+    out = DumpIndex()
+    assert settle(fmt, ("s",), [plain, padded, str(cut)], n, out) == plain
+    assert [(p.path, p.reason) for p in out.duplicates] == [(padded, "duplicate")]
+    assert [(p.path, p.reason, p.sample_id) for p in out.problems] == [(str(cut), "truncated", "s")]
+
+    out = DumpIndex()
+    assert settle(fmt, ("s", "t"), [plain, padded, changed], n, out) is None
+    assert out.duplicates == []
+    assert [(p.path, p.reason, p.sample_id) for p in out.problems] == [
+        (plain, "conflict", "s"), (padded, "conflict", "s"), (changed, "conflict", "s")]
+    assert all(changed in p.message for p in out.problems[:2]) and plain in out.problems[2].message
