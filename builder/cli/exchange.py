@@ -1,7 +1,8 @@
 """`hsbuild export` and `hsbuild import`: a build in the files trainers read, and trainers' dumps into a build.
 
-Exit codes: export 0 every selected sample exported; 1 some were damaged (listed, not exported: run `hsbuild
-verify`, then `resume`); 2 usage error; 3 the export does not fit below the target's high watermark; 130
+Exit codes: export 0 every selected sample is in the export; 1 some are not (damaged, failed or not yet written:
+listed; repair them and run the same export again, which adds them); 2 usage error; 3 the export does not fit
+below the target's high watermark, or its volume filled up (free space, run it again: it continues); 130
 interrupted (the same command continues). Import: 0 every matched file imported; 1 some files were unusable
 (listed: their samples are left for `hsbuild resume`); 2 also when the dump's layers are unknown (no metadata,
 no --dump-layers); 4 the dump is not the build's (other layers, or states of another width), nothing imported;
@@ -34,9 +35,11 @@ FORMATS_HELP = ("specforge: rows_*/data_N.ckpt (SpecForge's prepare_hidden_state
 def add_commands(sub, out) -> None:
     p = sub.add_parser("export", parents=[out], help="write the build's samples in a trainer's own files",
                        description="Writes the live samples (read through their checksums) as the trainer reads "
-                                   "them. " + FORMATS_HELP + ". Resumable: run the same command again.")
+                                   "them. " + FORMATS_HELP + ". Run the same command again to bring OUT up to date with "
+                                   "the build (new and changed samples written, those no longer live removed, "
+                                   "files renumbered); it also finishes an interrupted export.")
     p.add_argument("build")
-    p.add_argument("out", help="an empty or new directory (or an unfinished export of the same options)")
+    p.add_argument("out", help="an empty or new directory, or an earlier export of the same options")
     p.add_argument("--format", required=True, choices=["specforge", "speculators", "modelopt"])
     p.add_argument("--subset", metavar="n/t", help="export the n-th of t fixed parts of the samples")
     p.add_argument("--limit", type=positive_int, help="export at most N samples")
@@ -106,23 +109,42 @@ def cmd_export(args: argparse.Namespace) -> int:
     if _fmt(args) == "json":
         print_json(report.as_dict())
     else:
-        print(f"export {report.export_id[:8]} ({report.format}) into {report.out}: {report.exported} sample(s) "
-              f"written ({human_bytes(report.bytes_written)}), {report.already} already there"
+        print(f"export {report.export_id[:8]} ({report.format}) into {report.out}: {report.rows} sample(s) in it; "
+              f"{len(report.added)} added, {len(report.rewritten)} rewritten, {len(report.removed)} removed, "
+              f"{report.renumbered} renumbered, {report.already} kept ({human_bytes(report.bytes_written)} written)"
               + (f", paused {report.pauses}x for space" if report.pauses else ""))
+        for what in ("added", "rewritten", "removed"):
+            ids = getattr(report, what)
+            if ids:
+                print(f"{what}: " + ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else ""))
         conv = "decoder-layer ids" if report.format != "speculators" else "vLLM layer ids"
         print(f"aux layers ({conv}): {report.layer_ids}; final state {report.final_state.replace('_', '-')}")
+        if report.layer_flag:  # not the trainer's default layers: it must be told
+            print(f"{report.format} must be told these layers: {report.layer_flag}")
+        if report.lossy:
+            from builder.formats.lossy import LOSSY_FILE, describe  # noqa: PLC0415
+
+            print(f"{describe(report.lossy)} (in {LOSSY_FILE})")
         if report.files:
             print("files: " + ", ".join(report.files))
-        if report.gone:
-            print(f"{len(report.gone)} selected sample(s) are no longer in the build and were skipped")
-        if report.damaged:
-            print(f"{len(report.damaged)} damaged sample(s) NOT exported:", file=sys.stderr)
-            print_rows(["sample_id", "reason", "message"],
-                       [[d["sample_id"], d["reason"], d["message"]] for d in report.damaged[:50]], "table",
-                       out=sys.stderr, whole=["sample_id"])
-            b = shlex.quote(args.build)
-            print(f"repair: hsbuild verify {b} && hsbuild resume {b}, then run this export again", file=sys.stderr)
-    return EXIT_SAMPLES_FAILED if report.damaged else EXIT_OK
+        if report.not_exported:
+            _print_not_exported(report.not_exported, shlex.quote(args.build))
+    return EXIT_SAMPLES_FAILED if report.not_exported else EXIT_OK
+
+
+def _print_not_exported(left: list[dict], b: str) -> None:
+    """The selected samples left out of the export (stderr), and how to bring them in."""
+    print(f"{len(left)} selected sample(s) NOT in the export:", file=sys.stderr)
+    print_rows(["sample_id", "state", "reason", "message"],
+               [[d["sample_id"], d["state"], d["reason"], d["message"]] for d in left[:50]], "table",
+               out=sys.stderr, whole=["sample_id"])
+    if len(left) > 50:
+        print(f"... and {len(left) - 50} more (--json lists them all)", file=sys.stderr)
+    if any(d["state"] == "damaged" for d in left):
+        print(f"repair: hsbuild verify {b} && hsbuild resume {b}, then run this export again", file=sys.stderr)
+    else:
+        print(f"extract them: hsbuild resume {b} (one that can never succeed leaves the selection with: hsbuild "
+              f"skip {b} ID --reason WHY), then run this export again", file=sys.stderr)
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -148,12 +170,17 @@ def cmd_import(args: argparse.Namespace) -> int:
     if _fmt(args) == "json":
         print_json({"run_id": report.run_id, "outcome": report.outcome, "imported": report.written,
                     "scanned": d.scanned if d else 0, "matched": len(d.files) if d else 0, "unusable": bad,
+                    "duplicates": [{"path": p.path, "sample_id": p.sample_id, "message": p.message}
+                                   for p in (d.duplicates if d else [])],
                     "dump_layers": claim.as_dict() if claim else None})
     else:
         print(f"import {report.run_id[:8]}: {report.outcome}; imported {report.written} sample(s) from "
               f"{d.scanned if d else 0} file(s); {len(bad)} file(s) unusable")
         if claim:
             print(f"dump layers: {claim.describe()}, the build's")
+        if d and d.duplicates:  # not unusable: the same tokens and states as the file imported
+            print(f"{len(d.duplicates)} duplicate file(s) not imported (the same tokens and states as the file imported): "
+                  + ", ".join(p.path for p in d.duplicates))
         if bad:
             print_rows(["path", "sample_id", "reason", "message"],
                        [[b["path"], b["sample_id"] or "", b["reason"], b["message"]] for b in bad],

@@ -25,7 +25,7 @@ class Sample:
 
     sample_id: str
     row: int  # the source row
-    index: int  # the position in this export (dense, 0-based): trainers that number files by row use it
+    index: int  # its row in the export (dense over the exported samples, 0-based): formats number files by it
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     aux: torch.Tensor
@@ -74,11 +74,13 @@ class TrainerFormat(Protocol):
         ...
 
     def sample_paths(self, index: int, sample_id: str) -> list[str]:
-        """Export: the relative paths `sample_files` writes for this sample (checked before reading it)."""
+        """Export: the relative path of the one file a sample has at row `index` (a row's path is the same on
+        every run: the export moves a file when its sample's row changes)."""
         ...
 
     def sample_files(self, s: Sample) -> dict[str, bytes]:
-        """Export: relative path -> file bytes, for one sample."""
+        """Export: {its `sample_paths` path: file bytes}, one file a sample. The bytes never depend on `s.index`:
+        a file renumbered by a later export is moved, never written again."""
         ...
 
     def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,

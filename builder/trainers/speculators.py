@@ -13,7 +13,8 @@ speculators/train/cli.py, hs_connectors/transfer.py FileTransfer / FP8Transfer):
 - its dataset yields `hidden_states` [n, k*H] (the aux slots flattened), `input_ids`, `verifier_last_hidden_states`
   [n, H], `loss_mask` (from the Arrow row), `lengths` [1] and `position_ids` [n];
 - `OUT/token_freq.pt` ({token id: count} over loss-masked tokens) is where training looks for the frequencies it
-  builds the draft vocabulary from; `d2t.npy`/`t2d.npy` are what `--d2t-path/--t2d-path` load.
+  builds the draft vocabulary from; `d2t-{D}.npy`/`t2d-{D}.npy` are the names its training loads from
+  the data path with `--draft-vocab-size D` (or names with `--d2t-path/--t2d-path`).
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ class Speculators:
         files["token_freq.pt"] = save_bytes(dict(sorted(freq.items())))
         if draft_vocab_size:
             d2t, t2d = vocab_mapping(freq, draft_vocab_size, vocab_size)
-            files["d2t.npy"] = _npy(d2t.numpy())
-            files["t2d.npy"] = _npy(t2d.numpy())
+            # the names its train CLI looks for in the data path with --draft-vocab-size D (cli.py
+            # parse_vocab_mappings), so no --d2t-path/--t2d-path is needed
+            files[f"d2t-{draft_vocab_size}.npy"] = _npy(d2t.numpy())
+            files[f"t2d-{draft_vocab_size}.npy"] = _npy(t2d.numpy())
         return files
 
     def scan(self, root: Path) -> list[Path]:
