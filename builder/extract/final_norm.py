@@ -3,8 +3,9 @@
 Engines return the last decoder layer's output BEFORE the final norm (vLLM's layer id L); Hugging Face's
 `hidden_states[L]` and SpecForge's `hidden_state` are AFTER it. A build records which one it stores
 (`final_state`: pre_norm | post_norm) and keeps the norm's weight and epsilon in `final_norm.safetensors`, so
-the other one is one call away (`FinalNorm.apply`), computed exactly as transformers' LlamaRMSNorm computes it
-(float32 statistics, then the weight in the model dtype): bit-exact to the model's own output.
+post-norm is one call away from pre-norm (`FinalNorm.apply`), computed exactly as transformers' LlamaRMSNorm
+computes it (float32 statistics, then the weight in the model dtype): bit-exact to the model's own output. The
+reverse is impossible, so a new build stores pre_norm by default (builder/run/create.py, choose_final_state).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from builder.errors import ModelError
-from builder.extract.safetensors_raw import DTYPE_CODES, RawTensor, read_raw, write_raw
+from builder.extract.safetensors_raw import DTYPE_CODES, RawTensor, read_header, read_raw, write_raw
 from builder.fsutil import atomic_write_bytes
 
 if TYPE_CHECKING:  # (torch: imported where a tensor is made; `init` copies the norm's bytes without it)
@@ -68,6 +69,25 @@ def _norm_candidates(model_dir: Path) -> tuple[float, list[tuple[str, Path]]]:
         weight_map = json.loads(index.read_text()).get("weight_map", {})
         return float(eps), [(k, model_dir / weight_map[k]) for k in NORM_KEYS if k in weight_map]
     return float(eps), [(k, p) for p in sorted(model_dir.glob("*.safetensors")) for k in NORM_KEYS]
+
+
+# the decoder layers whose last output a pre_norm build stores: the module paths Extractor._last_layer hooks,
+# as their weights are named in the checkpoint
+LAYER_PREFIXES = ("layers.", "model.layers.", "model.language_model.layers.", "language_model.model.layers.")
+
+
+def has_decoder_layers(model_dir: Path) -> bool:
+    """Whether a Hugging Face directory's weights are named as the decoder layers a pre_norm build hooks (read
+    from model.safetensors.index.json or the safetensors headers, no tensor); False when that cannot be told."""
+    index = model_dir / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names = list(json.loads(index.read_text()).get("weight_map", {}))
+        else:
+            names = [k for p in sorted(model_dir.glob("*.safetensors")) for k in read_header(p)[0]]
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(n.startswith(LAYER_PREFIXES) for n in names)
 
 
 def _no_norm(model_dir: Path) -> ModelError:

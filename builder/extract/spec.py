@@ -88,8 +88,17 @@ def builtin_tokenizer(vocab: int) -> BuiltinTokenizer:
 def default_aux_layers(num_layers: int) -> list[int]:
     """SpecForge's EAGLE-3 default as hidden_states indices: outputs of layers 1, L/2-1 and L-4 (2, L//2, L-3).
 
-    Below 7 layers those three are not distinct (L=6 gives 2, 3, 3): such small models take 1, L//2, L-1
-    instead, and a model with fewer than 4 layers has no three distinct intermediate states to default to."""
+    From 7 layers on this is every trainer's own default too (SpecForge's and Model-Optimizer's decoder ids
+    1, L//2-1, L-4; speculators' vLLM ids 2, L//2, L-3), so none needs to be told the layers.
+
+    Below 7 layers those three are not distinct (L=6 gives 2, 3, 3), and no trainer's default is usable:
+    speculators refuses its own (repeated ids), Model-Optimizer's is a set of fewer than three (its first step
+    fails on three-layer states), SpecForge's repeats a layer. Such small models take 1, L//2, L-1 instead:
+    three distinct layers below L, which every trainer accepts once told (SpecForge
+    `model.aux_hidden_state_layer_ids`, speculators `--target-layer-ids`, Model-Optimizer
+    `eagle_aux_hidden_state_layer_ids`; `init` and `export` print each one's: BuildInfo.layer_flag), and which
+    the vLLM backend can serve (ids below L). A model with fewer than 4 layers has no three distinct
+    intermediate states to default to."""
     if num_layers >= 7:
         return [2, num_layers // 2, num_layers - 3]
     if num_layers >= 4:

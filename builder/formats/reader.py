@@ -34,7 +34,9 @@ class HiddenStateDataset(Dataset):
     dataset for this one instead of exporting the build.
 
     A damaged sample raises `DamagedSampleError` (an OSError); `verify_checksums=False` skips the CRC-32C
-    comparison (presence is always checked). Other OSErrors (EMFILE, EIO) propagate unchanged."""
+    comparison (presence is always checked). Other OSErrors (EMFILE, EIO) propagate unchanged.
+
+    `lossy` is None, or for an fp8 build its scheme and the measured error of these samples' states."""
 
     def __init__(self, build: str | Path, include_unverified: bool = True, verify_checksums: bool = True,
                  format: str | None = None, max_len: int | None = None):  # noqa: A002 - the trainers' word
@@ -57,6 +59,7 @@ class HiddenStateDataset(Dataset):
                                          f"WHERE state IN {states} ORDER BY row_idx")
         self.index = [dict(zip(cols, r, strict=True)) for r in rows]
         self._reader: SegmentReader | None = None
+        self._lossy: dict | None = None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -66,6 +69,21 @@ class HiddenStateDataset(Dataset):
         if self._info is None:
             self._info = BuildInfo.load(self.lay)
         return self._info
+
+    @property
+    def lossy(self) -> dict | None:
+        """None for a build that stores its states exactly; an fp8 build (`init --quantize fp8`): its scheme and
+        the error measured when its samples were written, over this dataset's samples (builder/formats/lossy.py;
+        what an export writes to hsbuild-lossy.json)."""
+        if self.info.lossy is None:
+            return None
+        if self._lossy is None:
+            from builder.formats.lossy import ERRORS_SQL, summarize  # noqa: PLC0415
+
+            want = self.format.final_state if self.format is not None else None
+            self._lossy = summarize(self.info, run_query(self.lay, ERRORS_SQL)[1],
+                                    [e["sample_id"] for e in self.index], want)
+        return self._lossy
 
     def _read(self, i: int) -> tuple[dict, dict]:
         if self._reader is None:  # opened lazily: one per DataLoader worker process

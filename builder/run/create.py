@@ -15,7 +15,13 @@ import numpy as np
 from builder import __version__
 from builder.config import BACKENDS, DEFAULT_CODEC, QUANTIZE, BuildConfig, Watermarks
 from builder.errors import BuildExistsError, BuildReadOnlyError, ModelError, UsageError
-from builder.extract.final_norm import FinalNorm, RawFinalNorm, read_final_norm, read_final_norm_raw
+from builder.extract.final_norm import (
+    FinalNorm,
+    RawFinalNorm,
+    has_decoder_layers,
+    read_final_norm,
+    read_final_norm_raw,
+)
 from builder.extract.source import load_source
 from builder.extract.spec import ModelInfo, check_device_spec, is_builtin, suggest_chunk_tokens
 from builder.fsutil import fsync_path, make_dirs_durable
@@ -58,7 +64,7 @@ def init_build(
     backend: str = "inprocess",
     server: str | None = None,
     inflight: int | None = None,
-    final_state: str = "post_norm",
+    final_state: str | None = None,
     quantize: str = "none",
 ) -> BuildLayout:
     """Create a build. Validates everything first: on any error nothing on disk changes.
@@ -68,7 +74,11 @@ def init_build(
 
     Every path is recorded absolute (source, staging, a model directory), so that runs start from any directory
     and never find another directory's `models/A`. Builds made before this keep the model path they recorded
-    (a relative one is still read relative to the directory a command runs from)."""
+    (a relative one is still read relative to the directory a command runs from).
+
+    `final_state` None (the default): `pre_norm`, which feeds every trainer (post-norm is derived from it with
+    the kept final norm), where the model allows it; see `choose_final_state`. The choice and why is recorded
+    in meta `final_state_choice`."""
     lay = layout(path)
     if lay.exists() and not force:
         raise BuildExistsError(f"{lay.root}: already holds a build; pass --force to replace it (its data is deleted)")
@@ -98,15 +108,20 @@ def init_build(
     parse_codec(codec)
     check_device_spec(device)
     wm = (watermarks or Watermarks()).validate()
-    ex = model_info(model, aux_layers, dtype, final_state)
+    chosen = final_state is None
+    ex = model_info(model, aux_layers, dtype, final_state or "pre_norm")
     ex.check_max_tokens(max_tokens)
     engine = check_backend(backend, server, staging, inflight, ex)
     try:
         norm = final_norm_of(ex)  # one tensor of the checkpoint
-    except ModelError:
+        no_norm = None
+    except ModelError as e:
         if backend != "inprocess" and final_state == "post_norm":
             raise  # the engine returns pre-norm states: post-norm needs the norm
-        norm = None
+        norm, no_norm = None, str(e)
+    final_state, why = choose_final_state(ex, final_state, backend, no_norm)
+    if final_state != ex.final_state:
+        ex = model_info(model, aux_layers, dtype, final_state)
     source = Path(source).absolute()
     samples = load_source(source, ex.tokenizer, vocab_size=ex.vocab_size)
     # what the workers store: samples cut to max_tokens (chunks sized for the uncut ones would be mostly padding)
@@ -143,6 +158,7 @@ def init_build(
             **ex.metadata(),
             **engine,
             "final_norm": None if norm is None else {"file": lay.final_norm.name, "eps": norm.eps},
+            **({"final_state_choice": {"default": True, "why": why}} if chosen else {}),
         }
         if norm is not None:
             norm.save(lay.final_norm)
@@ -158,6 +174,24 @@ def init_build(
                                                                               "aux_layers", "config_fingerprint")}))])
         cfg.save(lay.config)  # last: a build "exists" once its config is there
     return lay
+
+
+def choose_final_state(ex: Extractor | ModelInfo, final_state: str | None, backend: str,
+                       no_norm: str | None) -> tuple[str, str]:
+    """(the final state a new build stores, why). Given: as given. By default `pre_norm`: it feeds every trainer
+    (speculators reads it, SpecForge and Model-Optimizer read the post-norm state derived from it with the kept
+    norm, bit-exactly; the reverse is impossible). An in-process build falls back to `post_norm` where that
+    derivation is impossible (no final RMSNorm to keep: `no_norm` says why) or where hsbuild cannot find the
+    decoder layers whose output it would store; an engine build stays `pre_norm` (its engine returns that state)."""
+    if final_state is not None:
+        return final_state, "given (--final-state)"
+    if no_norm is not None and backend == "inprocess":
+        return "post_norm", f"the model's final norm cannot be kept ({no_norm.split('; use')[0]})"
+    if no_norm is not None:
+        return "pre_norm", f"what the engine returns; the model's final norm cannot be kept ({no_norm.split('; use')[0]})"
+    if isinstance(ex, ModelInfo) and backend == "inprocess" and not has_decoder_layers(Path(ex.spec)):
+        return "post_norm", "hsbuild cannot find the model's decoder layers (model.layers.N) to keep the last one's output"
+    return "pre_norm", "the default; post-norm is derived from it with the kept final norm"
 
 
 def model_info(model: str, aux_layers: list[int] | None, dtype: str, final_state: str) -> Extractor | ModelInfo:

@@ -14,7 +14,8 @@ specforge/algorithms/eagle3/data.py, specforge/training/vocab_mapping.py):
   attention_mask ones, `hidden_state` = the aux states, `target` = the final state, n' = min(n, max_len);
 - a reduced draft vocabulary: `{"d2t": int64 [D] offsets (target = draft + d2t[draft]), "t2d": bool [V]}`
   from the D most frequent loss-masked tokens, sorted by id (`vocab_mapping/vocab_mapping.pt`, passed to
-  training as `model.vocab_mapping_path`).
+  training as `model.vocab_mapping_path`), ties broken as SpecForge breaks them when it derives the mapping
+  from the same files itself (trainers/vocab.py: the token it counts first, walking the files in path order).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from builder.trainers.base import Exported, Loaded, Rejected, Sample
 from builder.trainers.torchfile import int_1d, load_file, save_bytes
-from builder.trainers.vocab import vocab_mapping
+from builder.trainers.vocab import specforge_counts, specforge_vocab_mapping
 
 GROUP = 2000
 NAME = re.compile(r"data_(\d+)\.ckpt(\.gz)?$")
@@ -71,12 +72,17 @@ class SpecForge:
 
     def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,
                      draft_vocab_size: int | None) -> dict[str, bytes]:
-        for _ in rows:  # nothing per row: the feature files are the dataset
-            pass
         files = {"token_freq.pt": save_bytes(dict(sorted(freq.items())))}
-        if draft_vocab_size:
-            d2t, t2d = vocab_mapping(freq, draft_vocab_size, vocab_size)
-            files["vocab_mapping/vocab_mapping.pt"] = save_bytes({"d2t": d2t, "t2d": t2d})
+        if not draft_vocab_size:
+            for _ in rows:  # nothing per row: the feature files are the dataset
+                pass
+            return files
+        # counted as SpecForge counts the files itself (its ties go to the token it counted first)
+        gz = self.compress is not None
+        counts = specforge_counts(((r.index, r.input_ids, r.loss_mask) for r in rows),
+                                  lambda i: self.path_for(i, gz=gz), vocab_size, self.max_len)
+        d2t, t2d = specforge_vocab_mapping(counts, draft_vocab_size, vocab_size)
+        files["vocab_mapping/vocab_mapping.pt"] = save_bytes({"d2t": d2t, "t2d": t2d})
         return files
 
     def scan(self, root: Path) -> list[Path]:

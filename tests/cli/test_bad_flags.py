@@ -46,7 +46,8 @@ def shared(tmp_path_factory) -> tuple[Path, Path]:
     src = write_jsonl(d / "src.jsonl", random_rows(4))
     (d / "a-file").write_text("x")
     (d / "dump").mkdir()
-    return d, init_build(d / "b", src, model=MODEL, watermarks=ROOMY).root
+    # post_norm (not the default): exporting it for speculators is refused, naming --final-state
+    return d, init_build(d / "b", src, model=MODEL, watermarks=ROOMY, final_state="post_norm").root
 
 
 # A case: (argv after the command, what the first line must name). `None`: the first `--flag` of argv.

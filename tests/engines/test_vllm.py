@@ -86,7 +86,7 @@ def _one_written_each(build: Path, n: int) -> None:
 
 
 def test_build_through_vllm_matches_transformers(tmp_path, vllm_server):
-    build = _init(tmp_path, vllm_server, 24)
+    build = _init(tmp_path, vllm_server, 24, final_state="post_norm")  # the norm applied to the engine's state
     cp = hsbuild("run", build, "--no-progress", "--inflight", "6", timeout=600)
     assert cp.returncode == 0, cp.stderr
     assert _check_against_transformers(build, vllm_server.model, "post_norm") == 24

@@ -126,7 +126,7 @@ def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_l
         assert not _server_pids(int(url.rsplit(":", 1)[1])), f"the server at {url} outlived the run"
     nodes = {nd["node"]: nd for nd in json.loads(cli("status", build, "--json").stdout)["nodes"]}
     assert nodes[other.node_id]["state"] == "gone" and sum(nd["written"] for nd in nodes.values()) == n
-    assert _check_against_transformers(build, tiny_llama, "post_norm") == n
+    assert _check_against_transformers(build, tiny_llama, "pre_norm") == n
     cp = cli("verify", build)
     assert cp.returncode == 0, cp.stdout + cp.stderr
 

@@ -54,7 +54,7 @@ def test_connect_mode_each_nodes_worker_talks_to_the_server_at_the_builds_loopba
     assert set(probe["nodes"].values()) == {vllm_server.url} and len(probe["nodes"]) == 2
     assert len(placed) == 2  # one worker per node's server, and each wrote samples
     assert len(per_node) == 2 and all(k > 0 for _, k in per_node) and sum(k for _, k in per_node) == n, per_node
-    assert _check_against_transformers(build, vllm_server.model, "post_norm") == n
+    assert _check_against_transformers(build, vllm_server.model, "pre_norm") == n
     assert not list(vllm_server.staging.rglob("*.safetensors"))
     assert cli("verify", build).returncode == 0
 

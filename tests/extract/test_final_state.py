@@ -58,7 +58,7 @@ def test_the_stored_norm_derives_hf_post_norm_states_bit_exactly(hf_llama):
 def test_init_keeps_the_norm_and_pre_norm_builds_store_the_layer_output(tmp_path):
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(6, seed=2))
     pre_b = init_build(tmp_path / "pre", src, model=MODEL, watermarks=ROOMY, final_state="pre_norm").root
-    post_b = init_build(tmp_path / "post", src, model=MODEL, watermarks=ROOMY).root
+    post_b = init_build(tmp_path / "post", src, model=MODEL, watermarks=ROOMY, final_state="post_norm").root
     for b in (pre_b, post_b):
         assert run_build(b, RunOptions()).exit_code == 0
     with EventLog(layout(pre_b).events, read_only=True) as log:

@@ -42,7 +42,7 @@ def assert_bit_exact(build, model=MODEL, max_tokens=None) -> int:
     cfg_source = BuildConfig.from_toml(lay.config).source  # where the source is now (it may have moved)
     with EventLog(lay.events, read_only=True) as log:
         threads = _threads_by_sample(log)
-    ex = Extractor(model, device="cpu")
+    ex = Extractor(model, device="cpu", final_state=BuildConfig.from_toml(lay.config).final_state)  # the build's
     src = {s.sample_id: s for s in load_source(cfg_source, ex.tokenizer)}
     ds = HiddenStateDataset(build)
     default = torch.get_num_threads()

@@ -95,7 +95,7 @@ def test_verify_names_each_fault_and_resume_repairs_bit_exact(build, cli):
 
     cfg = load_config(layout(build))
     src = {x.sample_id: x for x in load_source(cfg.source)}
-    ex = Extractor(cfg.model, cfg.aux_layers, cfg.dtype, "cpu")
+    ex = Extractor(cfg.model, cfg.aux_layers, cfg.dtype, "cpu", final_state=cfg.final_state)
     reader = SegmentReader(layout(build).data)
     for sid in expected:
         r = rows[sid]
