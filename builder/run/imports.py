@@ -74,13 +74,15 @@ class BuildGeometry:
     hidden_size: int
     num_layers: int
     aux_layers: tuple[int, ...]
+    final_state: str = "post_norm"  # what the build stores (a build that recorded none: post_norm)
 
     @classmethod
     def load(cls, lay: BuildLayout) -> BuildGeometry:
         from builder.run.create import recorded_meta  # noqa: PLC0415 - (duckdb, the model's config: imports only)
 
         meta = recorded_meta(lay)
-        return cls(int(meta["hidden_size"]), int(meta["num_layers"]), tuple(int(i) for i in meta["aux_layers"]))
+        return cls(int(meta["hidden_size"]), int(meta["num_layers"]), tuple(int(i) for i in meta["aux_layers"]),
+                   str(meta.get("final_state") or "post_norm"))
 
     @property
     def n_aux(self) -> int:
@@ -159,6 +161,10 @@ def convention_of(opts: ImportOptions) -> str:
     return full
 
 
+# the final state each format's files always hold (`pt` files may say which they hold, file by file)
+POST_NORM_DUMPS = {"specforge": "post_norm", "modelopt": "post_norm"}
+
+
 def check_dump(opts: ImportOptions, lay: BuildLayout) -> LayerClaim:
     """The layers the dump holds, checked against the build's aux layers in the same numbering, before anything
     is read from the dump's files or written to the build. Raises UsageError (no claim; --dump-layers malformed
@@ -166,6 +172,11 @@ def check_dump(opts: ImportOptions, lay: BuildLayout) -> LayerClaim:
     root = check_options(opts)
     conv = convention_of(opts)
     info = BuildGeometry.load(lay)
+    if POST_NORM_DUMPS.get(opts.format) == "post_norm" and info.final_state == "pre_norm":
+        raise UsageError(f"{root}: {opts.format} dumps hold the final state after the model's norm, which cannot "
+                         f"be undone, and {lay.root} stores it before the norm (final_state = pre_norm, the default "
+                         f"of new builds); make the build for this dump with `hsbuild init ... --final-state "
+                         "post_norm`")
     build_ids = info.layer_ids()[conv]
     build_aux, build_final = [int(i) for i in build_ids[:-1]], int(build_ids[-1])
     given = None if opts.dump_layers is None else _check_given(opts.dump_layers, conv)

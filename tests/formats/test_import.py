@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import ROOMY, random_rows, write_jsonl
 
+from builder.errors import UsageError
 from builder.formats.build_info import BuildInfo
 from builder.formats.export import JOURNAL, ExportOptions, export_build
 from builder.formats.reader import HiddenStateDataset
@@ -332,17 +333,15 @@ def test_import_twice_imports_nothing_the_second_time_and_pre_norm_dumps_become_
     assert sha256_tree(dump) == before
 
 
-def test_post_norm_dump_into_a_pre_norm_build_is_refused_file_by_file(source, tmp_path):
-    """The norm cannot be undone: every SpecForge file (post-norm) is refused `bad_final_state`, nothing written."""
+def test_post_norm_dump_into_a_pre_norm_build_is_refused_whole(source, tmp_path):
+    """The norm cannot be undone: a SpecForge dump (post-norm) into a pre-norm build is refused before any file
+    is read: nothing written, no sample touched, the dump unchanged."""
     b = new_build(tmp_path, source, "b", final_state="pre_norm")
     dump = source.root / "specforge"
     before = sha256_tree(dump)
-    rep = run_build(b, imports(dump, "specforge"), echo=quiet)
-    assert rep.written == 0 and rep.dump.problems == []
-    assert len(rep.rejected) == N
-    assert {r["reason"] for r in rep.rejected} == {"bad_final_state"}
-    assert all("post-norm" in r["message"] for r in rep.rejected)
-    assert set(sample_states(b).values()) == {"failed"}
+    with pytest.raises(UsageError, match="--final-state post_norm"):
+        run_build(b, imports(dump, "specforge"), echo=quiet)
+    assert set(sample_states(b).values()) <= {"pending"}
     assert sha256_tree(dump) == before
 
 
@@ -727,3 +726,17 @@ def test_settle_compares_states_only_over_the_samples_tokens(tmp_path):
     assert [(p.path, p.reason, p.sample_id) for p in out.problems] == [
         (plain, "conflict", "s"), (padded, "conflict", "s"), (changed, "conflict", "s")]
     assert all(changed in p.message for p in out.problems[:2]) and plain in out.problems[2].message
+
+
+def test_a_post_norm_dump_into_a_pre_norm_build_is_refused_at_once(make_build, cli, tmp_path):
+    """New builds store the pre-norm final state; SpecForge and Model-Optimizer dumps hold the post-norm one,
+    which cannot be undone: refused in one line naming the flag that makes a build for them, before any file is
+    read (instead of every file failing `bad_final_state`)."""
+    build = make_build(3, final_state="pre_norm")
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for fmt in ("specforge", "modelopt"):
+        cp = cli("import", build, dump, "--format", fmt, "--dump-layers", "0,1,2", "--no-progress")
+        err = cp.stderr.strip().splitlines()
+        assert cp.returncode == 2 and len(err) == 1, cp.stderr
+        assert "--final-state post_norm" in err[0] and fmt in err[0], err
