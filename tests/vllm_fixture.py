@@ -48,11 +48,12 @@ def make_model(path: Path) -> Path:
                                    num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=2048, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    # "w0" is the unknown token: a separate "<unk>" sharing id 0 made the saved vocabulary keep one of the two at
+    # random (a hash map's order), and text with a word the model then lacked failed to tokenize
     vocab = {f"w{i}": i for i in range(VOCAB)}
-    vocab["<unk>"] = 0
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="w1",
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1",
                                          eos_token="w2").save_pretrained(path)
     return path
 

@@ -62,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=positive_int, metavar="N",
                    help="pack samples into forward passes of up to N tokens (--backend inprocess; the same states, "
                         "bit for bit; default: one sample a pass)")
-    p.add_argument("--final-state", default="post_norm", choices=["post_norm", "pre_norm"],
-                   help="hidden_state: the final norm's output (HF hidden_states[L], SpecForge) or its input "
-                   "(vLLM's layer L, speculators); the norm is kept in the build so the other can be derived")
+    p.add_argument("--final-state", default=None, choices=["post_norm", "pre_norm"],
+                   help="hidden_state: the final norm's input (vLLM's layer L, speculators) or its output (HF "
+                   "hidden_states[L], SpecForge, Model-Optimizer); the norm is kept in the build, so post-norm is "
+                   "derived from pre-norm bit-exactly (never the reverse). Default: pre_norm, which feeds every "
+                   "trainer, where the model allows it (else post_norm, and init says so)")
     p.add_argument("--quantize", default="none", choices=["none", "fp8"],
                    help="fp8: store states lossy as float8_e4m3fn with a float32 scale a token (about half the "
                    "bytes; read back dequantized, each sample's error in its written event); default: exact")
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_init(args: argparse.Namespace) -> int:
     from builder.config import BuildConfig, Watermarks  # noqa: PLC0415
     from builder.errors import UsageError  # noqa: PLC0415
+    from builder.formats.build_info import BuildInfo  # noqa: PLC0415
     from builder.run.create import init_build  # noqa: PLC0415
     from builder.space.capacity import describe_capacity  # noqa: PLC0415
 
@@ -140,9 +143,11 @@ def cmd_init(args: argparse.Namespace) -> int:
         cfg.batch_tokens = args.batch_tokens
         cfg.save(lay.config)
     print(f"created build {lay.root}")
+    for line in BuildInfo.load(lay).feeds():  # the final state, the trainers it feeds, their layer flags
+        print(line)
     if args.quantize == "fp8":
         print("states stored as fp8 (float8_e4m3fn, a float32 scale a token): lossy, about half the bytes; each "
-              "sample's error is recorded in its written event")
+              "sample's error is recorded in its written event, and every export says so (hsbuild-lossy.json)")
     for line in describe_capacity(lay):
         print(line)
     return EXIT_OK
@@ -218,10 +223,21 @@ def status_lines(st: dict) -> list[str]:
         lines.append(f"running: run {str(st.get('run_id', ''))[:8]} (pid {st.get('pid')}, {st.get('workers')} worker(s))")
     else:
         lines.append("idle: no run is going")
+    stall = st.get("stalled")
+    if stall:
+        lines.append(f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on {stall['path']} "
+                     f"({stall['filesystem']}): writes there do not return (a full Ceph pool or thin volume, a "
+                     f"gone NFS server); no new work is sent, nothing is lost; `hsbuild doctor` explains"
+                     + ("; the figures below are as of the stall's start" if st.get("stale") else ""))
+    elif st.get("running") and st.get("phase", "running") != "running":
+        lines.append(f"phase:   {st['phase']}")
     if st.get("lock_file_missing") or st.get("lock_not_held"):
         what = "is missing" if st.get("lock_file_missing") else "is not held by it (replaced?)"
         lines.append(f"warning: hsbuild.lock {what}, although a process owns this build and answered; nothing "
                      "stops a second run now: do not start one until this one has finished")
+    if "total" not in st:  # the owner is still starting (no log open yet): what it is doing
+        lines.append(f"phase:   {st.get('phase', 'starting')}")
+        return lines
     lines.append(f"samples: {st['total']} total | {st['done']} done ({st['written']} written, {st['verified']} "
                  f"verified) | {st['failed']} failed | {st['started']} in flight/interrupted | {st['pending']} pending"
                  + (f" | {st['retired']} retired (removed from the source or skipped)" if st.get("retired") else ""))
@@ -230,23 +246,39 @@ def status_lines(st: dict) -> list[str]:
         reasons = ", ".join(f"{k} {v}" for k, v in st["failed_by_reason"].items())
         lines.append(f"failed:  {reasons} (details: SELECT sample_id, error, error_detail FROM samples "
                      "WHERE state = 'failed')")
+    if st.get("requeued"):
+        lines.append(f"         ({st['requeued']} of the pending went back to pending after a failure that was not "
+                     "theirs: the server, the volume or a node; retried, not counted as attempts)")
+    if st.get("running") and st.get("paused"):
+        since = f" for {human_seconds(st['paused_for_s'])}" if st.get("paused_for_s") else ""
+        lines.append(f"PAUSED:  {st.get('pause_reason')}{since}"
+                     + (f": {st['pause_message']}" if st.get("pause_message") else ""))
     rate = st.get("recent_samples_per_s")
     if st.get("running") and rate:
         tps = st.get("recent_tokens_per_s")
         lines.append(f"rate:    {rate:.2f} samples/s" + (f", {tps:,.0f} tokens/s" if tps else "")
-                     + f" | ETA {human_seconds(st.get('eta_seconds'))}")
+                     + (" | ETA: none while paused" if st.get("paused") else
+                        f" | ETA {human_seconds(st.get('eta_seconds'))}"))
     if st.get("running") and st.get("backend"):
         health = "healthy" if st.get("server_healthy") else "UNAVAILABLE (run paused)"
         lines.append(f"engine:  {st['backend']} {st.get('server')} {health}"
                      + (f", restarted {st['server_restarts']}x" if st.get("server_restarts") else "")
                      + f" | {st.get('in_flight', 0)} request(s) in flight | staging {st.get('staging_files', 0)} "
                      f"file(s), {human_bytes(st.get('staging_bytes', 0))}")
+    lr = st.get("last_run")
+    if lr and lr.get("duration_s") is not None:
+        going = st.get("running") and lr.get("outcome") == "unfinished"
+        what = "this run" if going else f"last {'sweep' if lr.get('kind') == 'verify' else 'run'} ({lr.get('outcome')})"
+        rates = (f": {lr.get('samples_per_s') or 0:.2f} samples/s, {lr.get('tokens_per_s') or 0:,.0f} tokens/s, "
+                 f"{lr.get('mb_per_s') or 0:.2f} MB/s" if lr.get("written") else "")
+        lines.append(f"{'run:':<9}{what}: {human_seconds(lr['duration_s'])}{' so far' if going else ''}, "
+                     f"{lr.get('written') or 0} written{rates}")
     if st.get("trust_server"):
         lines.append(f"trust:   {'this' if st.get('running') else 'the last'} run took --trust-server: the server's "
                      f"configuration could not be read ({st['trust_server']}); it was judged by its answers alone")
     if "usage" in st:
         disk = f"disk:    {st['usage']:.1%} used, {human_bytes(st['free_bytes'])} free"
-        if st.get("paused"):
+        if st.get("paused") and st.get("pause_reason") in ("high_watermark", "min_free", "flood", "disk_full"):
             disk += f" | PAUSED ({st.get('pause_reason')}): resumes below {pct(st.get('low', 0.85))}"
         lines.append(disk)
     if "projected_bytes" in st:
@@ -269,6 +301,9 @@ def status_lines(st: dict) -> list[str]:
 # the nodes of the last run on Ray (none for a local run)
 LAST_RUN_NODES = ("SELECT * FROM nodes WHERE run_id = (SELECT arg_max(run_id, seq) FROM events "
                   "WHERE kind = 'worker_placed')")
+# the last run (or verify sweep): how long it took and how fast it went (the `runs` view)
+LAST_RUN = ("SELECT run_id, kind, outcome, started_at, finished_at, written, tokens, nbytes, duration_s, samples_per_s, "
+            "tokens_per_s, mb_per_s FROM runs ORDER BY started_at DESC LIMIT 1")
 # why the last run that probed a server trusted it (--trust-server: its configuration could not be read); NULL when
 # it did not
 LAST_RUN_TRUST = ("SELECT max(json_extract_string(detail, '$.trusted')) FROM events WHERE kind = "
@@ -286,6 +321,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     def offline_extra(log, prog: dict) -> dict:  # with no owner: all of it from one open log
         trust = log.query(LAST_RUN_TRUST)[1]
         return {**capacity_of(lay, log, prog), "nodes": log.query_dicts(LAST_RUN_NODES),
+                "last_run": (log.query_dicts(LAST_RUN) or [None])[0],
                 **({"trust_server": trust[0][0]} if trust and trust[0][0] else {})}
 
     # one pass over the fold: the progress row carries the projection's inputs and the failures per reason
@@ -297,6 +333,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         st["nodes"] = [dict(zip(cols, r, strict=True)) for r in rows]
     if not st["nodes"]:  # only a run on Ray has nodes
         del st["nodes"]
+    if "last_run" not in st:  # a run is going: ask it (its own row: so far)
+        cols, rows = run_query(lay, LAST_RUN)
+        st["last_run"] = dict(zip(cols, rows[0], strict=True)) if rows else None
     fmt = _fmt(args)
     if fmt == "json":
         print_json(st)
@@ -312,7 +351,8 @@ def cmd_sql(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query  # noqa: PLC0415
 
-    cols, rows = run_query(layout(args.build).require(), args.query, timeout=args.timeout)
+    cols, rows = run_query(layout(args.build).require(), args.query, timeout=args.timeout,
+                           on_note=lambda m: print(m, file=sys.stderr))
     print_rows(cols, rows, _fmt(args))
     return EXIT_OK
 

@@ -637,6 +637,38 @@ def write_probe(directory: Path, nbytes: int = PROBE_BYTES, block: int = PROBE_B
             "fsync_median_s": round(statistics.median(fsyncs), 5), "fsync_max_s": round(max(fsyncs), 5)}
 
 
+STALL_CAUSES = ("writes to it do not return, while reads and free-space figures may look fine. Likely causes: a "
+                "Ceph pool, thin-provisioned volume or cloud disk that is out of space behind the filesystem "
+                "(it never answers ENOSPC), an NFS or SMB server that is gone or overloaded, a failing disk. "
+                "What to do: check the pool or volume under it (`ceph df`, `lvs`, the cloud console), the NFS "
+                "server, `dmesg` for hung tasks; the run loses nothing and goes on by itself once writes return "
+                "(a process waiting on the volume cannot be killed until then)")
+
+
+def check_stall(ctx: Context, live_status: dict | None) -> Check:
+    """The build's volume stalled: the owner says so (live), or the last stall it logged never ended (it was
+    killed during one). Never a failure of a sample: the owner waits it out."""
+    stall = (live_status or {}).get("stalled")
+    if stall:
+        return Check("storage.stall", FAIL, f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on "
+                     f"{stall['path']} ({stall['filesystem']}): {STALL_CAUSES}",
+                     "free or grow the pool/volume under the build (or bring its server back); nothing to do in "
+                     "hsbuild", {"stalled": stall})
+    if ctx.query is not None and live_status is None:
+        try:
+            _, rows = ctx.query("SELECT kind, detail FROM events WHERE kind IN ('stalled', 'unstalled') "
+                                "ORDER BY seq DESC LIMIT 1")
+        except HsbuildError:
+            rows = []
+        if rows and rows[0][0] == "stalled":
+            d = json.loads(rows[0][1] or "{}")
+            return Check("storage.stall", WARN, f"the last owner logged a stall ({d.get('what')} on "
+                         f"{d.get('path')}, {d.get('filesystem')}) that it never saw end: it ended during one. "
+                         + STALL_CAUSES, f"make sure writes to {ctx.lay.root} return, then `hsbuild resume "
+                         f"{ctx.lay.root}`", {"last_stall": d})
+    return Check("storage.stall", OK, "no stalled writes" + (" (the owner says so)" if live_status else ""))
+
+
 def check_probe(ctx: Context) -> Check:
     u = disk_usage(ctx.lay.root)
     if u.free < 16 * PROBE_BYTES:

@@ -28,7 +28,7 @@ from builder.extract.spec import check_device_spec
 from builder.layout import BuildLayout
 from builder.log.events import Event, EventLog, open_log
 from builder.log.lock import BuildLock, LockState, inspect_lock
-from builder.log.query import jsonable, run_query
+from builder.log.query import jsonable, run_query, status_snapshot
 
 __all__ = ["Check", "DoctorReport", "run_doctor", "preflight_for_run", "render_lines", "OK", "WARN", "FAIL"]
 
@@ -193,7 +193,13 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
     # live: an owner holds the build (a run may be using its server: env.server sends no probe then)
     ctx = Context(lay, cfg, dev, own, for_run=False, live=first.held, gpu_mem_threshold=gpu_mem_threshold,
                   cgroup_reader=cgroup_reader)
-    checks = _system_checks(ctx, probe)
+    live_status = None
+    if first.held:  # the owner's own view first: during a stall doctor must not write (its probe would hang)
+        try:
+            live_status = status_snapshot(lay)
+        except HsbuildError:
+            live_status = None
+    checks = _system_checks(ctx, probe and not (live_status or {}).get("stalled"))
     with _build_reader(lay, record) as (how, log, state):
         ctx.live = how == "live"
         if how == "live":
@@ -207,6 +213,7 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
         else:
             assert log is not None
             ctx.query = log.query
+        checks.append(dc.check_stall(ctx, live_status if how == "live" else None))
         # `state`: the lock as it was before doctor took it (doctor's own lock would hide a stale one)
         checks += _state_checks(ctx, state, None)
         report.checks = _ordered(checks)

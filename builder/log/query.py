@@ -138,6 +138,8 @@ def request(lay: BuildLayout, req: dict, wait: float = OWNER_WAIT_S, timeout: fl
                 continue  # a stale socket file, or not listening yet
             except (TimeoutError, OSError):
                 continue
+            if reply.get("starting") and time.monotonic() < deadline:  # no log open yet: ask again shortly
+                break
             if not st.held and not inspect_lock(lay).held:  # (not an owner that took the lock just now)
                 reply["lock_file_missing" if st.missing else "lock_not_held"] = True
             return reply
@@ -146,7 +148,8 @@ def request(lay: BuildLayout, req: dict, wait: float = OWNER_WAIT_S, timeout: fl
         if time.monotonic() > deadline:
             who = st.info or {}
             return {"ok": False, "error": f"the {who.get('purpose', 'process')} that owns this build (pid "
-                    f"{who.get('pid', '?')}) does not answer queries (still starting?); try again"}
+                    f"{who.get('pid', '?')}) did not answer within {wait:.0f} s (an hsbuild of another version, or a "
+                    "process stuck in the kernel); `hsbuild doctor` tells more"}
         time.sleep(0.1)
 
 
@@ -157,12 +160,12 @@ def _raise_reply(reply: dict) -> None:
 
 
 def _ask_or_read(lay: BuildLayout, req: dict, offline: Callable[[], object], timeout: float = 10.0,
-                 ask_timeout: float = 2.0) -> dict:
+                 ask_timeout: float = 2.0, wait: float = OWNER_WAIT_S) -> dict:
     """Ask the live owner; with none, read the file. Handles a run that starts between the two, or during
     the read (the read gives way and the owner is asked)."""
     deadline = time.monotonic() + timeout
     while True:
-        reply = request(lay, req, timeout=ask_timeout)
+        reply = request(lay, req, wait=wait, timeout=ask_timeout)
         if reply is not None:
             _raise_reply(reply)
             return reply
@@ -177,9 +180,11 @@ def _ask_or_read(lay: BuildLayout, req: dict, offline: Callable[[], object], tim
             time.sleep(0.1)
 
 
-def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S) -> tuple[list[str], list[list]]:
+def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S,
+              on_note: Callable[[str], None] | None = None) -> tuple[list[str], list[list]]:
     """Run one read-only statement against a build; returns (columns, rows) with JSON-able values. The
-    query is stopped after `timeout` seconds."""
+    query is stopped after `timeout` seconds; an owner that is still starting is waited for within it.
+    `on_note` hears what the answer comes with (the owner's storage stalled: answered from its last snapshot)."""
     check_read_only(sql)
     timeout = check_timeout(timeout)
 
@@ -187,10 +192,16 @@ def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S) -> t
         return query_file(lay.events, sql, timeout, interrupt_if=lambda: inspect_lock(lay).held)
 
     reply = _ask_or_read(lay, {"op": "sql", "sql": sql, "timeout": timeout}, offline, timeout=10.0,
-                         ask_timeout=timeout + 10.0)
+                         ask_timeout=timeout + 10.0, wait=max(OWNER_WAIT_S, timeout))
     if "offline" in reply:
         cols, rows = reply["offline"]
         return cols, [[jsonable(v) for v in r] for r in rows]
+    stall = reply.get("stalled")
+    if stall and on_note is not None:
+        on_note("note: answered from the owner's last snapshot of the log: a commit to it has not returned yet"
+                if stall.get("early") else
+                f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on {stall['path']} "
+                f"({stall['filesystem']}): answered from the log as of the stall's start")
     return reply["columns"], reply["rows"]
 
 

@@ -129,6 +129,9 @@ def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
         con.close()
 
 
+SNAPSHOT_WAIT_S = 0.5  # a snapshot the owner's log does not give in this long: answered from the last one
+
+
 class LiveReplica:
     """The owner's side of live user SQL: snapshots of its log, queried in a throwaway locked-down instance."""
 
@@ -142,6 +145,9 @@ class LiveReplica:
         self._fold_upto = -1
         self._used = time.monotonic()
         self._views = temp_views_sql()
+        self._last_tables: dict = {}
+        self._snap_lock = threading.Lock()  # held while a snapshot reads the owner's connection
+        self.stale = False  # the last answer came from an older snapshot (the log did not answer in time)
 
     def _snapshot(self) -> dict[str, pa.Table]:
         """One consistent snapshot of the three tables (owner-written SQL on the owner's connection only);
@@ -170,10 +176,47 @@ class LiveReplica:
         return {"events": self._events, "meta": meta, "source_samples": source, "fold_checkpoint": self._fold,
                 "fold_checkpoint_mark": mark}
 
-    def query(self, sql: str, timeout: float = QUERY_TIMEOUT_S) -> tuple[list[str], list[tuple]]:
+    def _snapshot_within(self, wait: float) -> dict | None:
+        """A fresh snapshot, or None when it does not come within `wait` seconds (the owner's connection is stuck
+        in a commit on a stalled volume): that one finishes in its own thread, later, and no second is started
+        meanwhile."""
+        if not self._snap_lock.acquire(blocking=False):  # a snapshot is still stuck
+            return None
+        box: dict = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box["tables"] = self._snapshot()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            finally:
+                self._snap_lock.release()
+                done.set()
+
+        threading.Thread(target=work, name="hsbuild-replica-snapshot", daemon=True).start()
+        if not done.wait(wait):
+            return None
+        if "error" in box:
+            raise box["error"]
+        return box["tables"]
+
+    def query(self, sql: str, timeout: float = QUERY_TIMEOUT_S, refresh: bool = True) -> tuple[list[str], list[tuple]]:
+        """`refresh`: take the events committed since the last snapshot first (waited for at most
+        SNAPSHOT_WAIT_S). Without (the owner's storage is stalled), or when the log does not answer in time (a
+        commit that does not return), the last snapshot answers, and `stale` says so."""
         with self._lock:
             self._used = time.monotonic()
-            tables = self._snapshot()
+            tables = self._snapshot_within(SNAPSHOT_WAIT_S) if refresh else None
+            self.stale = tables is None
+            if tables is not None:
+                self._last_tables = tables
+            elif self._last_tables:
+                tables = self._last_tables
+            else:
+                raise QueryError("the build's log does not answer (a commit on its volume has not returned: a "
+                                 "stalled volume?) and no snapshot of it was taken before: `hsbuild status` says "
+                                 "what the owner knows; ask again once writes return")
             con = duckdb.connect(":memory:", config={"threads": REPLICA_THREADS, "memory_limit": REPLICA_MEMORY})
             try:
                 con.execute("SET temp_directory = ''")  # no spilling; must precede the lockdown
@@ -192,5 +235,6 @@ class LiveReplica:
             try:
                 self._events, self._last_seq = None, 0
                 self._fold, self._fold_upto = None, -1
+                self._last_tables = {}
             finally:
                 self._lock.release()

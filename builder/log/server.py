@@ -23,9 +23,13 @@ from builder.log.sandbox import QUERY_TIMEOUT_S, LiveReplica
 
 
 class QueryServer:
-    def __init__(self, sock_path: Path, log: EventLog, status_fn: Callable[[], dict]):
+    def __init__(self, sock_path: Path, log: EventLog | None, status_fn: Callable[[], dict],
+                 stalled: Callable[[], dict | None] | None = None):
+        """`log`: None while the owner starts (sql is asked to wait, `attach` it once open); `stalled`: what
+        the owner's stall watch says (sql then answers from the last snapshot, naming the stall)."""
         self.sock_path, self.log, self.status_fn = Path(sock_path), log, status_fn
-        self.replica = LiveReplica(log)
+        self.stalled = stalled or (lambda: None)
+        self.replica = LiveReplica(log) if log is not None else None
         self.error: str | None = None  # why the socket could not be opened (the owner runs on without it)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -54,11 +58,17 @@ class QueryServer:
         self._thread.start()
         return self
 
+    def attach(self, log: EventLog) -> None:
+        """The owner opened its log: sql is answered from now on."""
+        self.log = log
+        self.replica = LiveReplica(log)
+
     def stop(self) -> None:
         """Stop accepting, interrupt the queries running, and wait for their threads: none may still be inside
         DuckDB when the owner closes the log or the process exits (that aborts the process)."""
         self._stop.set()
-        self.replica.closing = True
+        if self.replica is not None:
+            self.replica.closing = True
         if self._thread:
             self._thread.join(timeout=2)
         deadline = time.monotonic() + 10
@@ -72,7 +82,8 @@ class QueryServer:
     def _serve(self) -> None:
         assert self._sock is not None
         while not self._stop.is_set():
-            self.replica.drop_if_idle()
+            if self.replica is not None:
+                self.replica.drop_if_idle()
             try:
                 conn, _ = self._sock.accept()
             except (TimeoutError, OSError):
@@ -100,10 +111,21 @@ class QueryServer:
             if op == "sql":
                 check_read_only(req.get("sql", ""))
                 timeout = check_timeout(float(req.get("timeout") or QUERY_TIMEOUT_S))
-                cols, rows = self.replica.query(req["sql"], timeout)
-                return {"ok": True, "columns": cols, "rows": [[jsonable(v) for v in r] for r in rows]}
-            if op == "status":
-                return {"ok": True, "status": jsonable(self.status_fn())}
+                if self.replica is None:
+                    st = self.status_fn()
+                    return {"ok": False, "starting": True, "error": f"the {st.get('purpose', 'process')} that "
+                            f"owns this build (pid {st.get('pid')}) is starting ({st.get('phase', 'starting')}) and "
+                            "has no log open yet"}
+                stall = self.stalled()
+                cols, rows = self.replica.query(req["sql"], timeout, refresh=stall is None)
+                if stall is None and self.replica.stale:  # (not yet named a stall: the log is slow to answer)
+                    stall = {"what": "log commit", "path": str(self.log.path) if self.log else "?",
+                             "filesystem": "?", "pending_s": 0.0, "since": None, "early": True}
+                return {"ok": True, "columns": cols, "rows": [[jsonable(v) for v in r] for r in rows],
+                        **({"stalled": stall} if stall is not None else {})}
+            if op == "status":  # (while the owner starts: its phase, and the client may wait a moment)
+                return {"ok": True, "status": jsonable(self.status_fn()),
+                        **({"starting": True} if self.replica is None else {})}
             return {"ok": False, "error": f"unknown op {op!r}"}
         except HsbuildError as e:
             return {"ok": False, "error": str(e), "kind": type(e).__name__}

@@ -137,9 +137,18 @@ class StallWatch:
         return self
 
     def stop(self) -> None:
+        """Stop watching, and remove the probe files (those not held by a probe still pending)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+        for d in self.dirs:
+            with self._lock:
+                pending = str(d) in self._probing
+            if not pending and str(d) in self._last_probe:
+                try:
+                    os.unlink(os.path.join(str(d), PROBE_NAME))
+                except OSError:
+                    pass
 
     # -- inside -------------------------------------------------------------------------------------------
     def _begin(self, what: str, path: str) -> int:

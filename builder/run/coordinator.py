@@ -10,7 +10,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import signal
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ from builder.errors import (
     EXIT_OK,
     EXIT_PREFLIGHT,
     EXIT_SAMPLES_FAILED,
+    Interrupted,
     ModelError,
     SourceChangedError,
     SourceError,
@@ -39,9 +39,9 @@ from builder.extract.spec import check_device_spec
 from builder.extract.threads import fix_threading
 from builder.humanize import human_bytes, pct
 from builder.layout import layout
-from builder.log.events import Event, EventBatch, detail, open_log
-from builder.log.lock import BuildLock, note_interrupted
-from builder.log.server import QueryServer
+from builder.log.events import Event, detail
+from builder.log.lock import BuildLock
+from builder.log.session import OwnerSession
 from builder.progress import NoProgress, Progress
 from builder.run.create import code_fingerprint
 from builder.run.messages import (
@@ -123,6 +123,7 @@ class RunReport:
     messages: list[str] = field(default_factory=list)
     dump: DumpIndex | None = None  # an import: which file holds which sample, and the files that hold none
     rejected: list[dict] = field(default_factory=list)  # an import: files a worker refused (sample, reason)
+    check_errors: int = 0  # --verify-after-write could not read these back: written, not checked (`check_error`)
 
 
 class Coordinator:
@@ -159,7 +160,7 @@ class Coordinator:
             raise UsageError(f"--limit {self.opts.limit}: must be 0 or more samples")
         check_device_spec(self.opts.device or self.cfg.device)
         if self.opts.ray is not None:
-            from builder.run.ray_pool import check_address  # noqa: PLC0415
+            from builder.run.ray_pool import check_address, check_reachable  # noqa: PLC0415
 
             check_address(self.opts.ray)
             if self.opts.imports is not None:
@@ -169,11 +170,12 @@ class Coordinator:
                 from builder.run.ray_engines import check_connect_server  # noqa: PLC0415
 
                 check_connect_server(self.cfg.server)
+            check_reachable(self.opts.ray)  # a silent address fails here, in one line, before the lock
         self.echo = echo
         self.run_id = uuid.uuid4().hex
-        self.stop_requested = 0
-        self._stop_said = False  # the main loop has said it is stopping (once)
-        self._old_handlers: dict = {}  # SIGINT, SIGTERM: what they were before the run took them
+        self.session: OwnerSession | None = None  # the owner session, once the build lock is held (`run`)
+        self.meta: dict | None = None  # the build's metadata, once the log is open
+        self._stop_before = 0  # a stop decided before the session exists
         self._landed = False  # a sample was written since the last watermark poll
         self.aborted: str | None = None  # a worker died: stop at a safe point, `resume` continues
         if self.opts.inflight is not None:
@@ -200,39 +202,52 @@ class Coordinator:
         self._node_workers: dict[str, list] = {}  # --ray with an engine backend: node id -> its worker(s)
         self.engine_down: float | None = None  # since when the server has been unavailable
         self.engine_reason = "server_unavailable"  # or staging_full: its staging volume had no room (ENOSPC)
+        self.engine_message: str | None = None  # why the engine paused the run (said by status)
         self.staging_need = 0  # bytes the staging volume must have free again (staging_full)
         self.refused: str | None = None  # the server that came back mid-run is not the build's: the run stops
         self.engine_checked = 0.0
 
-    # -- signals ------------------------------------------------------------------------------------------
-    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
-        """Only records the request: no I/O here (a write to a stream the main thread is writing to would fail
-        as a reentrant call). The main loop says it is stopping."""
-        self.stop_requested += 1
-        if self.stop_requested >= 2:
-            note_interrupted(self.lay, signum)  # the lock record says so: the next run does not blame a crash
-            os._exit(EXIT_INTERRUPTED)  # still safe: nothing uncommitted is ever referenced
+    # -- the owner session: lock, log, commits, queries, signals, stalls (builder/log/session.py) ----------------
+    @property
+    def stop_requested(self) -> int:
+        """Stop requests so far (Ctrl-C, SIGTERM, or the run's own decision): the run stops at a safe point."""
+        return self.session.stop_requested if self.session is not None else self._stop_before
+
+    @stop_requested.setter
+    def stop_requested(self, value: int) -> None:
+        if self.session is not None:
+            self.session.stop_requested = value
+            if value:
+                self.session.stop_event.set()
+        else:
+            self._stop_before = value
 
     def _announce_stop(self) -> None:
         """Say once, from the main loop (never from the handler), that a stop was asked for."""
-        if self.stop_requested and not self._stop_said:
-            self._stop_said = True
-            self.echo("\nstopping at a safe point (Ctrl-C again to exit at once; still safe) ...")
+        if self.session is not None:
+            self.session.announce_stop()
 
     # -- events -------------------------------------------------------------------------------------------
     def emit(self, ev: Event) -> None:
         self.batch.emit(ev)
 
     def flush(self, force: bool = False) -> None:
-        self.batch.flush(force)
+        self.session.flush(force)
 
     # -- live status ----------------------------------------------------------------------------------------
     def status(self) -> dict:
         prog = self.log.progress()
+        if self.paused_reason is not None or self.engine_down is not None:
+            prog["eta_seconds"] = None  # no ETA while paused: nothing is being written
         return {"running": True, "run_id": self.run_id, "pid": os.getpid(), "workers": self.workers,
-                **prog, **project(self.log, self.space, self.meta, progress=prog), **self.space.snapshot(),
+                **prog, **(project(self.log, self.space, self.meta, progress=prog) if self.meta is not None else {}),
+                **self.space.snapshot(),
                 "paused": self.paused_reason is not None or self.engine_down is not None,
                 "pause_reason": self.paused_reason or (self.engine_reason if self.engine_down is not None else None),
+                "pause_message": (self.space.describe() if self.paused_reason is not None else
+                                  self.engine_message if self.engine_down is not None else None),
+                "paused_for_s": (round(time.monotonic() - self.engine_down, 1) if self.engine_down is not None and
+                                 self.paused_reason is None else None),
                 **self._engine_status()}
 
     def _engine_status(self) -> dict:
@@ -249,31 +264,34 @@ class Coordinator:
 
     # -- the run ----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> RunReport:
+        staging = [Path(self.cfg.staging)] if self.cfg.staging and Path(self.cfg.staging).is_dir() else []
+        session = OwnerSession(self.lay, "run", self.run_id, take_over=self.opts.take_over, echo=self.echo,
+                               status=self.status, before_commit=self.space.before_commit, watch=staging)
         try:
-            lock = BuildLock(self.lay, "run", self.run_id, take_over=self.opts.take_over).acquire()
+            session.__enter__()  # the build lock; `status` answers from now on (the phase)
         except BaseException:
             if self.opts.standby is not None:
                 self.opts.standby.close()
             raise
+        self.session = session
+        self.session.stop_requested = self._stop_before
         try:
             self.standby = self._standby()
             # validate the source before the log is even opened: bad input changes nothing
+            session.phase = "starting: reading the source"
             self.source = self._source_path()
             samples = load_source(self.source, _tokenizer_for(self.cfg), build=self.lay)
-            self.log = open_log(self.lay.events)
-            self.batch = EventBatch(self.log, self.run_id, self.space.before_commit)
-            try:
-                return self._run_locked(lock, resume, samples)
-            finally:
-                self.log.close()
+            session.phase = "starting: replaying the log"
+            # (the signals are taken once the run has started: Ctrl-C before that ends it at once)
+            self.log = session.open(signals=False)
+            self.batch = session.batch
+            return self._run_locked(session.lock, resume, samples)
         finally:
             try:
                 if self.standby is not None:
                     self.standby.close()  # the workers not taken (nothing to do, a refusal, an error)
-                lock.release()
             finally:
-                for sig, handler in self._old_handlers.items():
-                    signal.signal(sig, handler)
+                session.close()  # the log closed, the lock released, and only then the signals given back
 
     def _standby(self) -> Standby | None:
         """The run's local workers, spawned now so that their imports overlap the source, the plan and the
@@ -305,6 +323,10 @@ class Coordinator:
             self.echo(f"import: {report.dump.scanned} file(s) in {self.opts.imports.dir}, "
                       f"{len(self.dump_files)} sample(s) matched ({max(done, 0)} already in the build), "
                       f"{len(report.dump.problems)} file(s) unusable; {len(plan.todo)} to import now")
+            dups = report.dump.duplicates
+            if dups:  # harmless: the same tokens and states as the file imported
+                self.echo(f"import: {len(dups)} duplicate file(s) not imported (the same tokens and states as the file "
+                          f"imported): " + ", ".join(d.path for d in dups[:3]) + (" ..." if len(dups) > 3 else ""))
         if not importing and (resume or plan.done or plan.interrupted or plan.interrupted_final or plan.failed_retry
                               or plan.damaged):
             self.echo(
@@ -343,21 +365,23 @@ class Coordinator:
             **({"import": {"dir": str(Path(self.opts.imports.dir).absolute()), "format": self.opts.imports.format,
                            **report.dump.summary()}} if report.dump is not None else {}))))
         self.flush(force=True)
-        server = QueryServer(lock.socket_path, self.log, self.status).start()
-        # kept until the run has closed its log and released its lock (`run`): a stop request in the run's last
-        # moments is still a request, never the default action (a SIGTERM killing it mid-teardown)
-        self._old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # kept until the run has closed its log and released its lock (the session): a stop request in the run's
+        # last moments is still a request, never the default action (a SIGTERM killing it mid-teardown)
+        self.session.take_signals()
         try:
             if plan.todo and self.cfg.backend != "inprocess" and not importing:
-                self._start_engine(meta)
-            if plan.todo:
+                try:
+                    self._start_engine(meta)
+                except Interrupted:  # Ctrl-C while waiting for the server: a stop like any other (exit 130)
+                    self.stop_requested = max(self.stop_requested, 1)
+                    self._announce_stop()
+            if plan.todo and not self.stop_requested:
                 self._extract(plan, by_id, meta, report)
         except BaseException as e:
             self.emit(Event("run_finished", reason="error", detail=detail(error=f"{type(e).__name__}: {e}")))
             self.flush(force=True)
             raise
         finally:
-            server.stop()
             try:
                 if self.engine is not None:
                     self.engine.stop()
@@ -381,9 +405,14 @@ class Coordinator:
             report.messages.append(self.aborted)
         elif report.failed_in_build:
             report.exit_code = EXIT_SAMPLES_FAILED
+        if report.check_errors:
+            self.echo(f"{report.check_errors} sample(s) written but not checked: --verify-after-write could not read "
+                      f"them back (an I/O error, not a mismatch; they stay written); check them with: "
+                      f"hsbuild verify {self.lay.root}")
         self.emit(Event("run_finished", reason=report.outcome, detail=detail(
             written=report.written, failed=report.failed, pauses=report.pauses,
-            failed_in_build=report.failed_in_build)))
+            failed_in_build=report.failed_in_build,
+            **({"check_errors": report.check_errors} if report.check_errors else {}))))
         self.flush(force=True)
         return report
 
@@ -446,7 +475,8 @@ class Coordinator:
         self.emit(Event("import", detail=detail(
             dir=str(Path(self.opts.imports.dir).absolute()), format=self.opts.imports.format, scanned=d.scanned,
             matched=len(d.files), imported=report.written, rejected=report.rejected,
-            unusable=[p.__dict__ for p in d.problems], dump_layers=d.claim.as_dict() if d.claim else None)))
+            unusable=[p.__dict__ for p in d.problems], dump_layers=d.claim.as_dict() if d.claim else None,
+            **({"duplicates": [p.__dict__ for p in d.duplicates]} if d.duplicates else {}))))
         self.flush(force=True)
 
     def _start_engine(self, meta: dict) -> None:
@@ -544,10 +574,11 @@ class Coordinator:
             self.staging_need = max(self.staging_need, need_bytes)
         if self.engine_down is not None:
             if need_bytes and self.engine_reason != "staging_full":
-                self.engine_reason = "staging_full"
+                self.engine_reason, self.engine_message = "staging_full", message
             return
         self.engine_down = time.monotonic()
         self.engine_reason = "staging_full" if need_bytes else "server_unavailable"
+        self.engine_message = message
         report.pauses += 1
         self.emit(Event("paused", reason=self.engine_reason, detail=detail(message=message)))
         self.flush(force=True)
@@ -723,7 +754,8 @@ class Coordinator:
                     self._set_paused(pause, flags, report)
                 self._engine_watch(report)
                 self._drop_serverless_workers()
-                if not stopping and self.paused_reason is None and self.engine_down is None:
+                stalled = self.session.stalled
+                if not stopping and self.paused_reason is None and self.engine_down is None and stalled is None:
                     self._dispatch(st, outboxes, by_id, flags, report)
                 for w in sorted(st.alive - st.told_to_stop):  # a sentinel once a worker has nothing more to do
                     if stopping or st.idle(w, lost_ok=pool is not None):  # its staged group: flushed on Stop
@@ -752,7 +784,8 @@ class Coordinator:
                 self.flush()
                 if self.paused_reason is None and not stopping:  # (a cache: never while space is short)
                     self.log.maybe_checkpoint_fold()  # status and sql stay fast on a long first run
-                bar.update(note=f"PAUSED: {self.paused_reason}" if self.paused_reason else "")
+                bar.update(note=f"STALLED: {stalled.what} on {stalled.path}" if stalled else
+                           f"PAUSED: {self.paused_reason}" if self.paused_reason else "")
         finally:
             flags.stop, flags.gate_open = True, True
             bar.close()
@@ -848,6 +881,11 @@ class Coordinator:
                     self.emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                     segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
                                     detail=detail(mode="after_write")))
+                elif msg.check_error is not None:  # could not be read back: written, not checked (no state change)
+                    self.emit(Event("check_error", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
+                                    segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
+                                    reason="check_error", detail=detail(mode="after_write", message=msg.check_error)))
+                    report.check_errors += 1
                 st.done(wid, sid)
                 report.written += 1
                 self.space.account(loc.nbytes, loc.num_tokens)

@@ -28,7 +28,7 @@ from builder.errors import SourceChangedError, UsageError
 from builder.extract.source import Sample
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
-from builder.log.lock import BuildLock
+from builder.log.session import OwnerSession
 
 SHOW_IDS = 5  # ids named per kind of change in a message
 
@@ -182,7 +182,8 @@ def skip_samples(build: str | Path, ids: Sequence[str], note: str, undo: bool = 
     if not undo and not note.strip():
         raise UsageError("--reason: say why these samples are skipped (it is kept in the log)")
     run_id = uuid.uuid4().hex
-    with BuildLock(lay, "skip", run_id), EventLog(lay.events) as log:
+    with OwnerSession(lay, "skip", run_id, signals=False) as session:
+        log = session.open()
         known = current_registry(log)
         unknown = [i for i in ids if i not in known]
         if unknown:

@@ -35,9 +35,8 @@ from pathlib import Path
 from builder.config import load_config
 from builder.errors import DiskFullError
 from builder.layout import BuildLayout, layout
-from builder.log.events import Event, EventLog, detail, open_log
-from builder.log.lock import BuildLock
-from builder.log.server import QueryServer
+from builder.log.events import Event, EventLog, detail
+from builder.log.session import OwnerSession
 from builder.store.segment import DIMS, FIELDS, MANIFEST_DIR, MANIFEST_FORMAT, field_geometry, list_segments
 from builder.store.shard import ShardGeometry, shard_path
 
@@ -340,26 +339,20 @@ def collect_garbage(build: str | Path, dry_run: bool = False, take_over: bool = 
     lay = layout(build).require()
     gc_id = uuid.uuid4().hex
     t0 = time.monotonic()
-    with BuildLock(lay, "gc", gc_id, take_over=take_over) as lock:
-        log = open_log(lay.events)
+    with OwnerSession(lay, "gc", gc_id, take_over=take_over, signals=False) as session:
+        log = session.open()
+        session.status_fn = lambda: {"workers": 0, **log.progress()}
         report = GcReport(gc_id, dry_run, OrphanReport())
-        server = QueryServer(lock.socket_path, log, lambda: {"running": True, "purpose": "gc", "run_id": gc_id,
-                                                              "pid": os.getpid(), "workers": 0,
-                                                              **log.progress()}).start()
-        try:
-            report.orphans = scan_orphans(lay, log)
-            if not dry_run:
-                report.removed_files, report.removed_bytes = remove_orphans(lay, report.orphans)
-                report.seconds = time.monotonic() - t0
-                try:
-                    log.append([Event("gc", run_id=gc_id, detail=detail(
-                        removed_files=report.removed_files, removed_bytes=report.removed_bytes,
-                        items=report.orphans.count, by_kind=report.orphans.by_kind(),
-                        kept_adoptable=report.orphans.adoptable_samples, pid=os.getpid()))])
-                except DiskFullError as e:
-                    report.record_error = str(e)
-        finally:
-            server.stop()
-            log.close()
+        report.orphans = scan_orphans(lay, log)
+        if not dry_run:
+            report.removed_files, report.removed_bytes = remove_orphans(lay, report.orphans)
+            report.seconds = time.monotonic() - t0
+            try:
+                log.append([Event("gc", run_id=gc_id, detail=detail(
+                    removed_files=report.removed_files, removed_bytes=report.removed_bytes,
+                    items=report.orphans.count, by_kind=report.orphans.by_kind(),
+                    kept_adoptable=report.orphans.adoptable_samples, pid=os.getpid()))])
+            except DiskFullError as e:
+                report.record_error = str(e)
     report.seconds = time.monotonic() - t0
     return report

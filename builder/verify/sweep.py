@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import threading
 import time
 import uuid
@@ -38,9 +37,9 @@ from pathlib import Path
 from builder.config import load_config
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, UsageError
 from builder.layout import BuildLayout, layout
-from builder.log.events import Event, EventBatch, EventLog, detail, open_log
+from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
-from builder.log.server import QueryServer
+from builder.log.session import OwnerSession
 from builder.progress import NoProgress, Progress
 from builder.store.reader import SegmentReader
 from builder.verify.checks import (
@@ -384,24 +383,22 @@ class Sweep:
         self.jobs = parse_jobs(self.opts.jobs)
         self.rate = parse_rate(self.opts.max_rate) * MB if self.opts.max_rate is not None else None
         self.sweep_id = uuid.uuid4().hex
-        self.stop = threading.Event()
-        self.signals = 0
+        self.stop = threading.Event()  # the session's stop event once the sweep owns the build
+        self.session: OwnerSession | None = None
         self.summary: SweepSummary | None = None
         self._geometry: dict[str, tuple[int, dict | None]] = {}  # segment -> (chunk_tokens, field specs)
 
     # -- plumbing -------------------------------------------------------------------------------------
-    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
-        self.signals += 1
-        if self.signals >= 2:
-            os._exit(EXIT_INTERRUPTED)  # safe: every committed event describes bytes that were checked
-        self.stop.set()
-        self.echo("\nstopping the sweep (Ctrl-C again to exit at once; continue later with --continue) ...")
+    def _announce_stop(self) -> None:
+        """Said once, from the main thread (the signal handler only records the request: builder/log/session.py);
+        a second Ctrl-C exits at once, still safe: every committed event describes bytes that were checked."""
+        self.session.announce_stop("stopping the sweep (Ctrl-C again to exit at once; continue later with --continue)")
 
     def emit(self, ev: Event) -> None:
         self.batch.emit(ev)
 
     def flush(self, force: bool = False) -> None:
-        self.batch.flush(force)
+        self.session.flush(force)
 
     def status(self) -> dict:
         s = self.summary
@@ -411,16 +408,13 @@ class Sweep:
 
     # -- entry ----------------------------------------------------------------------------------------
     def run(self) -> SweepSummary:
-        lock = BuildLock(self.lay, "verify", self.sweep_id, take_over=self.opts.take_over).acquire()
-        try:
-            self.log = open_log(self.lay.events)
-            self.batch = EventBatch(self.log, self.sweep_id)
-            try:
-                return self._run_locked(lock)
-            finally:
-                self.log.close()
-        finally:
-            lock.release()
+        with OwnerSession(self.lay, "verify", self.sweep_id, take_over=self.opts.take_over, echo=self.echo,
+                          status=self.status) as session:
+            self.session = session
+            self.stop = session.stop_event  # set by Ctrl-C/SIGTERM: the readers and the loop stop
+            self.log = session.open(signals=False)
+            self.batch = session.batch
+            return self._run_locked(session.lock)
 
     def _run_locked(self, lock: BuildLock) -> SweepSummary:
         continues, chain = None, []
@@ -443,19 +437,14 @@ class Sweep:
             max_rate_mb_s=self.rate / MB if self.rate else None, planned=len(targets), skipped=skipped,
             continues=continues, chain=chain, pid=os.getpid(), previous_owner=lock.previous)))
         self.flush(force=True)
-        server = QueryServer(lock.socket_path, self.log, self.status).start()
-        in_main = threading.current_thread() is threading.main_thread()
-        old = [signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)] if in_main else []
+        self.session.take_signals()  # (kept until the lock is released: a late Ctrl-C is still a request)
         try:
             s.orphans = scan_orphans(self.lay, self.log)
             s.overlaps = find_overlaps(self.log, self._chunk_tokens)
             self._check_all(targets)
         finally:
-            if old:
-                signal.signal(signal.SIGINT, old[0])
-                signal.signal(signal.SIGTERM, old[1])
+            self._announce_stop()
             self.flush(force=True)  # whatever was checked stays recorded, even on an error
-            server.stop()
         s.damaged.sort(key=lambda d: (d.segment, d.token_start, d.sample_id))
         s.not_checked.sort(key=lambda n: (n.segment, n.token_start, n.sample_id))
         if self.stop.is_set():
@@ -547,6 +536,7 @@ class Sweep:
                         inflight[pool.submit(self._check_one, t, reader, limiter)] = t
                     if not inflight:
                         break
+                    self._announce_stop()
                     done, _ = wait(list(inflight), timeout=0.2, return_when=FIRST_COMPLETED)
                     for fut in done:
                         t = inflight.pop(fut)

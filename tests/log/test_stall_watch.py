@@ -1,4 +1,4 @@
-"""`StallWatch` (builder/space/stall.py) on a real stalled volume: the FUSE filesystem of ../shared/powercut,
+"""`StallWatch` (builder/log/stall.py) on a real stalled volume: the FUSE filesystem of ../shared/powercut,
 mounted with several threads, `stall`ed (writes, fsyncs and namespace changes wait, reads and statfs go on, as
 on a full Ceph pool) and `thaw`ed. Its probes notice the stall within the limit, name what hangs, where and on
 which filesystem, and the end of the stall is noticed too; a tracked operation that hangs is named the same way."""
@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from builder.space.stall import PROBE_NAME, StallWatch, filesystem_of
+from builder.log.stall import PROBE_NAME, StallWatch, filesystem_of
 
 
 def _wait(pred, timeout: float, what: str):

@@ -28,8 +28,9 @@ def _files(root: Path) -> dict[str, int]:
 def _written_count(build: Path) -> int:
     from builder.log.query import run_query
 
-    try:
-        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+    try:  # (a run's own writes: not what it adopted before it started, which the owner also answers for)
+        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written' AND run_id IN "
+                                        "(SELECT run_id FROM events WHERE kind = 'run_started')")[1][0][0]
     except Exception:  # noqa: BLE001 - the run may be starting or gone
         return -1
 

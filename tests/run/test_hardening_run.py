@@ -19,6 +19,7 @@ from test_run import _children
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.query import run_query
+from builder.log.session import OwnerSession
 from builder.run import coordinator as coordinator_mod
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.messages import Stop
@@ -399,5 +400,5 @@ def test_the_run_holds_its_stop_handlers_until_its_log_is_closed_and_its_lock_re
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     assert run_build(build, RunOptions()).exit_code == 0
     assert seen["close"] not in (signal.SIG_DFL, signal.SIG_IGN, before[0])
-    assert getattr(seen["close"], "__func__", None) is coordinator_mod.Coordinator._on_signal
+    assert getattr(seen["close"], "__func__", None) is OwnerSession._on_signal  # (the run's session's)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before

@@ -117,7 +117,8 @@ def test_a_relative_model_path_is_recorded_absolute_and_never_resolved_again(tmp
     shutil.copy(d1 / "models" / "A" / "tokenizer_config.json", d2 / "models" / "A")
     write_jsonl(d1 / "src.jsonl", text_rows(4))
 
-    cp = cli("init", "b", "--source", "src.jsonl", "--model", "models/A", "--aux-layers", "1,2,3", *WM, cwd=d1)
+    cp = cli("init", "b", "--source", "src.jsonl", "--model", "models/A", "--aux-layers", "1,2,3", "--final-state",
+             "post_norm", *WM, cwd=d1)
     assert cp.returncode == 0, cp.stderr
     build = d1 / "b"
     cfg = tomllib.loads((build / "hsbuild.toml").read_text())

@@ -1,0 +1,237 @@
+"""The owner session: what every command that writes a build shares (a run, a verify sweep, gc, export, skip).
+
+    with OwnerSession(lay, "verify", run_id, status=sweep.status, echo=echo) as s:   # the build lock
+        ...                                   # validate input: nothing opened yet; `status` says "starting"
+        s.open()                              # the log, batched commits, signals, the stall watch
+        s.emit(Event(...)); s.flush()
+        if s.stop_requested: ...
+
+One place decides, for all of them:
+- **the lock** (`BuildLock`) is taken on entry and released last, after the log is closed;
+- **queries** from other shells are answered from the moment the lock is held: `status` says the phase while
+  the command starts ("starting: reading the source"), `sql` asks the client to wait (it retries within its
+  --timeout); once the log is open, `status` is the command's own plus the session's (stall, phase);
+- **signals**: the first SIGINT/SIGTERM only records a stop request (the command stops at a safe point and
+  `announce_stop` says so once, from the main thread, never from the handler); a second one marks the lock record
+  `interrupted` and exits 130 at once (nothing uncommitted is ever referenced, so that is still safe). The
+  handlers stay installed until the lock is released: a signal in the last moments is still a request;
+- **stalls** (`log/stall.py`): writes, fsyncs or log commits of the build that have not returned for
+  HSBUILD_STALL_S seconds. The output says `STALLED: ...` at once and every 30 s while it lasts; `status`
+  answers within 2 s from what the session holds in memory when the log itself is stuck (a cached status plus the
+  stall), `sql` answers from the last snapshot of the log, naming the stall; `stalled`/`unstalled` events (with
+  the duration) are committed once the log can commit again. `stalled` tells the command to send no new work.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from builder.layout import BuildLayout
+from builder.log.events import Event, EventBatch, EventLog, detail, open_log
+from builder.log.lock import BuildLock, note_interrupted
+from builder.log.server import QueryServer
+from builder.log.stall import Stall, StallWatch
+
+EXIT_INTERRUPTED = 130
+STATUS_WAIT_S = 1.0  # a status that takes longer (the log busy) is answered from the last one, marked stale
+SAY_AGAIN_S = 30.0  # how often a stall is said again while it lasts
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class OwnerSession:
+    def __init__(self, lay: BuildLayout, purpose: str, run_id: str | None = None, *, take_over: bool = False,
+                 echo: Callable[[str], None] | None = None, status: Callable[[], dict] | None = None,
+                 before_commit: Callable[[], None] | None = None, watch: list[Path] | tuple = (),
+                 stall_s: float | None = None, signals: bool = True):
+        """`status`: the command's own status (it may query the log); `watch`: directories beside the build's
+        root whose writes are probed for stalls (e.g. a staging folder); `signals`: take SIGINT and SIGTERM (only
+        in the main thread, with `open` or `take_signals`)."""
+        self.lay, self.purpose = lay, purpose
+        self.run_id = run_id or uuid.uuid4().hex
+        self.take_over, self.echo = take_over, echo or (lambda _m: None)
+        self.status_fn, self.before_commit = status, before_commit
+        self.lock: BuildLock | None = None
+        self.log: EventLog | None = None
+        self.batch: EventBatch | None = None
+        self.server: QueryServer | None = None
+        self.phase = "starting"
+        self.stop_requested = 0
+        self.stop_event = threading.Event()
+        self._stop_said = False
+        self._signals = signals
+        self._old_handlers: dict = {}
+        self._pending_events: list[Event] = []  # stall events from the watch thread, committed by the owner
+        self._events_lock = threading.Lock()
+        self._cached: dict = {}
+        self._status_thread: threading.Thread | None = None
+        dirs = [lay.root, *[Path(d) for d in watch]]  # (data/ is left alone: only segments live there)
+        self.watch = StallWatch([d for d in dirs if Path(d).is_dir()], limit_s=stall_s, on_change=self._on_stall)
+        self._said_at = 0.0
+        self._ticker_stop = threading.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def __enter__(self) -> OwnerSession:
+        self.lock = BuildLock(self.lay, self.purpose, self.run_id, take_over=self.take_over).acquire()
+        self.server = QueryServer(self.lock.socket_path, None, self.status, stalled=self.stall_info).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def previous_owner(self) -> dict | None:
+        return self.lock.previous if self.lock is not None else None
+
+    def open(self, log: EventLog | None = None, signals: bool = True) -> EventLog:
+        """Open the log (or take `log`, already open), batch commits, watch for stalls, and take the signals
+        (or later, with `take_signals`: until then Ctrl-C ends the command at once, as before it started)."""
+        self.log = log or open_log(self.lay.events)
+        self.batch = EventBatch(self.log, self.run_id, self.before_commit)
+        if self.server is not None:
+            self.server.attach(self.log)
+        if signals:
+            self.take_signals()
+        self.watch.start()
+        threading.Thread(target=self._say_while_stalled, name="hsbuild-stall-say", daemon=True).start()
+        self.phase = "running"
+        return self.log
+
+    def take_signals(self) -> None:
+        """From now on SIGINT/SIGTERM only ask for a stop (until the lock is released). Main thread only."""
+        if self._signals and not self._old_handlers and threading.current_thread() is threading.main_thread():
+            self._old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+
+    def close(self) -> None:
+        """Stop watching, commit what is pending (the stall events too), stop answering, close the log, release
+        the lock, and only then give the signals back."""
+        self._ticker_stop.set()
+        self.watch.stop()
+        try:
+            if self.batch is not None:
+                try:
+                    self.flush(force=True)
+                except Exception:  # noqa: BLE001 - (the command's own flush already said what failed)
+                    pass
+        finally:
+            try:
+                if self.server is not None:
+                    self.server.stop()
+                if self.log is not None:
+                    self.log.close()
+            finally:
+                try:
+                    if self.lock is not None:
+                        self.lock.release()
+                finally:
+                    for sig, handler in self._old_handlers.items():
+                        signal.signal(sig, handler)
+                    self._old_handlers = {}
+
+    # -- events --------------------------------------------------------------------------------------------
+    def emit(self, ev: Event) -> None:
+        assert self.batch is not None, "open() the session first"
+        self.batch.emit(ev)
+
+    def flush(self, force: bool = False) -> None:
+        """Commit the pending events (FLUSH_SECONDS/FLUSH_EVENTS, or now with `force`); a commit that hangs is
+        named by the stall watch."""
+        assert self.batch is not None, "open() the session first"
+        with self._events_lock:
+            queued, self._pending_events = self._pending_events, []
+        for ev in queued:
+            self.batch.emit(ev)
+        with self.watch.track("log commit", self.lay.events):
+            self.batch.flush(force or bool(queued))
+
+    # -- stopping ------------------------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        """Only records the request (no I/O: the main thread may be writing to the same stream)."""
+        self.stop_requested += 1
+        self.stop_event.set()
+        if self.stop_requested >= 2:
+            note_interrupted(self.lay, signum)  # the lock record says so: the next owner does not blame a crash
+            os._exit(EXIT_INTERRUPTED)
+
+    def request_stop(self) -> None:
+        self.stop_requested = max(self.stop_requested, 1)
+        self.stop_event.set()
+
+    def announce_stop(self, what: str = "stopping at a safe point (Ctrl-C again to exit at once; still safe)") -> None:
+        """Say once, from the main loop (never from the handler), that a stop was asked for; during a stall,
+        also what the stop waits for."""
+        if self.stop_requested and not self._stop_said:
+            self._stop_said = True
+            stall = self.watch.current()
+            self.echo(f"\n{what} ..." + (f" (waiting for the stalled {stall.describe()})" if stall else ""))
+
+    # -- stalls --------------------------------------------------------------------------------------------
+    @property
+    def stalled(self) -> Stall | None:
+        return self.watch.current()
+
+    def stall_info(self) -> dict | None:
+        stall = self.watch.current()
+        return stall.as_dict() if stall is not None else None
+
+    def _on_stall(self, new: Stall | None, old: Stall | None) -> None:
+        """(the watch thread) A stall began or ended: say it, and queue its event for the owner's next commit."""
+        if new is not None:
+            self._said_at = time.monotonic()
+            self.echo(f"\nSTALLED: {new.describe()}; no new work is sent until it returns, nothing is lost "
+                      f"(`hsbuild doctor {self.lay.root}` names the likely causes)")
+            ev = Event("stalled", detail=detail(**new.as_dict()))
+        else:
+            assert old is not None
+            took = old.pending_s()
+            self.echo(f"\nunstalled: {old.what} on {old.path} returned after {took:.0f} s")
+            ev = Event("unstalled", detail=detail(**old.as_dict(), duration_s=round(took, 1)))
+        with self._events_lock:
+            self._pending_events.append(ev)
+
+    def _say_while_stalled(self) -> None:
+        while not self._ticker_stop.wait(1.0):
+            stall = self.watch.current()
+            if stall is not None and time.monotonic() - self._said_at >= SAY_AGAIN_S:
+                self._said_at = time.monotonic()
+                self.echo(f"STALLED: {stall.describe()}")
+
+    # -- status --------------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        """What `hsbuild status` gets from the owner: within STATUS_WAIT_S, always. Before the log is open: the
+        phase. While the log is stuck (a stall, a commit that does not return): the last status it could give,
+        marked stale, with the stall."""
+        base = {"running": True, "purpose": self.purpose, "run_id": self.run_id, "pid": os.getpid(),
+                "phase": self.phase}
+        stall = self.stall_info()
+        if stall is not None:
+            base["stalled"] = stall
+        if self.log is None or self.status_fn is None:
+            return {**self._cached, **base}
+        if stall is None:
+            fresh = self._fresh_status()
+            if fresh is not None:
+                return {**fresh, **base}
+        return {**self._cached, **base, "stale": True}
+
+    def _fresh_status(self) -> dict | None:
+        """The command's status, computed in a thread and waited for at most STATUS_WAIT_S; None if it takes
+        longer (the thread finishes later and refreshes the cache)."""
+        t = self._status_thread
+        if t is None or not t.is_alive():
+            t = self._status_thread = threading.Thread(target=self._compute_status, name="hsbuild-status",
+                                                       daemon=True)
+            t.start()
+        t.join(STATUS_WAIT_S)
+        return None if t.is_alive() else dict(self._cached)
+
+    def _compute_status(self) -> None:
+        try:
+            self._cached = dict(self.status_fn())  # type: ignore[misc]
+        except Exception as e:  # noqa: BLE001 - a status that fails says why, it never kills the server
+            self._cached = {**self._cached, "status_error": f"{type(e).__name__}: {e}"}

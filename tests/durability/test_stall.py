@@ -1,0 +1,125 @@
+"""Issue 30: a hung volume (the seed's real failure: writes that never return) never leaves the user blind.
+
+A run on the FUSE filesystem of ../shared/powercut, mounted with several threads; mid-run the volume is
+`stall`ed (writes, fsyncs and namespace changes wait, reads and statfs go on: a full Ceph pool), then `thaw`ed:
+- the run's output says `STALLED: ...` (what, how long, which filesystem);
+- `status` and `sql` keep answering within 2 s throughout and name the stall (asked through the owner's
+  socket, in this process: the figure is the owner's answer, not a CLI's start-up);
+- the events hold `stalled` and `unstalled` (with the duration) once the log can commit again;
+- after the thaw the run finishes: every sample once, verify clean.
+And a `kill -9` during a stall, then a power cut, then `resume`: nothing committed is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from builder.extract.demo import write_demo_source
+from builder.layout import layout
+from builder.log.query import run_query, status_snapshot
+
+RUN_ARGS = ["--no-progress", "--low", "0.999", "--high", "0.999", "--flood", "0.9999", "--workers", "1"]
+ENV = {"HSBUILD_STALL_S": "3"}
+N = 60  # the run is still going after the 5th sample (about 1 a second on this FUSE filesystem)
+
+
+def hs(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _written(build) -> int:
+    try:
+        return int(run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'", 30)[1][0][0])
+    except Exception:  # noqa: BLE001 - (not answering yet)
+        return -1
+
+
+def _start(fs, tmp_path) -> tuple[subprocess.Popen, object]:
+    src = write_demo_source(tmp_path / "src.jsonl", n=N)
+    assert fs.run(["init", "B", "--source", src]).returncode == 0
+    build = fs.path("B")
+    p = fs.popen(["run", "B", *RUN_ARGS], env=ENV)
+    deadline = time.monotonic() + 240
+    while p.poll() is None and _written(build) < 5 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert p.poll() is None and _written(build) >= 5, "the run ended (or never wrote) before the stall"
+    return p, build
+
+
+def test_a_stalled_volume_is_named_and_the_run_lives_through_it(powercut, tmp_path):
+    fs = powercut(threads=True)
+    p, build = _start(fs, tmp_path)
+    fs.stall()
+    try:
+        answers = []
+        deadline = time.monotonic() + 25
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            st = status_snapshot(layout(build))
+            took_status = time.monotonic() - t0
+            notes: list[str] = []
+            t0 = time.monotonic()
+            cols, rows = run_query(layout(build), "SELECT count(*) FROM samples", 10, on_note=notes.append)
+            took_sql = time.monotonic() - t0
+            answers.append((took_status, took_sql, st.get("stalled"), notes, rows))
+            time.sleep(1)
+        assert p.poll() is None, "the run ended during the stall"
+        doc = hs("doctor", build, "--json", timeout=120)  # (it must not write into the stalled volume)
+    finally:
+        fs.thaw()
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    took = [(round(a[0], 2), round(a[1], 2), bool(a[2])) for a in answers]
+    assert max(a[0] for a in answers) < 2.0 and max(a[1] for a in answers) < 2.0, took
+    named = [a for a in answers if a[2]]
+    assert len(named) >= 3, answers  # after HSBUILD_STALL_S, every answer names it
+    stall = named[-1][2]
+    assert stall["filesystem"].startswith("fuse") and stall["pending_s"] >= 3, stall
+    assert all(a[3] and "STALLED" in a[3][0] for a in named) and all(a[4] == [[N]] for a in answers), answers
+    assert "STALLED:" in err and str(fs.mnt) in err and "unstalled" in err, err[-3000:]
+    check = next(c for c in json.loads(doc.stdout)["checks"] if c["name"] == "storage.stall")
+    assert check["status"] == "fail" and "Ceph" in check["summary"] and "NFS" in check["summary"], check
+    r = hs("sql", "--json", build, "SELECT kind, json_extract(detail, '$.duration_s')::DOUBLE AS d FROM events "
+                                   "WHERE kind IN ('stalled', 'unstalled') ORDER BY seq")
+    kinds = json.loads(r.stdout)
+    assert [k["kind"] for k in kinds][:2] == ["stalled", "unstalled"] and kinds[1]["d"] >= 10, kinds
+    r = hs("sql", "--json", build, "SELECT count(*) AS n, count(DISTINCT sample_id) AS d FROM events "
+                                   "WHERE kind = 'written'")
+    assert json.loads(r.stdout) == [{"n": N, "d": N}]
+    v = hs("verify", build)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_kill_9_during_a_stall_then_a_power_cut_loses_nothing_committed(powercut, tmp_path):
+    fs = powercut(threads=True)
+    p, build = _start(fs, tmp_path)
+    acked = _written(build)
+    fs.stall()
+    time.sleep(5)
+    os.killpg(p.pid, signal.SIGKILL)  # (it dies once its stuck requests return: at the crash)
+    report = fs.crash()
+    assert report is not None
+    fs.remount()
+    r = hs("sql", "--json", build, "SELECT count(*) AS n FROM events WHERE kind = 'written'")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["n"] >= acked
+    assert hs("verify", build).returncode == 0
+    r = fs.run(["resume", "B", *RUN_ARGS])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = hs("sql", "--json", build, "SELECT count(*) AS n, count(DISTINCT sample_id) AS d FROM events "
+                                   "WHERE kind = 'written'")
+    assert json.loads(r.stdout) == [{"n": N, "d": N}]
+    assert hs("verify", build).returncode == 0
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_env(monkeypatch):
+    monkeypatch.delenv("HSBUILD_STALL_S", raising=False)
