@@ -58,13 +58,15 @@ def capacity_of(lay: BuildLayout, log: EventLog, progress: dict | None = None) -
 def capacity_for(lay: BuildLayout) -> dict:
     """`capacity_of` a build no process owns, opening its log."""
     with open_log(lay.events, read_only=True, wait=5.0) as log:
-        return capacity_of(lay, log)
+        prog = log.progress()
+        return {**capacity_of(lay, log, prog), "samples": prog["total"], "tokens": prog["tokens_total"]}
 
 
 def describe_capacity(lay: BuildLayout) -> list[str]:
     p = capacity_for(lay)
     fit = "fits" if p["fits"] else "does NOT fit"
     return [
+        f"source: {p['samples']:,} sample(s), {p['tokens']:,} token(s) as stored (cut to --max-tokens)",
         f"projected size: {human_bytes(p['final_bytes'])} ({p['basis']}, {p['bytes_per_token']} B/token)",
         f"volume: {human_bytes(p['free_bytes'])} free of {human_bytes(p['total_bytes'])} ({p['usage']:.1%} used); "
         f"the build {fit} below the high watermark ({pct(p['high'])})"

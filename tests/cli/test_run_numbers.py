@@ -48,3 +48,12 @@ def test_no_third_party_progress_bars_in_a_run(tmp_path, cli):
     assert cp.returncode == 0, cp.stderr
     out = cp.stdout + cp.stderr
     assert "Loading weights" not in out and "it/s]" not in out and "\r" not in out, out
+
+
+def test_init_says_how_many_samples_and_tokens_it_found(tmp_path, cli):
+    rows = [{"id": f"s{i}", "input_ids": list(range(1, 2 + i))} for i in range(7)]  # 1..7 tokens: 28 in all
+    src = write_jsonl(tmp_path / "s.jsonl", rows)
+    cp = cli("init", tmp_path / "b", "--source", src, "--max-tokens", "5", "--high", "0.998", "--low", "0.997",
+             "--flood", "0.999")
+    assert cp.returncode == 0, cp.stderr
+    assert "source: 7 sample(s), 25 token(s) as stored (cut to --max-tokens)" in cp.stdout, cp.stdout  # 1+..+5+5+5
