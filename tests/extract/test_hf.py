@@ -28,7 +28,8 @@ def test_hf_model_directory(tmp_path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
     rows = random_rows(5, vocab=512)
     src = write_jsonl(tmp_path / "src.jsonl", rows)
-    build = init_build(tmp_path / "b", src, model=str(model_dir), aux_layers=[1, 3, 5], watermarks=ROOMY).root
+    build = init_build(tmp_path / "b", src, model=str(model_dir), aux_layers=[1, 3, 5], watermarks=ROOMY,
+                       final_state="post_norm").root  # (compared with hidden_states[L] below)
     assert run_build(build, RunOptions(device="cpu")).exit_code == 0
     with EventLog(layout(build).events, read_only=True) as log:
         meta = log.meta()
