@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-import builder.run.coordinator as coordinator
 from builder.cli.output import MAX_WIDTH
 from builder.cli.progress import ProgressBar
 from builder.layout import layout
@@ -94,9 +93,6 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-@pytest.mark.skipif("note_interrupted" not in Path(coordinator.__file__).read_text(),
-                    reason="the coordinator does not yet mark its lock record before os._exit on a second Ctrl-C "
-                           "(builder/run/coordinator.py `_on_signal` must call builder.log.lock.note_interrupted)")
 def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli):
     build = make_build(400)  # tiny samples: a run of them is over in seconds
     lay = layout(build)
