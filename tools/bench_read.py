@@ -70,14 +70,20 @@ BASELINE = "torch.load mmap, file dict"
 ITEM = "torch.load mmap, specforge item"
 
 
-def make_build(root: Path, args: argparse.Namespace) -> Path:
-    """A real build: a JSONL source of random rows, `init_build` with the builtin model, `run_build`."""
+def rows_for(args: argparse.Namespace) -> list[dict]:
+    """`args.samples` random source rows of `args.min_tokens`..`args.max_tokens` tokens (seeded by `args.seed`)."""
     rng = np.random.default_rng(args.seed)
     rows = []
     for i in range(args.samples):
         k = int(rng.integers(args.min_tokens, args.max_tokens + 1))
         rows.append({"id": f"s{i:05d}", "input_ids": rng.integers(3, args.vocab, size=k).tolist(),
                      "loss_mask": [0] * (k // 3) + [1] * (k - k // 3)})
+    return rows
+
+
+def make_build(root: Path, args: argparse.Namespace) -> Path:
+    """A real build: a JSONL source of random rows, `init_build` with the builtin model, `run_build`."""
+    rows = rows_for(args)
     root.parent.mkdir(parents=True, exist_ok=True)
     src = root.parent / "source.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))

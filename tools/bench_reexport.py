@@ -31,8 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.config import BuildConfig, Watermarks  # noqa: E402
@@ -41,18 +39,9 @@ from builder.layout import layout  # noqa: E402
 from builder.run.coordinator import RunOptions, run_build  # noqa: E402
 from builder.run.create import init_build  # noqa: E402
 from builder.run.source_changes import skip_samples  # noqa: E402
+from tools.bench_read import rows_for  # noqa: E402 - the same random rows as the read benchmark
 
 ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)  # a benchmark, not a test of watermarks
-
-
-def rows_for(args: argparse.Namespace) -> list[dict]:
-    rng = np.random.default_rng(args.seed)
-    rows = []
-    for i in range(args.samples):
-        k = int(rng.integers(args.min_tokens, args.max_tokens + 1))
-        rows.append({"id": f"s{i:05d}", "input_ids": rng.integers(3, args.vocab, size=k).tolist(),
-                     "loss_mask": [0] * (k // 3) + [1] * (k - k // 3)})
-    return rows
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:

@@ -289,15 +289,8 @@ def _load_journal(out: Path, head: dict) -> dict | None:
 
 
 def _atomic_json(path: Path, obj: dict) -> None:
-    """Temp file, fsync, rename, fsync the directory; a failed write leaves no temp file behind."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    try:
-        _write_bytes(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Temp file, fsync, rename (`_write_file`), then fsync the directory; a failed write leaves no temp file."""
+    _write_file(path, json.dumps(obj, separators=(",", ":")).encode())
     fsync_path(path.parent)
 
 
