@@ -20,7 +20,7 @@ from vllm_fixture import needs_vllm
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.log.query import run_query
-from builder.run.coordinator import RunOptions, run_build
+from builder.run.coordinator import Coordinator, RunOptions, run_build
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -28,12 +28,23 @@ from ray.cluster_utils import Cluster  # noqa: E402
 pytestmark = [pytest.mark.slow, needs_vllm]
 
 
-def test_connect_mode_each_nodes_worker_talks_to_the_server_at_the_builds_loopback_url(tmp_path, vllm_server, cli):
+def test_connect_mode_each_nodes_worker_talks_to_the_server_at_the_builds_loopback_url(tmp_path, vllm_server, cli,
+                                                                                       monkeypatch):
     """Without --launch every node runs its own server at the build's loopback URL; on this one machine the
     test cluster's two nodes share one loopback, hence the session's one server and staging folder (each
     worker still ingests only its own requests' files)."""
     n = 48  # more tokens than one worker's queue holds (coordinator.QUEUE_TOKENS): both nodes get work
     build = _init(tmp_path, vllm_server, n, seed=5, hi=500)
+    # Deterministic, not a race: the run (in this process) hands out nothing until both nodes' workers are
+    # ready, so the first cannot drain the queue while the second node's actor is still starting (a loaded CI
+    # machine starts it seconds late). What is tested is where each worker sends its requests.
+    dispatch = Coordinator._dispatch
+
+    def both_ready_first(self, st, *args, **kwargs):
+        if len(st.ready & st.alive) >= 2 or not st.alive - st.ready:
+            dispatch(self, st, *args, **kwargs)
+
+    monkeypatch.setattr(Coordinator, "_dispatch", both_ready_first)
     c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
     c.add_node(**NODE)
     c.wait_for_nodes()
