@@ -195,7 +195,8 @@ def _run(args: argparse.Namespace, resume: bool, standby) -> int:
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
                       flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
                       inflight=args.inflight, source=args.source, accept_source_changes=args.accept_source_changes,
-                      ray=args.ray, standby=standby, trust_server=args.trust_server)
+                      ray=args.ray, standby=standby, trust_server=args.trust_server,
+                      metrics=args.metrics)
     report = run_build(args.build, opts, resume=resume, echo=lambda m: print(m, file=sys.stderr))
     print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}"
           + (f", paused {report.pauses}x" if report.pauses else ""))

@@ -122,6 +122,15 @@ def device(s: str) -> str:
     raise argparse.ArgumentTypeError(f"'{s}': use auto, cpu, cuda or cuda:N")
 
 
+def metrics_address(s: str) -> str:
+    from builder.log.metrics import MetricsAddressError, parse_address  # noqa: PLC0415
+
+    try:
+        return str(parse_address(s))
+    except MetricsAddressError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--metrics {s!r}: ")) from e
+
+
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=workers, metavar="N|auto",
                    help="extraction worker processes, the CPUs split among them (default: config; a new build's is "
@@ -158,6 +167,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", metavar="auto|HOST:PORT",
                    help="workers as actors on this Ray cluster (`pip install 'hsbuild[ray]'`; docs/ray.md): every "
                         "node writes into the shared build directory; the log stays on this node")
+    p.add_argument("--metrics", type=metrics_address, metavar="HOST:PORT",
+                   help="serve Prometheus metrics (samples and tokens by state, throughput, disk and watermarks, "
+                        "pauses and stalls, engine health, per node on Ray) at http://HOST:PORT/metrics while the "
+                        "run lasts; port 0: any free one, printed at the start (docs/runbook.md has a scrape config)")
     p.add_argument("--source", metavar="NEWPATH",
                    help="the build's source moved here: accepted when it holds the registered samples (recorded in "
                         "the log; hsbuild.toml updated)")

@@ -159,7 +159,7 @@ def cmd_import(args: argparse.Namespace) -> int:
                                             dump_layers=args.dump_layers, layer_convention=args.dump_layer_convention),
                       source=args.source,
                       accept_source_changes=args.accept_source_changes,
-                      ray=args.ray)
+                      ray=args.ray, metrics=args.metrics)
     report = run_build(args.build, opts, echo=lambda m: print(m, file=sys.stderr))
     d = report.dump
     bad = [{"path": p.path, "sample_id": p.sample_id, "reason": p.reason, "message": p.message}

@@ -7,6 +7,8 @@
         if s.stop_requested: ...
 
 One place decides, for all of them:
+- **metrics** (`metrics=HOST:PORT`, `hsbuild run --metrics`): Prometheus metrics made from the same `status`,
+  served from the lock on until the session closes (log/metrics.py);
 - **the lock** (`BuildLock`) is taken on entry and released last, after the log is closed;
 - **queries** from other shells are answered from the moment the lock is held: `status` says the phase while
   the command starts ("starting: reading the source"), `sql` asks the client to wait (it retries within its
@@ -35,6 +37,7 @@ from pathlib import Path
 from builder.layout import BuildLayout
 from builder.log.events import Event, EventBatch, EventLog, detail, open_log
 from builder.log.lock import BuildLock, note_interrupted
+from builder.log.metrics import MetricsServer
 from builder.log.server import QueryServer
 from builder.log.stall import Stall, StallWatch
 
@@ -48,10 +51,11 @@ class OwnerSession:
     def __init__(self, lay: BuildLayout, purpose: str, run_id: str | None = None, *, take_over: bool = False,
                  echo: Callable[[str], None] | None = None, status: Callable[[], dict] | None = None,
                  before_commit: Callable[[], None] | None = None, watch: list[Path] | tuple = (),
-                 stall_s: float | None = None, signals: bool = True):
+                 stall_s: float | None = None, signals: bool = True, metrics: str | None = None):
         """`status`: the command's own status (it may query the log); `watch`: directories beside the build's
         root whose writes are probed for stalls (e.g. a staging folder); `signals`: take SIGINT and SIGTERM (only
-        in the main thread, with `open` or `take_signals`)."""
+        in the main thread, with `open` or `take_signals`); `metrics`: HOST:PORT where Prometheus metrics (of
+        `status`) are served from the lock on (log/metrics.py)."""
         self.lay, self.purpose = lay, purpose
         self.run_id = run_id or uuid.uuid4().hex
         self.take_over, self.echo = take_over, echo or (lambda _m: None)
@@ -74,11 +78,20 @@ class OwnerSession:
         self.watch = StallWatch([d for d in dirs if Path(d).is_dir()], limit_s=stall_s, on_change=self._on_stall)
         self._said_at = 0.0
         self._ticker_stop = threading.Event()
+        self.metrics_at = metrics  # host:port where Prometheus metrics are served while the session lasts
+        self.metrics: MetricsServer | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def __enter__(self) -> OwnerSession:
         self.lock = BuildLock(self.lay, self.purpose, self.run_id, take_over=self.take_over).acquire()
-        self.server = QueryServer(self.lock.socket_path, None, self.status, stalled=self.stall_info).start()
+        try:
+            self.server = QueryServer(self.lock.socket_path, None, self.status, stalled=self.stall_info).start()
+            if self.metrics_at is not None:
+                self.metrics = MetricsServer(self.metrics_at, self.status).start()
+                self.echo(f"metrics: http://{self.metrics.address.host}:{self.metrics.port}/metrics")
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -120,6 +133,8 @@ class OwnerSession:
                     pass
         finally:
             try:
+                if self.metrics is not None:
+                    self.metrics.stop()
                 if self.server is not None:
                     self.server.stop()
                 if self.log is not None:

@@ -108,6 +108,7 @@ class RunOptions:
     # local workers already spawned (the CLI starts them before importing this module); the run owns and closes
     # it. None: the run spawns its own as soon as it holds the lock
     standby: Standby | None = None
+    metrics: str | None = None  # serve Prometheus metrics at this host:port while the run lasts (--metrics)
 
 
 @dataclass
@@ -266,7 +267,8 @@ class Coordinator:
     def run(self, resume: bool = False) -> RunReport:
         staging = [Path(self.cfg.staging)] if self.cfg.staging and Path(self.cfg.staging).is_dir() else []
         session = OwnerSession(self.lay, "run", self.run_id, take_over=self.opts.take_over, echo=self.echo,
-                               status=self.status, before_commit=self.space.before_commit, watch=staging)
+                               status=self.status, before_commit=self.space.before_commit, watch=staging,
+                               metrics=self.opts.metrics)
         try:
             session.__enter__()  # the build lock; `status` answers from now on (the phase)
         except BaseException:
