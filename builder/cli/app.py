@@ -311,6 +311,19 @@ LAST_RUN_TRUST = ("SELECT max(json_extract_string(detail, '$.trusted')) FROM eve
                   "'engine_probe' AND run_id = (SELECT arg_max(run_id, seq) FROM events WHERE kind = 'engine_probe')")
 
 
+def _so_far(run: dict | None) -> None:
+    """The going run's duration is until now, not until its last event (a paused run writes none)."""
+    import datetime as dt  # noqa: PLC0415
+
+    from builder.log.events import utcnow  # noqa: PLC0415
+
+    start = run.get("started_at") if run else None
+    if run is None or run.get("outcome") != "unfinished" or start is None:
+        return
+    start = dt.datetime.fromisoformat(start) if isinstance(start, str) else start
+    run["duration_s"] = round(max((utcnow() - start).total_seconds(), run.get("duration_s") or 0.0), 3)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query, status_snapshot  # noqa: PLC0415
@@ -337,6 +350,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if "last_run" not in st:  # a run is going: ask it (its own row: so far)
         cols, rows = run_query(lay, LAST_RUN)
         st["last_run"] = dict(zip(cols, rows[0], strict=True)) if rows else None
+        _so_far(st["last_run"])
     fmt = _fmt(args)
     if fmt == "json":
         print_json(st)

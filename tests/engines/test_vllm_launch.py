@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -227,8 +228,12 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
         cp = subprocess.run(hsbuild_cmd("status", build, "--json"), capture_output=True, text=True)
         st = json.loads(cp.stdout)
         assert st["paused"] and st["pause_reason"] == "server_unavailable" and st["server_healthy"] is False, st
-        assert "engine:  vllm" in subprocess.run(hsbuild_cmd("status", build), capture_output=True,
-                                                 text=True).stdout
+        # the samples in flight when it died went back to pending (requeued), never counted as failed; no ETA
+        assert st["failed"] == 0 and st["requeued"] >= 1 and st["eta_seconds"] is None, st
+        text = subprocess.run(hsbuild_cmd("status", build), capture_output=True, text=True).stdout
+        assert "engine:  vllm" in text and not re.search(r"ETA \d", text), text
+        assert any(ln.startswith("PAUSED:") and "server_unavailable" in ln for ln in text.splitlines()), text
+        assert f"({st['requeued']} of the pending went back to pending" in text, text
         # bring a server back on the same address (the user restarting it)
         second = start_server(tmp_path, tiny_llama, staging, port=int(first.url.rsplit(":", 1)[1]))
         out, err = run.communicate(timeout=900)

@@ -78,6 +78,7 @@ def test_a_paused_runs_metrics_equal_its_status_and_name_the_pause(make_build):
     p, url = _start(build, "--min-free", "1000T", "--allow-overcommit")
     try:
         _wait_for(p, "PAUSED (min_free)")
+        paused_at = time.monotonic()
         m = _scrape(url)
         st = _status(build)
         assert st["running"] and st["paused"] and st["pause_reason"] == "min_free"
@@ -99,6 +100,15 @@ def test_a_paused_runs_metrics_equal_its_status_and_name_the_pause(make_build):
         assert m[("hsbuild_run_info", (("backend", ""), ("phase", "running"), ("purpose", "run"),
                                        ("run_id", st["run_id"])))] == 1
         assert 0 < m[("hsbuild_disk_usage_ratio", ())] < 1
+        # status as text: the pause's reason on its own line, no ETA while paused
+        text = subprocess.run([*HSBUILD, "status", str(build)], capture_output=True, text=True, timeout=60).stdout
+        assert any(ln.startswith("PAUSED:  min_free") for ln in text.splitlines()), text
+        assert not re.search(r"ETA \d", text), text
+        # the going run's duration counts the time paused (no events while paused)
+        time.sleep(max(0.0, 3 - (time.monotonic() - paused_at)))
+        text = subprocess.run([*HSBUILD, "status", str(build)], capture_output=True, text=True, timeout=60).stdout
+        took = re.search(r"^run: +this run: (\d+)m(\d+)s so far, 0 written", text, re.M)
+        assert took and 60 * int(took[1]) + int(took[2]) >= int(time.monotonic() - paused_at), text
     finally:
         p.send_signal(signal.SIGINT)
         out = p.communicate(timeout=120)[0]
