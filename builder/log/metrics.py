@@ -61,6 +61,13 @@ class StatusCollector:
             if v is not None:
                 yield GaugeMetricFamily(f"hsbuild_{name}", doc, value=v, unit=unit)
 
+        def by_label(name: str, doc: str, label: str, values: list[tuple[str, object]]):
+            fam = GaugeMetricFamily(f"hsbuild_{name}", doc, labels=[label])
+            for key, value in values:
+                if _num(value) is not None:
+                    fam.add_metric([str(key)], float(value))
+            return fam
+
         info = InfoMetricFamily("hsbuild_run", "the command that owns the build")
         info.add_metric([], {"run_id": str(st.get("run_id", "")), "purpose": str(st.get("purpose", "")),
                              "phase": str(st.get("phase", "")), "backend": str(st.get("backend", ""))})
@@ -71,24 +78,14 @@ class StatusCollector:
         yield from gauge("workers", "extraction workers of the run", st.get("workers"))
 
         if "total" in st:  # (absent while the owner is still starting: no log open yet)
-            samples = GaugeMetricFamily("hsbuild_samples", "samples of the build by state", labels=["state"])
-            for state in SAMPLE_STATES:
-                if _num(st.get(state)) is not None:
-                    samples.add_metric([state], float(st[state]))
-            yield samples
+            yield by_label("samples", "samples of the build by state", "state",
+                           [(state, st.get(state)) for state in SAMPLE_STATES])
             yield from gauge("samples_in_build", "samples registered in the build", st.get("total"))
-            failed = GaugeMetricFamily("hsbuild_samples_failed_by_reason", "failed samples by error",
-                                       labels=["reason"])
-            for reason, k in (st.get("failed_by_reason") or {}).items():
-                if _num(k) is not None:
-                    failed.add_metric([str(reason)], float(k))
-            yield failed
-            tokens = GaugeMetricFamily("hsbuild_tokens", "tokens of the build: done (written) and todo",
-                                       labels=["state"])
-            for state, key in (("done", "tokens_done"), ("todo", "remaining_tokens"), ("total", "tokens_total")):
-                if _num(st.get(key)) is not None:
-                    tokens.add_metric([state], float(st[key]))
-            yield tokens
+            yield by_label("samples_failed_by_reason", "failed samples by error", "reason",
+                           list((st.get("failed_by_reason") or {}).items()))
+            yield by_label("tokens", "tokens of the build: done (written), todo and total", "state",
+                           [("done", st.get("tokens_done")), ("todo", st.get("remaining_tokens")),
+                            ("total", st.get("tokens_total"))])
             yield from gauge("written_bytes", "bytes of the written samples' states (uncompressed)",
                              st.get("bytes_done"))
             yield from gauge("written_disk_bytes", "bytes the written samples take on disk", st.get("disk_bytes_done"))
@@ -103,12 +100,8 @@ class StatusCollector:
         yield from gauge("disk_free_bytes", "free bytes on the build's volume", st.get("free_bytes"))
         yield from gauge("disk_size_bytes", "size of the build's volume", st.get("total_bytes"))
         yield from gauge("projected_bytes", "bytes the samples left are projected to take", st.get("projected_bytes"))
-        marks = GaugeMetricFamily("hsbuild_watermark_ratio", "disk watermarks: writers resume below low, pause at "
-                                  "high, never cross flood", labels=["level"])
-        for level in ("low", "high", "flood"):
-            if _num(st.get(level)) is not None:
-                marks.add_metric([level], float(st[level]))
-        yield marks
+        yield by_label("watermark_ratio", "disk watermarks: writers resume below low, pause at high, never cross "
+                       "flood", "level", [(level, st.get(level)) for level in ("low", "high", "flood")])
         yield from gauge("min_free_bytes", "writers pause when free space drops below this", st.get("min_free"))
 
         paused = GaugeMetricFamily("hsbuild_paused", "1 while writers are paused; the reason as a label",
