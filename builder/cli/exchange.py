@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
 
 from builder.cli.args import add_run_flags, fraction, int_list, positive_int
@@ -89,23 +88,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     for k in ("low", "high", "flood"):
         if getattr(args, k) is not None:
             setattr(wm, k, getattr(args, k))
-    stop = {"n": 0}
-
-    def on_signal(signum, frame) -> None:  # noqa: ARG001
-        stop["n"] += 1
-        if stop["n"] > 1:
-            raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGINT, on_signal)
-    old_term = signal.signal(signal.SIGTERM, on_signal)
-    try:
-        report = export_build(args.build, args.out, ExportOptions(
-            format=args.format, subset=args.subset, limit=args.limit, compress=args.compress,
-            draft_vocab_size=args.draft_vocab_size, allow_overcommit=args.allow_overcommit, watermarks=wm,
-            take_over=args.take_over, progress=progress_for(args), stop=lambda: stop["n"] > 0))
-    finally:
-        signal.signal(signal.SIGINT, old)
-        signal.signal(signal.SIGTERM, old_term)
+    report = export_build(args.build, args.out, ExportOptions(
+        format=args.format, subset=args.subset, limit=args.limit, compress=args.compress,
+        draft_vocab_size=args.draft_vocab_size, allow_overcommit=args.allow_overcommit, watermarks=wm,
+        take_over=args.take_over, progress=progress_for(args)))
     if _fmt(args) == "json":
         print_json(report.as_dict())
     else:

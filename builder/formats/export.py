@@ -44,7 +44,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -182,10 +182,12 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
     report = ExportReport(export_id, str(out), fmt.name, final_state=fmt.final_state,
                           layer_ids=info.layer_ids()[fmt.layer_convention][:-1])
     t0 = time.monotonic()
-    # the owner session: lock, log, queries, stall watch (builder/log/session.py); the export's own Ctrl-C
-    # handling stays the CLI's (it stops at a file boundary)
-    with OwnerSession(lay, "export", export_id, take_over=opts.take_over, signals=False) as session:
+    # the owner session: lock, log, queries, stall watch and Ctrl-C (builder/log/session.py): the first SIGINT or
+    # SIGTERM stops the export at the next file boundary (Interrupted), a second exits at once (still resumable)
+    with OwnerSession(lay, "export", export_id, take_over=opts.take_over) as session:
         log = session.open()
+        asked = opts.stop
+        opts = replace(opts, stop=lambda: asked() or session.stop_requested > 0)
         session.status_fn = lambda: {"workers": 0, **log.progress()}
         sel = _selection(log, opts)
         head = _head(lay, opts, info)
