@@ -14,7 +14,7 @@ import builder
 PKG = Path(builder.__file__).resolve().parent
 
 LAYERS = [
-    {"errors", "layout", "fsutil", "humanize", "progress", "config"},  # foundation: plain modules
+    {"errors", "layout", "fsutil", "mounts", "humanize", "progress", "config"},  # foundation: plain modules
     {"log", "store", "trainers"},
     {"extract", "space"},
     {"verify", "doctor"},

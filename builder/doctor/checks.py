@@ -28,6 +28,7 @@ from builder.humanize import human_bytes, pct
 from builder.layout import BuildLayout
 from builder.log.lock import LockState, pid_alive
 from builder.log.query import jsonable, run_query
+from builder.mounts import mount_entry, mount_of, parse_mountinfo, system_mounts
 from builder.space.watermarks import SpaceMonitor, disk_usage
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -218,7 +219,9 @@ def check_engine_orphans(ctx: Context) -> Check:
     data: dict = {"processes": [o.as_dict() for o in found], "nvml": inv.available}
     if not found:
         return Check("env.engine_orphans", OK, "no vLLM/SGLang engine process without its server", data=data)
-    engine = ctx.cfg.backend != "inprocess"
+    from builder.extract.backends.registry import of_config  # noqa: PLC0415
+
+    engine = of_config(ctx.cfg, ctx.lay.config).server
     usable = (ctx.cuda or cuda_probe())[0]
     gpu_build = _explicit_cuda(ctx.device) or (ctx.device == "auto" and usable)
     used = devices_used("cuda" if engine else ctx.device, inv.devices) if (engine or gpu_build) else set()
@@ -390,32 +393,9 @@ def _device_check(ctx: Context, d: gpu.GpuDevice, gpu_build: bool, in_use: bool,
 # ---------------------------------------------------------------------------------------------------
 
 
-def _unescape_mount(s: str) -> str:
-    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def mount_of(path: Path, mounts_text: str | None = None) -> dict:
-    """The /proc/mounts entry with the longest mount point that is a prefix of path."""
-    try:
-        text = mounts_text if mounts_text is not None else Path("/proc/mounts").read_text()
-    except OSError:
-        return {"mount_point": None, "fstype": None, "device": None}
-    real = os.path.realpath(path)
-    best = {"mount_point": None, "fstype": None, "device": None}
-    best_len = -1
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        dev, mnt, fstype = _unescape_mount(parts[0]), _unescape_mount(parts[1]), parts[2]
-        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) >= best_len:  # later entries over the same point win (they are on top)
-            best, best_len = {"mount_point": mnt, "fstype": fstype, "device": dev}, len(mnt)
-    return best
-
-
 def check_filesystem(ctx: Context, mounts_text: str | None = None) -> Check:
-    m = mount_of(ctx.lay.root, mounts_text)
+    found = mount_of(ctx.lay.root, mounts_text)
+    m = found.as_dict() if found else {"mount_point": None, "fstype": None, "device": None}
     fs = m["fstype"] or "?"
     summary = f"{ctx.lay.root} is on {fs} ({m['device']} at {m['mount_point']})"
     if fs in VOLATILE_FS:
@@ -430,60 +410,6 @@ def check_filesystem(ctx: Context, mounts_text: str | None = None) -> Check:
 # Where flock(2) on hsbuild.lock excludes every other owner (docs/design.md, "The build lock").
 LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs", "ramfs", "overlay", "jfs",
             "reiserfs", "nilfs2", "hfsplus", "vfat", "exfat"}
-
-
-@dataclass
-class Mount:
-    mount_point: str
-    fstype: str
-    source: str
-    options: dict[str, str | None]  # mount options and superblock options together: {"ro": None, "vers": "4.2"}
-
-    def as_dict(self) -> dict:
-        return {"mount_point": self.mount_point, "fstype": self.fstype, "device": self.source,
-                "options": ",".join(k if v is None else f"{k}={v}" for k, v in self.options.items())}
-
-
-def _options(*texts: str) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for text in texts:
-        for opt in filter(None, text.split(",")):
-            k, eq, v = opt.partition("=")
-            out[k] = v if eq else None
-    return out
-
-
-def parse_mountinfo(text: str) -> list[Mount]:
-    """/proc/self/mountinfo lines: 'ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTS'."""
-    out = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        a, b = left.split(), right.split()
-        if not sep or len(a) < 6 or len(b) < 2:
-            continue
-        out.append(Mount(_unescape_mount(a[4]), b[0], _unescape_mount(b[1]), _options(a[5], b[2] if len(b) > 2 else "")))
-    return out
-
-
-def parse_mounts(text: str) -> list[Mount]:
-    """/proc/mounts lines: 'SOURCE MOUNTPOINT FSTYPE OPTS 0 0' (options of mount and superblock merged)."""
-    out = []
-    for line in text.splitlines():
-        p = line.split()
-        if len(p) >= 3:
-            out.append(Mount(_unescape_mount(p[1]), p[2], _unescape_mount(p[0]), _options(p[3] if len(p) > 3 else "")))
-    return out
-
-
-def mount_entry(path: Path, mounts: list[Mount]) -> Mount | None:
-    """The mount with the longest mount point that contains path (later entries over the same point win)."""
-    real = os.path.realpath(path)
-    best, best_len = None, -1
-    for m in mounts:
-        mnt = m.mount_point
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best_len:
-            best, best_len = m, len(mnt)
-    return best
 
 
 def lock_safety(fstype: str, options: dict[str, str | None]) -> tuple[str, str]:
@@ -518,16 +444,7 @@ def lock_safety(fstype: str, options: dict[str, str | None]) -> tuple[str, str]:
 
 def check_locking(ctx: Context, mountinfo_text: str | None = None) -> Check:
     """Is the build's filesystem safe for the event log's single-owner lock?"""
-    if mountinfo_text is not None:
-        mounts = parse_mountinfo(mountinfo_text)
-    else:
-        try:
-            mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
-        except OSError:
-            try:
-                mounts = parse_mounts(Path("/proc/mounts").read_text())
-            except OSError:
-                mounts = []
+    mounts = parse_mountinfo(mountinfo_text) if mountinfo_text is not None else system_mounts()
     m = mount_entry(ctx.lay.root, mounts)
     if m is None:
         return Check("storage.locking", WARN, f"cannot tell which filesystem holds {ctx.lay.root} (no mount table)",
@@ -605,7 +522,8 @@ def check_staging(ctx: Context) -> Check | None:
         return Check("storage.staging", FAIL, f"staging directory {path} does not exist",
                      f"create it (mkdir -p {path}) or remove `staging` from hsbuild.toml", {"path": str(path)})
     u = disk_usage(path)
-    m = mount_of(path)
+    found = mount_of(path)
+    m = found.as_dict() if found else {"mount_point": None, "fstype": None, "device": None}
     data = {"path": str(path), "free_bytes": u.free, "total_bytes": u.total, "usage": round(u.usage, 4), **m}
     summary = f"staging {path} ({m['fstype'] or '?'}): {human_bytes(u.free)} free ({u.usage:.1%} used)"
     wm = ctx.cfg.watermarks
@@ -861,7 +779,9 @@ def check_server(ctx: Context) -> Check | None:
     builder/doctor/server_identity.py), and returns the build's layers (one probe request with a fixed prompt,
     whose file goes into the build's own staging subfolder and is removed after). A run waits for an unreachable
     server, and runs a server whose command line cannot be read only with --trust-server: both are warnings."""
-    if ctx.cfg.backend == "inprocess":
+    from builder.extract.backends.registry import of_config  # noqa: PLC0415
+
+    if not of_config(ctx.cfg, ctx.lay.config).server:
         return None
     from builder.doctor.server_identity import (  # noqa: PLC0415
         Expected,

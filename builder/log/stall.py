@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from builder.mounts import mount_of
+
 DEFAULT_STALL_S = 30.0
 PROBE_NAME = ".hsbuild-stall-probe"
 
@@ -39,25 +41,10 @@ def stall_limit() -> float:
     return v if v > 0 else DEFAULT_STALL_S
 
 
-def filesystem_of(path: Path | str, mountinfo: str | None = None, resolve: bool = True) -> str:
-    """`fstype at mount point` of the mount holding `path` (from /proc/self/mountinfo), or '?'. `resolve`
-    follows symlinks (lookups, which hang in a directory of a stalled volume where a create waits): only where
-    the volume is known to answer; else the path is taken as written."""
-    try:
-        text = mountinfo if mountinfo is not None else Path("/proc/self/mountinfo").read_text()
-        real = os.path.realpath(path) if resolve else os.path.abspath(path)
-    except OSError:
-        return "?"
-    best, best_len = "?", -1
-    for line in text.splitlines():
-        left, _, right = line.partition(" - ")
-        fields, rest = left.split(), right.split()
-        if len(fields) < 5 or not rest:
-            continue
-        mnt = fields[4].replace("\\040", " ")
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= best_len:
-            best, best_len = f"{rest[0]} at {mnt}", len(mnt)
-    return best
+def filesystem_of(path: Path | str, mounts_text: str | None = None, resolve: bool = True) -> str:
+    """`fstype at mount point` of the mount holding `path`, or '?' (`resolve`: see mounts.mount_entry)."""
+    m = mount_of(path, mounts_text, resolve)
+    return f"{m.fstype} at {m.mount_point}" if m is not None else "?"
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,7 @@ def test_filesystem_type_by_longest_mount_prefix(make_build):
     assert c.status == "warn" and "volatile" in c.summary and c.data["fstype"] == "tmpfs"
     c = doctor_checks.check_filesystem(ctx, "/dev/vda / ext4 rw 0 0\nceph:/vol /mnt/cephfs ceph rw 0 0\n")
     assert c.status == "ok" and c.data["mount_point"] == "/"
-    assert doctor_checks.mount_of(Path("/a b/c"), "/dev/x /a\\040b xfs rw 0 0\n")["fstype"] == "xfs"
+    assert doctor_checks.mount_of(Path("/a b/c"), "/dev/x /a\\040b xfs rw 0 0\n").fstype == "xfs"
 
 
 MOUNTINFO = """\

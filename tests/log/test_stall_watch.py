@@ -80,7 +80,7 @@ def test_a_tracked_operation_that_hangs_is_named(powercut):
 
 
 def test_filesystem_of_names_the_mount():
-    text = ("22 1 0:21 / / rw - ext4 /dev/sda1 rw\n"
-            "40 22 0:40 / /mnt/ceph\\040pool rw - ceph 10.0.0.1:/ rw\n")
+    text = ("/dev/sda1 / ext4 rw 0 0\n"
+            "10.0.0.1:/ /mnt/ceph\\040pool ceph rw 0 0\n")
     assert filesystem_of("/mnt/ceph pool/b", text) == "ceph at /mnt/ceph pool"
     assert filesystem_of("/home/x", text) == "ext4 at /"
