@@ -67,6 +67,7 @@ from builder.log.events import Event, EventLog, detail
 from builder.log.session import OwnerSession
 from builder.progress import NoProgress, Progress
 from builder.space.watermarks import Usage, disk_usage
+from builder.store.dtypes import itemsize
 from builder.store.reader import SegmentReader
 from builder.trainers import make_format
 from builder.trainers.base import Exported, Sample, TrainerFormat
@@ -653,8 +654,7 @@ class _Export:
 
 
 def _bytes_per_token(info: BuildInfo) -> int:
-    width = 4 if info.dtype == "float32" else 2
-    return (info.n_aux + 1) * info.hidden_size * width + 16  # the states, int64 ids and mask
+    return (info.n_aux + 1) * info.hidden_size * itemsize(info.dtype) + 16  # the states, int64 ids and mask
 
 
 def _existing(path: Path) -> Path:

@@ -171,9 +171,6 @@ class SpaceMonitor:
             self.bytes_per_token = self.bytes_written / self.tokens_written
 
     # -- pausing ----------------------------------------------------------------------------------------
-    def _over(self, u: Usage, frac: float) -> bool:
-        return u.usage >= frac or (self.wm.min_free and u.free < self.wm.min_free)
-
     def poll(self, force: bool = False) -> str | None:
         """Pause reason, or None to write. Hysteresis: pause at `high`, resume below `low`."""
         now = time.monotonic()

@@ -14,6 +14,10 @@ import numpy as np
 
 from builder.config import CODEC_SPECS
 from builder.errors import UsageError
+from builder.store.dtypes import (
+    STORAGE_DTYPES as STORAGE_DTYPES,  # re-exported: run/create.py imports it here
+)
+from builder.store.dtypes import torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -21,18 +25,9 @@ if TYPE_CHECKING:
 # torch is imported where a tensor is converted, not with this module: the run's coordinator, init and the CLI
 # parse codecs without paying torch's start-up
 
-
-def __getattr__(name: str):
-    if name == "TORCH_DTYPES":  # {dtype name: torch dtype}
-        import torch  # noqa: PLC0415
-
-        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 # what numcodecs' Zstd (libzstd) accepts, negative levels being the fast modes; zarr's ZstdCodec stops at 22
 ZSTD_LEVELS = (int(numcodecs.Zstd.min_level()), min(int(numcodecs.Zstd.max_level()), 22))
 BLOSC_LEVELS = (0, 9)  # numcodecs' Blosc refuses any other clevel when it encodes (c-blosc's range)
-STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 # the opt-in lossy store (`init --quantize fp8`, config.QUANTIZE): a state field is stored as uint8 rows, each
 # token's values as float8_e4m3fn bytes followed by its float32 scale (little-endian), as speculators' FP8
 # connector quantizes
@@ -92,7 +87,7 @@ def from_storage(a: np.ndarray, logical_dtype: str, quantized: str | None = None
     if quantized is not None:
         if quantized != FP8_SCHEME:
             raise ValueError(f"arrays quantized as '{quantized}': this hsbuild reads only {FP8_SCHEME}; upgrade it")
-        return dequantize_fp8(a, __getattr__("TORCH_DTYPES")[logical_dtype])
+        return dequantize_fp8(a, torch_dtype(logical_dtype))
     if logical_dtype == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(a))
@@ -157,7 +152,7 @@ def fp8_error(t: torch.Tensor, stored: np.ndarray, logical_dtype: str) -> float:
     norm = float(torch.linalg.vector_norm(x))
     if norm == 0.0:
         return 0.0
-    diff = dequantize_fp8(stored, __getattr__("TORCH_DTYPES")[logical_dtype]).float() - x
+    diff = dequantize_fp8(stored, torch_dtype(logical_dtype)).float() - x
     return float(torch.linalg.vector_norm(diff)) / norm
 
 

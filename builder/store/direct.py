@@ -19,7 +19,6 @@ otherwise, and the caller falls back to Zarr).
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -31,10 +30,10 @@ import numpy as np
 
 from builder.errors import DamagedSampleError
 from builder.store.codec import declared_size
-from builder.store.shard import CRC_BYTES, EMPTY, INDEX_ENTRY, ShardIndexError, decode_index, shard_path
+from builder.store.damage import UNREADABLE, needed, shard_rows
+from builder.store.shard import shard_path
+from builder.store.zarr_meta import ArrayMeta, read_array_meta
 
-MISSING, UNREADABLE = "missing_data", "unreadable"
-GONE = (2, 20)  # ENOENT, ENOTDIR
 PARALLEL_BYTES = 4 << 20  # decode a sample's chunks on several threads above this many compressed bytes
 _POOL: ThreadPoolExecutor | None = None
 
@@ -59,13 +58,15 @@ class FieldLayout:
 
     @classmethod
     def of(cls, seg_dir: Path, fld: str) -> FieldLayout | None:
-        meta = json.loads((seg_dir / fld / "zarr.json").read_bytes())
-        codecs = meta.get("codecs") or []
-        if not codecs or codecs[0].get("name") != "sharding_indexed":
-            return None
-        cfg = codecs[0]["configuration"]
-        inner_codecs = cfg.get("codecs") or []
-        if cfg.get("index_location", "end") != "end" or not inner_codecs or inner_codecs[0].get("name") != "bytes":
+        return cls.from_meta(read_array_meta(seg_dir / fld))
+
+    @classmethod
+    def from_meta(cls, meta: ArrayMeta) -> FieldLayout | None:
+        """The layout of a sharded field, its index at the end, little-endian, raw or one hsbuild codec; None when
+        hsbuild does not read it directly (Zarr does)."""
+        inner_codecs = meta.codecs
+        if not meta.shard_chunks or meta.index_location != "end" or not inner_codecs \
+                or inner_codecs[0].get("name") != "bytes":
             return None
         if (inner_codecs[0].get("configuration") or {}).get("endian", "little") != "little":
             return None
@@ -82,13 +83,9 @@ class FieldLayout:
                 codec = numcodecs.Blosc(cname=str(conf.get("cname", "lz4")))  # decoding reads its header
             else:
                 return None
-        shape = meta["shape"]
-        inner = int(cfg["chunk_shape"][0])
-        outer = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
-        attrs = meta.get("attributes") or {}
-        return cls(inner, outer // inner, np.dtype(meta["data_type"]).newbyteorder("<"),
-                   int(shape[1]) if len(shape) == 2 else 0, codec, len(shape), attrs.get("logical_dtype"),
-                   attrs.get("quantized"))
+        shape = meta.shape
+        return cls(meta.chunk_tokens, meta.shard_chunks, meta.dtype, int(shape[1]) if len(shape) == 2 else 0, codec,
+                   len(shape), meta.logical_dtype, meta.quantized)
 
 
 def read_field(seg_dir: Path, segment: str, fld: str, lay: FieldLayout, token_start: int,
@@ -107,15 +104,10 @@ def read_field(seg_dir: Path, segment: str, fld: str, lay: FieldLayout, token_st
         lo, hi = max(first_chunk, s * sc), min(last_chunk, (s + 1) * sc - 1)
         path = shard_path(seg_dir, fld, lay.dims, s)
         rel = path.relative_to(seg_dir)
-        try:
+        with needed(seg_dir, path, segment, fld, "shard file"):
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno not in GONE:
-                raise
-            problem = "the segment directory is gone" if not seg_dir.is_dir() else f"shard file {rel} is missing"
-            raise DamagedSampleError(MISSING, problem, segment=segment, field=fld) from e
         try:
-            rows = _index_rows(fd, rel, segment, fld, sc, lo - s * sc, hi - s * sc, s * sc)
+            rows = shard_rows(fd, rel, segment, fld, s, sc, lo - s * sc, hi - s * sc)
             start, end = int(rows[0, 0]), int(rows[-1, 0] + rows[-1, 1])
             if np.any(rows[1:, 0] != rows[:-1, 0] + rows[:-1, 1]):
                 start = end = -1  # not one after another (never written so): read chunk by chunk
@@ -153,32 +145,6 @@ def read_field(seg_dir: Path, segment: str, fld: str, lay: FieldLayout, token_st
                 raise err
     skip = token_start - first_chunk * c
     return out[skip : skip + num_tokens]
-
-
-def _index_rows(fd: int, rel: Path, segment: str, fld: str, shard_chunks: int, lo: int, hi: int,
-                base: int) -> np.ndarray:
-    size = os.fstat(fd).st_size
-    want = shard_chunks * INDEX_ENTRY + CRC_BYTES
-    if size == 0:
-        raise DamagedSampleError(UNREADABLE, f"shard file {rel} is empty", segment=segment, field=fld)
-    try:
-        if size < want:
-            raise ShardIndexError(f"file is {size} bytes, shorter than its index ({want})")
-        idx = decode_index(os.pread(fd, want, size - want), shard_chunks)
-        present = idx[:, 0] != EMPTY
-        end = int((idx[present, 0] + idx[present, 1]).max()) if present.any() else 0
-        if end != size - want:
-            raise ShardIndexError(f"holds {size - want} bytes of chunk data, its index accounts for {end} "
-                                  "(truncated, appended to or rewritten)")
-    except ShardIndexError as e:
-        raise DamagedSampleError(UNREADABLE, f"shard file {rel}: {e}", segment=segment, field=fld) from e
-    rows = idx[lo : hi + 1]
-    absent = rows[:, 0] == EMPTY
-    if absent.any():
-        k = base + lo + int(np.argmax(absent))
-        raise DamagedSampleError(MISSING, f"shard file {rel} lacks chunk {k} of the sample", segment=segment,
-                                 field=fld)
-    return rows
 
 
 def _pread(fd: int, n: int, offset: int, rel: Path, segment: str, fld: str) -> bytes:

@@ -10,7 +10,6 @@ and MemoryError propagate unchanged: the read could not run, the data is not kno
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from pathlib import Path
@@ -20,12 +19,14 @@ import numpy as np
 
 from builder.errors import DamagedSampleError
 from builder.store.codec import checksum, from_storage
+from builder.store.damage import MISMATCH, MISSING, UNREADABLE, needed, not_empty, shard_rows
 from builder.store.direct import FieldLayout, read_field
-from builder.store.segment import DIMS, FIELDS, chunk_paths_v1, field_geometry
-from builder.store.shard import EMPTY, ShardGeometry, ShardIndexError, read_index, shard_path
+from builder.store.segment import DIMS, FIELDS, chunk_paths_v1
+from builder.store.shard import ShardGeometry, shard_path
+from builder.store.zarr_meta import ZARR_JSON, ArrayMeta, read_array_meta
 
-MISSING, UNREADABLE, MISMATCH = "missing_data", "unreadable", "checksum_mismatch"
-GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})  # the file (or a directory above it) is not there
+__all__ = ["MISMATCH", "MISSING", "UNREADABLE", "SegmentReader", "metadata_paths", "parse_checksums", "probe_chunks",
+           "probe_file", "probe_metadata"]
 
 if TYPE_CHECKING:
     import torch
@@ -43,22 +44,14 @@ def probe_file(path: Path) -> int:
 
 
 def metadata_paths(seg_dir: Path) -> list[Path]:
-    return [seg_dir / "zarr.json"] + [seg_dir / f / "zarr.json" for f in FIELDS]
+    return [seg_dir / ZARR_JSON] + [seg_dir / f / ZARR_JSON for f in FIELDS]
 
 
 def _probe(seg_dir: Path, path: Path, segment: str, field: str | None, what: str) -> int:
     """Size of one file the sample needs (probe_file); DamagedSampleError when it is gone or empty."""
-    rel = path.relative_to(seg_dir)
-    try:
+    with needed(seg_dir, path, segment, field, what):
         size = probe_file(path)
-    except OSError as e:
-        if e.errno not in GONE_ERRNOS:
-            raise  # not a statement about the data: the caller decides (retry, report, propagate)
-        problem = "the segment directory is gone" if not seg_dir.is_dir() else f"{what} {rel} is missing"
-        raise DamagedSampleError(MISSING, problem, segment=segment, field=field) from e
-    if size == 0:
-        raise DamagedSampleError(UNREADABLE, f"{what} {rel} is empty", segment=segment, field=field)
-    return size
+    return not_empty(size, path.relative_to(seg_dir), segment, field, what)
 
 
 def probe_metadata(data_root: Path, segment: str) -> None:
@@ -66,6 +59,16 @@ def probe_metadata(data_root: Path, segment: str) -> None:
     seg = Path(data_root) / segment
     for p in metadata_paths(seg):
         _probe(seg, p, segment, p.parent.name if p.parent != seg else None, "metadata file")
+
+
+def field_meta(seg_dir: Path, segment: str, fld: str) -> ArrayMeta:
+    """A field's zarr.json, parsed (`zarr_meta.read_array_meta`); DamagedSampleError when it does not parse, an
+    OSError when it cannot be read."""
+    try:
+        return read_array_meta(seg_dir / fld)
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise DamagedSampleError(UNREADABLE, f"{fld}/zarr.json does not parse ({e})", segment=segment,
+                                 field=fld) from e
 
 
 def probe_chunks(data_root: Path, segment: str, token_start: int, num_tokens: int,
@@ -77,13 +80,8 @@ def probe_chunks(data_root: Path, segment: str, token_start: int, num_tokens: in
     seg = Path(data_root) / segment
     out: dict[str, list[tuple[Path, int]]] = {}
     for f in FIELDS:
-        try:
-            inner, shard_chunks = field_geometry(seg, f)
-        except OSError:
-            raise
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise DamagedSampleError(UNREADABLE, f"{f}/zarr.json does not parse ({e})", segment=segment,
-                                     field=f) from e
+        meta = field_meta(seg, segment, f)
+        inner, shard_chunks = meta.chunk_tokens, meta.shard_chunks
         if not shard_chunks:
             out[f] = [(p, _probe(seg, p, segment, f, "chunk file"))
                       for p in chunk_paths_v1(seg, f, token_start, num_tokens, inner)]
@@ -99,19 +97,15 @@ def _probe_shard(seg_dir: Path, path: Path, segment: str, field: str, shard: int
     """The bytes of the sample's inner chunks in one shard file; DamagedSampleError when the file is gone or
     empty, its index fails its check, or a chunk of the sample is absent from it."""
     _probe(seg_dir, path, segment, field, "shard file")
-    rel = path.relative_to(seg_dir)
-    try:
-        idx = read_index(path, shard_chunks)
-    except ShardIndexError as e:
-        raise DamagedSampleError(UNREADABLE, f"shard file {rel}: {e}", segment=segment, field=field) from e
     first = max(token_start // inner, shard * shard_chunks)
     last = min((token_start + max(num_tokens, 1) - 1) // inner, (shard + 1) * shard_chunks - 1)
-    rows = idx[first - shard * shard_chunks : last - shard * shard_chunks + 1]
-    absent = rows[:, 0] == EMPTY
-    if absent.any():
-        k = first + int(np.argmax(absent))
-        raise DamagedSampleError(MISSING, f"shard file {rel} lacks chunk {k} of the sample", segment=segment,
-                                 field=field)
+    with needed(seg_dir, path, segment, field, "shard file"):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        rows = shard_rows(fd, path.relative_to(seg_dir), segment, field, shard, shard_chunks,
+                          first - shard * shard_chunks, last - shard * shard_chunks)
+    finally:
+        os.close(fd)
     return int(rows[:, 1].sum())
 
 
@@ -132,6 +126,7 @@ class SegmentReader:
         self.data_root = Path(data_root)
         self.verify_checksums = verify_checksums
         self._cache: dict[str, dict] = {}
+        self._metas: dict[str, dict[str, ArrayMeta]] = {}
         self._layouts: dict[str, dict[str, FieldLayout] | None] = {}
 
     def arrays(self, segment: str) -> dict:
@@ -192,16 +187,21 @@ class SegmentReader:
                     raise DamagedSampleError(MISMATCH, f"checksum mismatch: the bytes read give {got}, the written "
                                                        f"event recorded {want.get(f)}", segment=segment, field=f)
 
+    def metas(self, segment: str) -> dict[str, ArrayMeta]:
+        """The segment's fields' array metadata (cached per segment); DamagedSampleError when a file is missing,
+        empty or does not parse."""
+        if segment not in self._metas:
+            probe_metadata(self.data_root, segment)
+            self._metas[segment] = {f: field_meta(self.data_root / segment, segment, f) for f in FIELDS}
+        return self._metas[segment]
+
     def _direct(self, segment: str) -> dict[str, FieldLayout] | None:
         """The segment's field layouts when every field can be read directly (cached per segment)."""
         if segment not in self._layouts:
-            probe_metadata(self.data_root, segment)
-            seg_dir = self.data_root / segment
+            metas = self.metas(segment)
             try:
-                lays = {f: FieldLayout.of(seg_dir, f) for f in FIELDS}
-            except OSError:
-                raise
-            except (ValueError, KeyError, IndexError, TypeError) as e:
+                lays = {f: FieldLayout.from_meta(m) for f, m in metas.items()}
+            except (ValueError, KeyError, IndexError, TypeError) as e:  # (a data_type numpy does not know)
                 raise DamagedSampleError(UNREADABLE, f"array metadata does not parse: {type(e).__name__}: "
                                                      f"{str(e)[:200]}", segment=segment) from e
             self._layouts[segment] = None if any(v is None for v in lays.values()) else lays  # type: ignore[assignment]
@@ -213,13 +213,9 @@ class SegmentReader:
         import torch  # noqa: PLC0415 - (not at import: checks and the log's rebuild read raw arrays only)
 
         raw = self.read_raw(segment, token_start, num_tokens, checksums)
-        direct = self._direct(segment)
+        metas = self.metas(segment)
         out = {}
         for f, a in raw.items():
-            if direct is not None:
-                logical, quantized = direct[f].logical, direct[f].quantized
-            else:
-                attrs = self.arrays(segment)[f].attrs
-                logical, quantized = attrs.get("logical_dtype"), attrs.get("quantized")
+            logical, quantized = metas[f].logical_dtype, metas[f].quantized
             out[f] = from_storage(a, logical, quantized) if logical else torch.from_numpy(np.ascontiguousarray(a))
         return out

@@ -41,7 +41,6 @@ from builder.config import DEFAULT_CODEC
 from builder.fsutil import atomic_write_bytes, fsync_path, fsync_paths
 from builder.store.codec import (
     FP8_SCHEME,
-    STORAGE_DTYPES,
     checksum,
     chunk_encoder,
     fp8_error,
@@ -50,8 +49,9 @@ from builder.store.codec import (
     stored_width,
     to_storage,
 )
+from builder.store.dtypes import STORAGE_DTYPES
 from builder.store.shard import ShardGeometry, shard_parts, shard_path
-from builder.store.zarr_meta import create_doc, group_doc, sharded_array_doc
+from builder.store.zarr_meta import ZARR_JSON, create_doc, group_doc, read_array_meta, sharded_array_doc
 
 FIELDS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 DIMS = {"input_ids": 1, "loss_mask": 1, "hidden_state": 2, "aux_hidden_state": 2}
@@ -269,8 +269,8 @@ class SegmentWriter:
                 compressors=parse_codec(self.codec, 1 if fp8 and two_d else 2),
                 attributes=state_attrs if two_d else {}))
         (self.path / MANIFEST_DIR).mkdir()
-        fsync_paths([self.path / f / "zarr.json" for f in FIELDS] + [self.path / f for f in FIELDS]
-                    + [self.path / "zarr.json", self.path / MANIFEST_DIR, self.path])
+        fsync_paths([self.path / f / ZARR_JSON for f in FIELDS] + [self.path / f for f in FIELDS]
+                    + [self.path / ZARR_JSON, self.path / MANIFEST_DIR, self.path])
         fsync_path(self.data_root)
 
     def remove(self) -> None:
@@ -399,13 +399,6 @@ class SegmentWriter:
                 jobs.append((shard_path(self.path, fld, DIMS[fld], s), shard_parts(inner)))
         return jobs
 
-    def drop_staged(self) -> list[str]:
-        """Forget the staged group without writing it (stop, pause); returns the sample ids dropped."""
-        ids = [s.sample_id for s in self._staged]
-        self._staged, self._chunks, self._staged_bytes = [], {f: {} for f in FIELDS}, 0
-        self.cursor = self._group_start = self.geometry.next_shard_start(self.cursor)
-        return ids
-
     def write(self, input_ids: np.ndarray, loss_mask: np.ndarray, aux: torch.Tensor, final: torch.Tensor,
               **kw: object) -> Location:
         """Write one sample whole and make it durable (a group of one)."""
@@ -422,15 +415,6 @@ class SegmentWriter:
 
 def is_disk_full(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def segment_layout(seg_dir: Path) -> int:
-    """The layout version of a segment (1 when its group metadata predates layouts)."""
-    try:
-        attrs = json.loads((seg_dir / "zarr.json").read_bytes()).get("attributes", {})
-    except (OSError, ValueError):
-        return LAYOUT_VERSION
-    return int(attrs.get("hsbuild_layout", 1))
 
 
 def read_manifests(seg_dir: Path) -> list[dict]:
@@ -458,14 +442,10 @@ def list_segments(data_root: Path) -> list[str]:
 
 
 def field_geometry(seg_dir: Path, fld: str) -> tuple[int, int]:
-    """(inner chunk tokens, inner chunks per shard file; 0 when the field is not sharded) from its zarr.json."""
-    meta = json.loads((seg_dir / fld / "zarr.json").read_bytes())
-    shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
-    codecs = meta.get("codecs") or []
-    if codecs and codecs[0].get("name") == "sharding_indexed":
-        inner = int(codecs[0]["configuration"]["chunk_shape"][0])
-        return inner, int(shape[0]) // inner
-    return int(shape[0]), 0
+    """(inner chunk tokens, inner chunks per shard file; 0 when the field is not sharded) from its zarr.json
+    (`zarr_meta.read_array_meta`: OSError, or ValueError, KeyError, IndexError or TypeError when malformed)."""
+    meta = read_array_meta(seg_dir / fld)
+    return meta.chunk_tokens, meta.shard_chunks
 
 
 def sample_files(seg_dir: Path, fld: str, token_start: int, num_tokens: int) -> list[Path]:

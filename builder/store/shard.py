@@ -10,6 +10,7 @@ chunk row, every shard of a field lies in the field's own directory.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ class ShardGeometry:
 
     @property
     def index_bytes(self) -> int:
-        return self.shard_chunks * INDEX_ENTRY + CRC_BYTES
+        return index_bytes(self.shard_chunks)
 
     def shards(self, token_start: int, num_tokens: int) -> range:
         """Indices of the shards holding tokens [token_start, token_start + num_tokens)."""
@@ -79,9 +80,14 @@ def encode_shard(chunks: list[bytes | None]) -> bytes:
     return b"".join(shard_parts(chunks))
 
 
+def index_bytes(shard_chunks: int) -> int:
+    """The size of a shard file's index: its (offset, length) pairs and their CRC-32C."""
+    return shard_chunks * INDEX_ENTRY + CRC_BYTES
+
+
 def decode_index(tail: bytes, shard_chunks: int) -> np.ndarray:
     """The (offset, length) pairs from a shard's last `index_bytes` bytes; raises ShardIndexError."""
-    want = shard_chunks * INDEX_ENTRY + CRC_BYTES
+    want = index_bytes(shard_chunks)
     if len(tail) != want:
         raise ShardIndexError(f"index is {len(tail)} bytes, expected {want}")
     raw, crc = tail[:-CRC_BYTES], struct.unpack("<I", tail[-CRC_BYTES:])[0]
@@ -90,15 +96,21 @@ def decode_index(tail: bytes, shard_chunks: int) -> np.ndarray:
     return np.frombuffer(raw, dtype="<u8").reshape(shard_chunks, 2)
 
 
-def read_index(path: Path, shard_chunks: int) -> np.ndarray:
-    """Read and check a shard file's index (raises OSError, ShardIndexError)."""
-    want = shard_chunks * INDEX_ENTRY + CRC_BYTES
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        if size < want:
-            raise ShardIndexError(f"file is {size} bytes, shorter than its index ({want})")
-        f.seek(size - want)
-        idx = decode_index(f.read(want), shard_chunks)
+def read_index(shard: Path | int, shard_chunks: int) -> np.ndarray:
+    """Read and check a shard file's index, the file given by its path or as an open descriptor (raises OSError,
+    ShardIndexError): the file holds the index whole, the index passes its CRC-32C, and it accounts for exactly
+    the file's chunk bytes. The one check of a shard's index: every reader, check and tool reads it here."""
+    if not isinstance(shard, int):
+        fd = os.open(shard, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return read_index(fd, shard_chunks)
+        finally:
+            os.close(fd)
+    want = index_bytes(shard_chunks)
+    size = os.fstat(shard).st_size
+    if size < want:
+        raise ShardIndexError(f"file is {size} bytes, shorter than its index ({want})")
+    idx = decode_index(os.pread(shard, want, size - want), shard_chunks)
     body = size - want
     present = idx[:, 0] != EMPTY
     end = int((idx[present, 0] + idx[present, 1]).max()) if present.any() else 0
@@ -106,8 +118,3 @@ def read_index(path: Path, shard_chunks: int) -> np.ndarray:
         raise ShardIndexError(f"holds {body} bytes of chunk data, its index accounts for {end} (truncated, "
                               "appended to or rewritten)")
     return idx
-
-
-def inner_present(idx: np.ndarray, first: int, last: int) -> list[int]:
-    """Inner chunk positions in [first, last] that the index marks absent."""
-    return [i for i in range(first, last + 1) if int(idx[i, 0]) == EMPTY]

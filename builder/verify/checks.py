@@ -21,7 +21,6 @@ Each returns a `SampleCheck`: a `Finding` (reason, message) when the data is bad
 from __future__ import annotations
 
 import errno
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import crc32c
 import numpy as np
 
 from builder.errors import DamagedSampleError
+from builder.store.dtypes import itemsize
 from builder.store.reader import (
     MISMATCH,
     MISSING,
@@ -42,6 +42,7 @@ from builder.store.reader import (
     probe_metadata,
 )
 from builder.store.segment import FIELDS
+from builder.store.zarr_meta import read_array_meta
 
 Finding = tuple[str, str]  # (reason, message)
 
@@ -55,7 +56,6 @@ TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EI
 RETRIES = 3  # extra tries of a check that hit a transient error ...
 BACKOFF_S = 0.1  # ... after 0.1 s, 0.2 s, 0.4 s
 WINDOW_BYTES = 16 << 20  # uncompressed bytes per Zarr read while checksumming
-ITEMSIZES = {"int32": 4, "uint8": 1, "uint16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)
@@ -83,16 +83,10 @@ def field_specs(seg_dir: Path) -> dict[str, FieldSpec] | None:
     specs = {}
     for fld in FIELDS:
         try:
-            meta = json.loads((seg_dir / fld / "zarr.json").read_bytes())
-            shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
-            codecs = meta.get("codecs") or []
-            shard_chunks = 0
-            if codecs and codecs[0].get("name") == "sharding_indexed":
-                inner = codecs[0]["configuration"]["chunk_shape"]
-                shard_chunks = int(shape[0]) // int(inner[0])
-                shape = inner
-            specs[fld] = FieldSpec(int(shape[0]), int(shape[1]) if len(shape) > 1 else 1,
-                                   ITEMSIZES.get(str(meta["data_type"]), 8), shard_chunks)
+            meta = read_array_meta(seg_dir / fld)
+            shape = meta.chunk_shape
+            specs[fld] = FieldSpec(shape[0], shape[1] if len(shape) > 1 else 1, itemsize(meta.data_type, default=8),
+                                   meta.shard_chunks)
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             return None
     return specs
@@ -221,12 +215,6 @@ def check_with_retries(check: Callable[[], SampleCheck], retries: int = RETRIES,
             if not is_transient(e) or tries > retries or sleep(backoff * 2 ** (tries - 1)):
                 return SampleCheck(None, error=f"could not check: {describe_error(e)} "
                                                f"({tries} {'try' if tries == 1 else 'tries'})")
-
-
-def check_presence(data_root: Path, segment: str, token_start: int, num_tokens: int,
-                   chunk_tokens: int) -> Finding | None:
-    """Every file a sample needs must exist and be non-empty (Zarr would silently fill a gap)."""
-    return check_files(data_root, segment, token_start, num_tokens, chunk_tokens).finding
 
 
 def check_location(data_root: Path, segment: str, token_start: int, num_tokens: int, checksums: dict | str,
