@@ -16,7 +16,10 @@ One place decides, for all of them:
 - **signals**: the first SIGINT/SIGTERM only records a stop request (the command stops at a safe point and
   `announce_stop` says so once, from the main thread, never from the handler); a second one marks the lock record
   `interrupted` and exits 130 at once (nothing uncommitted is ever referenced, so that is still safe). The
-  handlers stay installed until the lock is released: a signal in the last moments is still a request;
+  handlers stay installed until the lock is released: a signal in the last moments is still a request. Log
+  commits run in a thread while the main thread waits for them (`_off_main`): a commit that a stalled volume
+  holds in the kernel (where no handler runs) does not hold the main thread, so Ctrl-C is taken and said at
+  once, with what the stop waits for;
 - **stalls** (`log/stall.py`): writes, fsyncs or log commits of the build that have not returned for
   HSBUILD_STALL_S seconds. The output says `STALLED: ...` at once and every 30 s while it lasts; `status`
   answers within 2 s from what the session holds in memory when the log itself is stuck (a cached status plus the
@@ -26,6 +29,7 @@ One place decides, for all of them:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -68,6 +72,7 @@ class OwnerSession:
         self.stop_requested = 0
         self.stop_event = threading.Event()
         self._stop_said = False
+        self.stop_what = "stopping at a safe point (Ctrl-C again to exit at once; still safe)"  # said on a stop
         self._signals = signals
         self._old_handlers: dict = {}
         self._pending_events: list[Event] = []  # stall events from the watch thread, committed by the owner
@@ -161,15 +166,49 @@ class OwnerSession:
             queued, self._pending_events = self._pending_events, []
         for ev in queued:
             self.batch.emit(ev)
+        batch = self.batch
         with self.watch.track("log commit", self.lay.events):
-            self.batch.flush(force or bool(queued))
+            self._off_main(lambda: batch.flush(force or bool(queued)))
+
+    def _off_main(self, fn: Callable[[], object]) -> object:
+        """Run `fn` (a commit) in a thread while the main thread waits for it in slices: a stalled volume holds
+        the commit in the kernel, where no signal handler runs, but not this wait. So Ctrl-C during a stall is
+        taken at once and said with what it waits for (`announce_stop`). Elsewhere (another thread, signals not
+        taken) `fn` runs here."""
+        if not self._old_handlers or threading.current_thread() is not threading.main_thread():
+            return fn()
+        box: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="hsbuild-commit", daemon=True).start()
+        while not done.wait(0.25):
+            if self.stop_requested and self.watch.current() is not None:
+                self.announce_stop()
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
 
     # -- stopping ------------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
-        """Only records the request (no I/O: the main thread may be writing to the same stream)."""
+        """Only records the request (no I/O through Python's streams: the main thread may be writing to the same
+        one). The main thread runs this while it waits for a log commit too (`_off_main`): never held by a
+        stalled volume."""
         self.stop_requested += 1
         self.stop_event.set()
         if self.stop_requested >= 2:
+            stall = self.watch.current()
+            if stall is not None:  # the lock record's note below waits for the volume: say why nothing happens
+                with contextlib.suppress(OSError):
+                    os.write(2, f"\nexiting as soon as the stalled {stall.describe()} returns (still safe)\n"
+                             .encode())
             note_interrupted(self.lay, signum)  # the lock record says so: the next owner does not blame a crash
             os._exit(EXIT_INTERRUPTED)
 
@@ -177,9 +216,10 @@ class OwnerSession:
         self.stop_requested = max(self.stop_requested, 1)
         self.stop_event.set()
 
-    def announce_stop(self, what: str = "stopping at a safe point (Ctrl-C again to exit at once; still safe)") -> None:
-        """Say once, from the main loop (never from the handler), that a stop was asked for; during a stall,
-        also what the stop waits for."""
+    def announce_stop(self, what: str | None = None) -> None:
+        """Say once, from the main loop (never from the handler), that a stop was asked for (`what`, else the
+        command's `stop_what`); during a stall, also what the stop waits for."""
+        what = what or self.stop_what
         if self.stop_requested and not self._stop_said:
             self._stop_said = True
             stall = self.watch.current()

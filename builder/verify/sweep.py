@@ -55,6 +55,7 @@ from builder.verify.checks import (
 from builder.verify.gc import OrphanReport, scan_orphans
 
 MB = 1_000_000
+STOP_WHAT = "stopping the sweep (Ctrl-C again to exit at once; continue later with --continue)"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -392,7 +393,7 @@ class Sweep:
     def _announce_stop(self) -> None:
         """Said once, from the main thread (the signal handler only records the request: builder/log/session.py);
         a second Ctrl-C exits at once, still safe: every committed event describes bytes that were checked."""
-        self.session.announce_stop("stopping the sweep (Ctrl-C again to exit at once; continue later with --continue)")
+        self.session.announce_stop(STOP_WHAT)
 
     def emit(self, ev: Event) -> None:
         self.batch.emit(ev)
@@ -437,6 +438,7 @@ class Sweep:
             max_rate_mb_s=self.rate / MB if self.rate else None, planned=len(targets), skipped=skipped,
             continues=continues, chain=chain, pid=os.getpid(), previous_owner=lock.previous)))
         self.flush(force=True)
+        self.session.stop_what = STOP_WHAT  # (also said while a commit waits for a stalled volume)
         self.session.take_signals()  # (kept until the lock is released: a late Ctrl-C is still a request)
         try:
             s.orphans = scan_orphans(self.lay, self.log)
