@@ -1,7 +1,7 @@
 """Render `hsbuild doctor` for the seed's situation, for docs/doctor.md.
 
 After a reboot, a systemd service `vllm-kimi-k25-int4.service` held all 8 GPUs at 75.8 GiB each. This
-machine has no GPU, so NVML is the fake from tests/fake_nvml.py (8 x H100 80GB); the eight holders are real
+machine has no GPU, so NVML is the fake from tests/doctor/fake_nvml.py (8 x H100 80GB); the eight holders are real
 live stand-in processes (`/usr/bin/python3 DIR/bin/vllm serve ...`, not our descendants), and their
 /proc/PID/cgroup is a fixture naming the unit. Storage, the build and its event log are real.
 
@@ -19,12 +19,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "doctor")]
 
 from fake_nvml import FakeNVML, seed_gpus, unit_cgroup  # noqa: E402
 
-from builder import doctor_checks, gpu  # noqa: E402
 from builder.config import load_config  # noqa: E402
+from builder.doctor import checks as doctor_checks  # noqa: E402
+from builder.doctor import gpu  # noqa: E402
 from builder.doctor.report import preflight_for_run, render_lines, run_doctor  # noqa: E402
 from builder.errors import PreflightError  # noqa: E402
 from builder.extract.demo import write_demo_source  # noqa: E402
