@@ -44,6 +44,7 @@ class DurableSample:
     checksums: dict
     written_at: float
     truncated: int = 0
+    fp8_error: dict | None = None  # an fp8 build: the measured error, as its `written` event records it
 
 
 def durable_samples(data_root: Path) -> list[DurableSample]:
@@ -56,7 +57,8 @@ def durable_samples(data_root: Path) -> list[DurableSample]:
                     out.append(DurableSample(seg, str(s["sample_id"]), str(s["fingerprint"]), int(s["attempt"]),
                                              int(s["token_start"]), int(s["num_tokens"]), int(s["nbytes"]),
                                              dict(s["checksums"]), float(m.get("written_at", 0.0)),
-                                             int(s.get("truncated", 0))))
+                                             int(s.get("truncated", 0)),
+                                             s["fp8_error"] if isinstance(s.get("fp8_error"), dict) else None))
                 except (KeyError, TypeError, ValueError):
                     continue
     return sorted(out, key=lambda d: (d.written_at, d.segment, d.token_start))
@@ -81,7 +83,8 @@ def written_events(d: DurableSample, how: str) -> list[Event]:
         Event("written", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
               token_start=d.token_start, num_tokens=d.num_tokens, nbytes=d.nbytes,
               checksums=json.dumps(d.checksums, sort_keys=True),
-              detail=detail(**{how: True}, truncated=d.truncated)),
+              detail=detail(**{how: True}, truncated=d.truncated,
+                            **({"fp8_error": {k: round(v, 6) for k, v in d.fp8_error.items()}} if d.fp8_error else {}))),
         Event("verified", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
               token_start=d.token_start, num_tokens=d.num_tokens, nbytes=d.nbytes, detail=detail(mode=how)),
     ]

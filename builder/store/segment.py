@@ -359,7 +359,9 @@ class SegmentWriter:
                     "group_start": group_start, "chunk_tokens": self.chunk_tokens,
                     "samples": [{"sample_id": s.sample_id, "fingerprint": s.fingerprint, "attempt": s.attempt,
                                  "token_start": s.location.token_start, "num_tokens": s.location.num_tokens,
-                                 "nbytes": s.location.nbytes, "checksums": s.location.checksums, **s.extra}
+                                 "nbytes": s.location.nbytes, "checksums": s.location.checksums,
+                                 **({"fp8_error": s.location.quant_error} if s.location.quant_error else {}),
+                                 **s.extra}
                                 for s in staged]}
         jobs.append((self.path / MANIFEST_DIR / f"{group_start}.json", json.dumps(manifest).encode()))
         futures = [_io_pool().submit(_write_once, p, d) for p, d in jobs]
