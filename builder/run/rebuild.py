@@ -28,6 +28,7 @@ from builder.log.lock import BuildLock
 from builder.store.reader import SegmentReader
 from builder.store.segment import SEAL_NAME, list_segments, read_manifests
 from builder.verify.checks import check_sample, segment_chunk_tokens
+from builder.verify.gc import may_adopt, registered_samples
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,10 @@ def adopt(log: EventLog, data_root: Path, emit: Callable[[Event], None],
     candidates = unlogged(log, data_root) if candidates is None else candidates
     if not candidates:
         return rep
-    # the current fingerprint (a source change may have superseded the registration's); retired: not adopted
-    _, rows = log.query("SELECT sample_id, fingerprint, state FROM samples")
-    registered = {r[0]: r[1] for r in rows}
-    state = {r[0]: r[2] for r in rows}
+    registered = registered_samples(log)
     newest: dict[str, DurableSample] = {}
     for d in candidates:
-        if registered.get(d.sample_id) != d.fingerprint or state.get(d.sample_id) in ("written", "verified",
-                                                                                      "retired"):
+        if not may_adopt(d.sample_id, d.fingerprint, registered):  # (the rule gc keeps groups by)
             rep.stale += 1
             continue
         newest[d.sample_id] = d  # candidates are in write order: the last one wins

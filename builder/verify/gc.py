@@ -43,7 +43,7 @@ from builder.store.shard import ShardGeometry, shard_path
 PARTIAL_RE = re.compile(r".+\.[0-9a-f]{32}\.partial$")  # zarr LocalStore: path.with_suffix(".<uuid4>.partial")
 TMP_RE = re.compile(r"^\..+\.\d+\.tmp$")  # fsutil.atomic_write_bytes: .<name>.<pid>.tmp
 ONE_D = {"input_ids", "loss_mask"}
-DONE_STATES = ("written", "verified", "retired")  # a sample in one of these is never adopted (run.rebuild.adopt)
+DONE_STATES = ("written", "verified", "retired")  # a sample in one of these is never adopted (`may_adopt`)
 
 
 @dataclass
@@ -202,8 +202,15 @@ def _adoptable(x: dict, registered: dict[str, tuple[str, str]]) -> bool:
         int(x["attempt"]), int(x["nbytes"]), dict(x["checksums"])
     except (KeyError, TypeError, ValueError):
         return False
-    reg = registered.get(sid)
-    return reg is not None and reg[0] == fp and reg[1] not in DONE_STATES
+    return may_adopt(sid, fp, registered)
+
+
+def may_adopt(sample_id: str, fingerprint: str, registered: dict[str, tuple[str, str]]) -> bool:
+    """The adoption rule (gc keeps such a group, `resume` and `rebuild-log` adopt it): a durable sample whose
+    sample is registered with this fingerprint (the current one: a source change supersedes it) and not done
+    (written, verified or retired)."""
+    reg = registered.get(sample_id)
+    return reg is not None and reg[0] == fingerprint and reg[1] not in DONE_STATES
 
 
 def registered_samples(log: EventLog) -> dict[str, tuple[str, str]]:
