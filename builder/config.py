@@ -48,7 +48,6 @@ FORMAT_KEYS = ("model", "aux_layers", "max_tokens", "dtype", "codec", "chunk_tok
 QUANTIZE = ("none", "fp8")  # how states are stored: exactly, or fp8 with a scale a token (opt-in, lossy)
 POSITIVE_INTS = ("max_tokens", "max_attempts", "chunk_tokens", "inflight", "batch_tokens")
 AUTO_WORKERS = "auto"  # `workers`: sized from the host at each run's start (builder/run/sizing.py)
-BACKENDS = ("inprocess", "vllm")
 UNKNOWN = object()  # a value at init that an old build did not record
 
 
@@ -71,9 +70,11 @@ class BuildConfig:
     device: str = "auto"
     staging: str | None = None
     verify_after_write: bool = False
-    backend: str = "inprocess"  # inprocess: the workers load the model; vllm: a vLLM server runs it
-    server: str | None = None  # vllm: the server's URL (http://127.0.0.1:8000)
-    inflight: int | None = None  # vllm: requests in flight (default 16)
+    # which backend runs the forward passes (builder/extract/backends/registry.py: each declares the keys below
+    # it reads, and their defaults); inprocess: the workers load the model; vllm: a vLLM server runs it
+    backend: str = "inprocess"
+    server: str | None = None  # a server backend's URL (http://127.0.0.1:8000)
+    inflight: int | None = None  # a server backend: requests in flight (vllm: 16)
     batch_tokens: int | None = None  # inprocess: samples packed into one forward pass up to this many tokens
     final_state: str = "post_norm"  # what `hidden_state` holds: the final norm's output, or its input
     quantize: str = "none"  # none: states stored exactly; fp8: float8_e4m3fn with a float32 scale a token (lossy)
@@ -137,8 +138,10 @@ class BuildConfig:
             raise UsageError(f"{path}: aux_layers = {cfg.aux_layers!r}: must be a list of integers")
         if cfg.quantize not in QUANTIZE:
             raise UsageError(f"{path}: quantize = {cfg.quantize!r}: use one of {', '.join(QUANTIZE)}")
-        if cfg.backend not in BACKENDS:
-            raise UsageError(f"{path}: backend = {cfg.backend!r}: use one of {', '.join(BACKENDS)}")
+        if not isinstance(cfg.backend, str) or not cfg.backend:
+            raise UsageError(f"{path}: backend = {cfg.backend!r}: must name a backend")
+        # (which names exist is the backends' registry's to say: builder/extract/backends/registry.py, asked by
+        # every command that uses the backend)
         cfg.watermarks.validate()
         return cfg
 

@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--staging", help="an existing staging directory: where an engine writes states (--backend "
                    "vllm), watched by the disk watermarks too (e.g. /dev/shm/NAME)")
-    p.add_argument("--backend", default="inprocess", choices=["inprocess", "vllm"],
-                   help="inprocess: the workers load --model; vllm: a vLLM server serving --model runs the passes")
+    p.add_argument("--backend", default="inprocess", choices=_BackendNames(),
+                   help="what runs the forward passes (inprocess: the workers load --model; vllm: a vLLM server "
+                        "serving --model)")
     p.add_argument("--server", help="the inference server's URL, e.g. http://127.0.0.1:8000 (--backend vllm)")
     p.add_argument("--inflight", type=positive_int, help="requests in flight to the server (default 16)")
     p.add_argument("--batch-tokens", type=positive_int, metavar="N",
@@ -117,6 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _BackendNames:
+    """`--backend`'s choices: the registered backends (builder/extract/backends/registry.py), read only when
+    `init` is parsed or its help is shown, not at every command's start."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    @staticmethod
+    def _names() -> list[str]:
+        from builder.extract.backends.registry import names  # noqa: PLC0415
+
+        return names()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Commands
 # ---------------------------------------------------------------------------------------------------------
@@ -124,14 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_init(args: argparse.Namespace) -> int:
     from builder.config import BuildConfig, Watermarks  # noqa: PLC0415
-    from builder.errors import UsageError  # noqa: PLC0415
+    from builder.extract.backends import registry as backends  # noqa: PLC0415
     from builder.formats.build_info import BuildInfo  # noqa: PLC0415
     from builder.run.create import init_build  # noqa: PLC0415
     from builder.space.capacity import describe_capacity  # noqa: PLC0415
 
-    if args.batch_tokens is not None and args.backend != "inprocess":
-        raise UsageError(f"--batch-tokens {args.batch_tokens}: only for --backend inprocess (an inference server "
-                         "batches by itself: --inflight)")
+    backends.check_options(backends.choose(args.backend), {"batch_tokens": args.batch_tokens})
     lay = init_build(args.build, args.source, model=args.model, aux_layers=args.aux_layers, max_tokens=args.max_tokens,
                      force=args.force, codec=args.codec, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
                      max_attempts=args.max_attempts, device=args.device, staging=args.staging,
@@ -160,12 +176,14 @@ def _standby_for(args: argparse.Namespace):
     if getattr(args, "ray", None):
         return None
     from builder.config import load_config  # noqa: PLC0415
+    from builder.extract.backends.registry import of_config  # noqa: PLC0415
     from builder.extract.spec import is_builtin  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
     from builder.run.standby import Standby  # noqa: PLC0415
 
     try:
         cfg = load_config(layout(args.build).require())
+        backend = of_config(cfg)
     except Exception:  # noqa: BLE001 - the coordinator reports a build it cannot read, in its own words
         return None
     workers = args.workers if args.workers is not None else cfg.workers
@@ -174,7 +192,7 @@ def _standby_for(args: argparse.Namespace):
 
         workers = workers_for(cfg, args.device).workers
     # a Hugging Face model: the workers import transformers while they wait (about 3 s of a run's start-up)
-    hf = cfg.backend == "inprocess" and isinstance(cfg.model, str) and not is_builtin(cfg.model)
+    hf = backend.loads_model and isinstance(cfg.model, str) and not is_builtin(cfg.model)
     return Standby(workers, preload_hf=hf) if isinstance(workers, int) and 0 < workers <= 256 else None
 
 
@@ -422,17 +440,17 @@ def cmd_serve_command(args: argparse.Namespace) -> int:
 
     from builder.config import load_config  # noqa: PLC0415
     from builder.errors import UsageError  # noqa: PLC0415
-    from builder.extract.backends.vllm_server import printable  # noqa: PLC0415
+    from builder.extract.backends.registry import of_config, with_server  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
     from builder.run.create import recorded_meta  # noqa: PLC0415
-    from builder.run.engine import engine_spec  # noqa: PLC0415
 
     lay = layout(args.build).require()
     cfg = load_config(lay)
-    if cfg.backend == "inprocess":
-        raise UsageError(f"{lay.root}: its backend is inprocess (the workers load the model), no server to start; "
-                         "make a build with --backend vllm --server URL --staging DIR")
-    print(printable(engine_spec(cfg, recorded_meta(lay))))
+    backend = of_config(cfg, lay.config)
+    if backend.serve_command is None:
+        raise UsageError(f"{lay.root}: its backend is {backend.name} ({backend.summary}), no server to start; "
+                         f"make a build with --backend {' or '.join(with_server())} --server URL --staging DIR")
+    print(backend.serve_command(cfg, recorded_meta(lay)))
     return EXIT_OK
 
 

@@ -812,7 +812,7 @@ def check_server(ctx: Context) -> Check | None:
     meta = _meta(query)
     want = Expected(model=str(Path(ctx.cfg.model).absolute()), staging=str(Path(ctx.cfg.staging or "").absolute()),
                     layer_ids=list(meta.get("engine_layer_ids") or engine_layer_ids(ex.aux_layers, ex.num_layers)),
-                    dtype=ctx.cfg.dtype)  # as builder/run/engine.py's engine_spec
+                    dtype=ctx.cfg.dtype)  # as builder/extract/backends/vllm_server.py's engine_spec
     data["expected"] = dataclasses.asdict(want)
     conf = read_server_config(url)
     if isinstance(conf, str):  # another host, namespace or a proxy: judged by its answers alone

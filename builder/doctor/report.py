@@ -183,8 +183,10 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
     cfg = load_config(lay)
     dev = device or cfg.device
     check_device_spec(dev)  # a bad --device is a usage error, not a finding to record
-    if cfg.backend != "inprocess":  # the engine's GPUs are the server's; hsbuild computes on none (env.server)
-        dev = "cpu"
+    from builder.extract.backends.registry import of_config  # noqa: PLC0415
+
+    # an engine's GPUs are the server's; hsbuild computes on none (env.server)
+    dev = of_config(cfg, lay.config).device or dev
     report = DoctorReport(str(lay.root), "doctor", dev, run_id=uuid.uuid4().hex)
     first = inspect_lock(lay)
     own = {os.getpid()}

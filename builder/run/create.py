@@ -13,8 +13,9 @@ import duckdb
 import numpy as np
 
 from builder import __version__
-from builder.config import BACKENDS, DEFAULT_CODEC, QUANTIZE, BuildConfig, Watermarks
+from builder.config import DEFAULT_CODEC, QUANTIZE, BuildConfig, Watermarks
 from builder.errors import BuildExistsError, BuildReadOnlyError, ModelError, UsageError
+from builder.extract.backends import registry as backends
 from builder.extract.final_norm import (
     FinalNorm,
     RawFinalNorm,
@@ -112,12 +113,13 @@ def init_build(
     ex = model_info(model, aux_layers, dtype, final_state or "pre_norm")
     ex.check_max_tokens(max_tokens)
     engine = check_backend(backend, server, staging, inflight, ex)
+    returns = backends.get(backend).final_state
     try:
         norm = final_norm_of(ex)  # one tensor of the checkpoint
         no_norm = None
     except ModelError as e:
-        if backend != "inprocess" and final_state == "post_norm":
-            raise  # the engine returns pre-norm states: post-norm needs the norm
+        if final_state is not None and returns not in (None, final_state):
+            raise  # the backend returns the other final state (an engine: pre-norm): deriving it needs the norm
         norm, no_norm = None, str(e)
     final_state, why = choose_final_state(ex, final_state, backend, no_norm)
     if final_state != ex.final_state:
@@ -182,14 +184,17 @@ def choose_final_state(ex: Extractor | ModelInfo, final_state: str | None, backe
     (speculators reads it, SpecForge and Model-Optimizer read the post-norm state derived from it with the kept
     norm, bit-exactly; the reverse is impossible). An in-process build falls back to `post_norm` where that
     derivation is impossible (no final RMSNorm to keep: `no_norm` says why) or where hsbuild cannot find the
-    decoder layers whose output it would store; an engine build stays `pre_norm` (its engine returns that state)."""
+    decoder layers whose output it would store; an engine build stays `pre_norm` (its engine returns that state:
+    the backend's spec says which final state it returns, if only one)."""
     if final_state is not None:
         return final_state, "given (--final-state)"
-    if no_norm is not None and backend == "inprocess":
+    spec = backends.get(backend)
+    if no_norm is not None and spec.final_state is None:
         return "post_norm", f"the model's final norm cannot be kept ({no_norm.split('; use')[0]})"
     if no_norm is not None:
-        return "pre_norm", f"what the engine returns; the model's final norm cannot be kept ({no_norm.split('; use')[0]})"
-    if isinstance(ex, ModelInfo) and backend == "inprocess" and not has_decoder_layers(Path(ex.spec)):
+        return spec.final_state, (f"what the engine returns; the model's final norm cannot be kept "
+                                  f"({no_norm.split('; use')[0]})")
+    if isinstance(ex, ModelInfo) and spec.loads_model and not has_decoder_layers(Path(ex.spec)):
         return "post_norm", "hsbuild cannot find the model's decoder layers (model.layers.N) to keep the last one's output"
     return "pre_norm", "the default; post-norm is derived from it with the kept final norm"
 
@@ -219,37 +224,22 @@ def final_norm_of(ex: Extractor | ModelInfo) -> FinalNorm | RawFinalNorm:
 
 def check_backend(backend: str, server: str | None, staging: str | None, inflight: int | None,
                   ex: Extractor | ModelInfo) -> dict:
-    """Validate the backend flags; returns what the build records about its engine."""
-    if backend not in BACKENDS:
-        raise UsageError(f"--backend {backend}: use one of {', '.join(BACKENDS)}")
+    """Validate the backend flags (what its spec asks: builder/extract/backends/registry.py); returns what the
+    build records about its backend."""
+    spec = backends.choose(backend)
     if inflight is not None and inflight < 1:
         raise UsageError(f"--inflight {inflight}: must be at least 1")
-    if backend == "inprocess":
-        if server is not None:
-            raise UsageError("--server: only for an inference-server backend; add --backend vllm")
-        return {"backend": backend}
-    if not server:
-        raise UsageError(f"--backend {backend}: needs --server http://HOST:PORT (the server's URL)")
-    if not server.startswith(("http://", "https://")):
-        raise UsageError(f"--server {server}: not an http:// or https:// URL")
-    if not staging:
-        raise UsageError(f"--backend {backend}: needs --staging DIR, the folder the server writes states to "
-                         "(the connector's shared_storage_path; /dev/shm/NAME on one node)")
-    if is_builtin(ex.spec):
-        raise UsageError(f"--backend {backend}: --model must be the local Hugging Face directory the server "
-                         "serves (its config, tokenizer and final norm are read here)")
-    bad = [i for i in ex.aux_layers if i >= ex.num_layers]
-    if bad:
-        raise UsageError(f"--aux-layers {bad}: the engine's layer id {ex.num_layers} is the final state before "
-                         f"the norm, not Hugging Face's hidden_states[{ex.num_layers}]; use ids below "
-                         f"{ex.num_layers} (the final state is always kept)")
-    from builder.extract.backends.vllm import engine_layer_ids  # noqa: PLC0415
-
-    ids = engine_layer_ids(ex.aux_layers, ex.num_layers)
-    return {"backend": backend, "server": server, "engine_layer_ids": ids,
-            "layer_ids": {"hf_hidden_states": ex.aux_layers + [ex.num_layers],
-                          "vllm_eagle_aux_hidden_state_layer_ids": ids,
-                          "decoder_layer_output": [i - 1 for i in ex.aux_layers] + [ex.num_layers - 1]}}
+    backends.check_options(spec, {"server": server})
+    if spec.server:
+        if not server:
+            raise UsageError(f"--backend {backend}: needs --server http://HOST:PORT (the server's URL)")
+        if not server.startswith(("http://", "https://")):
+            raise UsageError(f"--server {server}: not an http:// or https:// URL")
+        if not staging:
+            raise UsageError(f"--backend {backend}: needs --staging DIR, the folder the server writes states to "
+                             "(the connector's shared_storage_path; /dev/shm/NAME on one node)")
+    return {"backend": backend, **({"server": server} if spec.server else {}),
+            **(spec.check_init(ex) if spec.check_init is not None else {})}
 
 
 def _remove_previous_build(lay: BuildLayout) -> None:

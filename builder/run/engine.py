@@ -29,12 +29,11 @@ from builder.config import BuildConfig
 from builder.doctor.server_identity import Expected, ServerCheck, check_server, staging_name
 from builder.errors import EXIT_PREFLIGHT, HsbuildError, Interrupted, UsageError
 from builder.extract.backends.engine import EngineUnavailable, ServerRefused, healthy
-from builder.extract.backends.vllm import VllmSettings, clear_staging, staging_usage
-from builder.extract.backends.vllm_server import EngineSpec, serve_command, serve_env
+from builder.extract.backends.vllm import clear_staging, staging_usage
+from builder.extract.backends.vllm_server import EngineSpec, engine_spec, serve_command, serve_env
 from builder.layout import BuildLayout
 from builder.run.cgroup import PREFIX, ServerCgroup, reap_stale
 
-DEFAULT_INFLIGHT = 16
 HEALTH_TIMEOUT = 1800.0  # a large checkpoint can take many minutes to load (the incident's: 680 s)
 
 
@@ -54,29 +53,6 @@ class EngineOptions:
     launch: bool = False
     health_timeout: float | None = None  # None: $HSBUILD_SERVER_TIMEOUT, else HEALTH_TIMEOUT
     trust_server: bool = False  # a server whose configuration cannot be read is judged by its answers alone
-
-
-LEGACY_CONNECTOR = "ExampleHiddenStatesConnector"  # what older builds' hsbuild.toml named: now hsbuild's
-
-
-def engine_spec(cfg: BuildConfig, meta: dict) -> EngineSpec:
-    extra = cfg.engine_args or []
-    connector = cfg.engine_connector
-    if connector == LEGACY_CONNECTOR and not cfg.engine_connector_module:
-        connector = None
-    return EngineSpec(model=str(Path(cfg.model).absolute()), server=cfg.server or "",
-                      staging=str(Path(cfg.staging or "").absolute()),
-                      layer_ids=list(meta.get("engine_layer_ids") or []), dtype=cfg.dtype,
-                      connector=connector, connector_module=cfg.engine_connector_module if connector else None,
-                      engine_args=tuple(extra))
-
-
-def vllm_settings(cfg: BuildConfig, meta: dict, model_name: str, staging_dir: str | Path) -> VllmSettings:
-    """The workers' settings: `staging_dir` is the build's own subfolder of its server's staging folder."""
-    return VllmSettings(server=cfg.server or "", model_name=model_name, staging=str(staging_dir),
-                        aux_layers=list(meta["aux_layers"]), num_layers=int(meta["num_layers"]),
-                        hidden_size=int(meta["hidden_size"]), dtype=cfg.dtype, final_state=cfg.final_state,
-                        inflight=cfg.inflight or DEFAULT_INFLIGHT)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec

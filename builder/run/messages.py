@@ -194,14 +194,14 @@ class WorkerSettings:
     chunk_tokens: int
     max_tokens: int | None
     threads: int
+    backend: str  # the backend the worker opens (builder/extract/backends/registry.py) ...
     verify_after_write: bool = False
     flood: float = 0.95
     coordinator_pid: int = 0
     min_free: int = 0
     final_state: str = "post_norm"
-    vllm: object | None = None  # extract.backends.vllm.VllmSettings: the vLLM backend; None: in-process
+    backend_settings: object | None = None  # ... with these settings (its spec's `worker_settings`), if any
     server_check: object | None = None  # doctor.server_identity.ServerCheck: run when the server comes back
     final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
-    dump: object | None = None  # extract.backends.dump.DumpSettings: an import; None: extraction
     batch_tokens: int | None = None  # in-process: pack samples into forward passes of up to this many tokens
     quantize: str = "none"  # fp8: states stored as float8_e4m3fn with a float32 scale a token

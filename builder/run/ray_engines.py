@@ -349,9 +349,9 @@ class RayEngines:
                 except OSError:
                     pass
 
-    def worker_vllm(self, settings, nid: str):
-        """`settings` (the build's VllmSettings) pointed at node `nid`'s server and the build's subfolder of its
-        staging folder."""
+    def worker_settings(self, settings, nid: str):
+        """`settings` (the backend's worker settings, e.g. VllmSettings) pointed at node `nid`'s server and the
+        build's subfolder of its staging folder."""
         e = self.engines[nid]
         return dataclasses.replace(settings, server=e.server, staging=str(Path(e.staging) / staging_name(self.meta)))
 

@@ -1,6 +1,8 @@
 """How many workers `--workers auto` (a new build's default) starts, from what this host has.
 
-- An engine backend (vLLM): one. The server holds the model and runs the passes; one worker keeps its
+What decides is the backend's spec (builder/extract/backends/registry.py), not its name:
+
+- A server backend (vLLM): one. The server holds the model and runs the passes; one worker keeps its
   in-flight window full.
 - The in-process backend on GPUs (`--device auto` or `cuda` with GPUs visible): one worker a visible GPU
   (NVML's count, narrowed by `CUDA_VISIBLE_DEVICES`), as far as half this host's available memory holds
@@ -12,6 +14,8 @@
   poorly busy, several processes do not), at most CPU_WORKERS_MAX, and no more than half the memory
   available now holds (each worker loads its own copy of the model: its weights in the run's dtype, a quarter
   more for a pass's activations, WORKER_BASE_BYTES for the interpreter and torch beside them).
+- A backend whose workers load no model and compute on the CPU (an import reading a dump's files): one worker a
+  usable CPU, at most CPU_WORKERS_MAX.
 
 The library decides; the run echoes the count and why (`workers: 2 (auto: ...)`) and records both in its
 `run_started` event. A number (`--workers N`, `workers = N` in hsbuild.toml) is always taken as given.
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from builder.extract.backends import registry as backends
 from builder.extract.spec import BuiltinSpec, is_builtin
 
 if TYPE_CHECKING:
@@ -162,7 +167,7 @@ def _copies(model_size: int, host: Host) -> tuple[int | None, str]:
 
 def auto_workers(backend: str, device: str, model_size: int, host: Host) -> WorkerCount:
     """The worker count `--workers auto` stands for (see the module's docstring)."""
-    if backend != "inprocess":
+    if backends.get(backend).server:
         return WorkerCount(1, f"the {backend} server runs the model; one worker keeps its requests in flight")
     if device.startswith("cuda:"):
         return WorkerCount(1, f"--device {device} pins the workers to one GPU")
@@ -185,10 +190,8 @@ def workers_for(cfg: BuildConfig, device: str | None = None, importing: bool = F
                 host: Host | None = None) -> WorkerCount:
     """`auto` for this build on this host: `device` is the run's (--device), else the config's. An import's
     workers read dumped files and load no model."""
-    if importing:
-        backend, device, size = "inprocess", "cpu", 0
-    else:
-        backend, device = cfg.backend, device or cfg.device
-        size = model_bytes(cfg.model, cfg.dtype) if backend == "inprocess" else 0
-    host = host or host_now(gpus=backend == "inprocess" and device in ("auto", "cuda"))
-    return auto_workers(backend, device, size, host)
+    backend = backends.for_run(cfg, importing)
+    device = backend.device or device or cfg.device
+    size = model_bytes(cfg.model, cfg.dtype) if backend.loads_model else 0
+    host = host or host_now(gpus=backend.loads_model and device in ("auto", "cuda"))
+    return auto_workers(backend.name, device, size, host)

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from builder.errors import SampleError
+from builder.extract.backends import registry as backends
 from builder.extract.backends.base import Backend, Failure, Request, States, Unavailable
-from builder.extract.model import Extractor, spread_device
+from builder.extract.model import Extractor
 from builder.run.messages import (
     Abandoned,
     Deferred,
@@ -119,7 +120,7 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags, hosted: bool = Fa
         conn.send(Fatal(wid, f"{type(e).__name__}: {e}"))
         return
     conn.send(Ready(wid, ex.fingerprint, ex.metadata(), backend.capacity,
-                    str(ex.device) if settings.vllm is None and settings.dump is None else ""))
+                    str(ex.device) if backends.get(settings.backend).loads_model else ""))
     group = _Group(settings, conn, flags, ex, backend)
     stopping = False
     try:
@@ -161,27 +162,9 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags, hosted: bool = Fa
 
 
 def _open_backend(settings: WorkerSettings, conn=None) -> tuple[Extractor, Backend]:  # noqa: ANN001
-    """The extractor (model metadata and token checks) and the backend that runs the forward passes. An engine
-    backend checks the server again each time it comes back (`ServerChecked` to the coordinator on `conn`)."""
-    if settings.dump is not None:
-        from builder.extract.backends.dump import DumpBackend  # noqa: PLC0415
-        from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
-
-        ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, "cpu", load_weights=False)
-        norm = FinalNorm.load(Path(settings.final_norm)) if settings.final_norm else None
-        return ex, DumpBackend(settings.dump, norm)
-    if settings.vllm is None:
-        from builder.extract.backends.inprocess import InProcessBackend  # noqa: PLC0415
-
-        gpus = torch.cuda.device_count() if settings.device in ("auto", "cuda") and torch.cuda.is_available() else 0
-        ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype,
-                       spread_device(settings.device, settings.worker, gpus), final_state=settings.final_state)
-        return ex, InProcessBackend(ex, settings.batch_tokens)
-    from builder.extract.backends.vllm import VllmBackend  # noqa: PLC0415
-    from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
-
-    ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, "cpu", load_weights=False)
-    norm = FinalNorm.load(Path(settings.final_norm)) if settings.final_norm else None
+    """The extractor (model metadata and token checks) and the backend that runs the forward passes, opened as
+    its spec says (builder/extract/backends/registry.py). A server backend checks the server again each time it
+    comes back (`ServerChecked` to the coordinator on `conn`)."""
     recheck = None
     if settings.server_check is not None:
         from builder.doctor.server_identity import check_server  # noqa: PLC0415
@@ -191,7 +174,7 @@ def _open_backend(settings: WorkerSettings, conn=None) -> tuple[Extractor, Backe
             if conn is not None:
                 conn.send(ServerChecked(settings.worker, found))
 
-    return ex, VllmBackend(settings.vllm, norm, recheck)
+    return backends.get(settings.backend).open(settings, recheck)
 
 
 GROUP_BYTES = 32 << 20  # encoded bytes a worker stages before making them durable in one barrier
@@ -269,6 +252,9 @@ class _Group:
     def submit(self, task: Task) -> None:
         """Check the sample's tokens and hand it to the backend (`Started`); its outcome comes via `take`."""
         self.conn.send(Started(self.wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
+        from builder.run.testhook import before_task  # noqa: PLC0415 - the test suite's hook: inert unless it is set
+
+        before_task(self.wid)  # (HSBUILD_TEST_HOLD: holds here, its K-th task started, until the test lets it go)
         t0 = time.perf_counter()
         try:
             ids = self.ex.check(task.input_ids, self.settings.max_tokens)

@@ -4,16 +4,18 @@ A worker `submit`s up to `capacity` requests and `collect`s their outcomes, in a
 has capacity 1 and computes in `collect`; an inference server keeps `capacity` requests in flight so that the
 engine batches them while the worker writes. Outcomes are typed: states, a per-sample failure (counts as an
 attempt), or `Unavailable` (the engine is gone: the sample goes back to pending, not counted against
---max-attempts). Adding an engine (SGLang next) means a new module here, nothing in the run loop.
+--max-attempts). Adding an engine (SGLang next) means a new module here, registered with its spec
+(registry.py), nothing in the run loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # (a backend module is read without torch: builder/extract/backends/registry.py)
+    import numpy as np
+    import torch
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class Backend(Protocol):
 
 
 def check_finite(key: str, aux: torch.Tensor, final: torch.Tensor) -> Failure | None:
+    import torch  # noqa: PLC0415 - (imported by then: the states are tensors)
+
     for name, t in (("aux_hidden_state", aux), ("hidden_state", final)):
         # a sum is finite only where every term is (NaN and Inf propagate): one vectorized pass, about 10x
         # quicker than an elementwise isfinite; a non-finite sum (also an overflow of large finite values) is

@@ -19,16 +19,17 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from builder.extract.backends.base import Failure, Outcome, Request, States, check_finite
-from builder.extract.final_norm import FinalNorm
-from builder.trainers import make_format
-from builder.trainers.base import Loaded, Rejected
+from builder.extract.backends.registry import BackendSpec, RunContext, register
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+if TYPE_CHECKING:  # (torch and the trainer formats: imported once a worker opens the backend)
+    import numpy as np
+    import torch
+
+    from builder.extract.final_norm import FinalNorm
+    from builder.trainers.base import Loaded
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class DumpBackend:
     capacity = 2  # one file in hand, one read ahead
 
     def __init__(self, settings: DumpSettings, norm: FinalNorm | None):
+        from builder.trainers import make_format  # noqa: PLC0415
+
         self.s = settings
         self.fmt = make_format(settings.format, final_state=settings.dump_final_state)
         self.norm = norm
@@ -55,6 +58,8 @@ class DumpBackend:
         self._pending.append(request)
 
     def collect(self, timeout: float) -> list[Outcome]:  # noqa: ARG002 - reading a file does not wait
+        from builder.trainers.base import Rejected  # noqa: PLC0415
+
         out: list[Outcome] = []
         while self._pending:
             r = self._pending.pop(0)
@@ -68,12 +73,19 @@ class DumpBackend:
         return out
 
     def load(self, r: Request) -> States:
+        from builder.trainers.base import Rejected  # noqa: PLC0415
+
         if r.origin is None:
             raise Rejected("unreadable", "no dump file was assigned to this sample")
         got = self.fmt.load(Path(r.origin))
         return States(r.key, *self.check(got, r.input_ids))
 
     def check(self, got: Loaded, want_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import numpy as np  # noqa: PLC0415
+        import torch  # noqa: PLC0415
+
+        from builder.trainers.base import Rejected  # noqa: PLC0415
+
         n, h, k = int(want_ids.shape[0]), self.s.hidden_size, self.s.n_aux
         ids, aux, final = got.input_ids, got.aux, got.final
         m = int(ids.shape[0])
@@ -87,7 +99,7 @@ class DumpBackend:
         if aux.shape[1] != k * h or final.shape[1] != h:
             raise Rejected("bad_shape", f"states are {aux.shape[1]} (aux) and {final.shape[1]} (final) wide; the "
                                         f"build holds {k} aux layers of hidden size {h}: {k * h} and {h}")
-        want = TORCH_DTYPES[self.s.dtype]
+        want = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.s.dtype]
         for name, t in (("aux", aux), ("final", final)):
             if t.dtype != want:
                 raise Rejected("bad_dtype", f"{name} states are {t.dtype}, the build stores {want} (no lossy "
@@ -107,6 +119,8 @@ class DumpBackend:
         return got.loss_mask is None or not bool(got.loss_mask[n:].any())
 
     def _convert(self, final: torch.Tensor, state: str) -> torch.Tensor:
+        from builder.trainers.base import Rejected  # noqa: PLC0415
+
         if state == self.s.final_state:
             return final
         if self.s.final_state == "post_norm" and self.norm is not None:
@@ -122,3 +136,25 @@ class DumpBackend:
 
     def close(self) -> None:
         self._pending.clear()
+
+
+def _settings(ctx: RunContext) -> DumpSettings:
+    imports, cfg, meta = ctx.imports, ctx.cfg, ctx.meta
+    return DumpSettings(imports.format, int(meta["hidden_size"]), len(cfg.aux_layers or meta["aux_layers"]),
+                        cfg.dtype, cfg.final_state, imports.final_state)
+
+
+def _open(settings, recheck=None):  # noqa: ANN001, ARG001 - (WorkerSettings; no server to check)
+    """The model's metadata only (token checks; no weights), and the build's final norm (post-norm states
+    from a dump's pre-norm ones)."""
+    from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
+    from builder.extract.model import Extractor  # noqa: PLC0415
+
+    ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, "cpu", load_weights=False)
+    norm = FinalNorm.load(Path(settings.final_norm)) if settings.final_norm else None
+    return ex, DumpBackend(settings.backend_settings, norm)
+
+
+BACKEND = register(BackendSpec(
+    name="import", summary="the workers read a dump's files", open=_open, selectable=False, device="cpu",
+    reads_dumps=True, worker_settings=_settings))

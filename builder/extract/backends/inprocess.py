@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import traceback
 from collections import deque
+from typing import TYPE_CHECKING
 
 from builder.errors import SampleError
 from builder.extract.backends.base import Failure, Outcome, Request, States
-from builder.extract.model import Extractor
+from builder.extract.backends.registry import BackendSpec, register
+
+if TYPE_CHECKING:
+    from builder.extract.model import Extractor
 
 BATCH_SAMPLES = 32  # samples in one packed forward pass at most
 SAMPLE_TOKENS = 32  # the requests a worker keeps: two batches of samples this short (at most 2 x BATCH_SAMPLES)
@@ -102,3 +106,20 @@ def _outcome(key: str, result) -> Outcome:
         return Failure(key, "error", traceback.format_exception_only(type(result), result)[-1].strip())
     aux, final = result
     return States(key, aux, final)
+
+
+def _open(settings, recheck=None):  # noqa: ANN001, ARG001 - (WorkerSettings; no server to check)
+    """The worker's own copy of the model, on its device (`--device auto`: one GPU a worker, round robin)."""
+    import torch  # noqa: PLC0415
+
+    from builder.extract.model import Extractor, spread_device  # noqa: PLC0415
+
+    gpus = torch.cuda.device_count() if settings.device in ("auto", "cuda") and torch.cuda.is_available() else 0
+    ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype,
+                   spread_device(settings.device, settings.worker, gpus), final_state=settings.final_state)
+    return ex, InProcessBackend(ex, settings.batch_tokens)
+
+
+BACKEND = register(BackendSpec(
+    name="inprocess", summary="the workers load the model", open=_open, loads_model=True,
+    options={"batch_tokens": None}))

@@ -35,9 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from builder.extract.backends.base import (
     Failure,
@@ -54,10 +52,17 @@ from builder.extract.backends.engine import (
     complete,
     healthy,
 )
-from builder.extract.final_norm import FinalNorm
+from builder.extract.backends.registry import BackendSpec, RunContext, register
+
+if TYPE_CHECKING:  # (torch: imported once a worker opens the backend)
+    import torch
+
+    from builder.config import BuildConfig
+    from builder.extract.final_norm import FinalNorm
 
 STAGING_SUFFIX = ".safetensors"
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
+DEFAULT_INFLIGHT = 16  # requests in flight to the server (hsbuild.toml `inflight`, run --inflight)
 
 
 def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
@@ -361,6 +366,8 @@ class VllmBackend:
             self.results.put(Failure(r.key, "error", f"{type(e).__name__}: {e}"))
 
     def _one(self, r: Request) -> Outcome:
+        import numpy as np  # noqa: PLC0415
+
         ids = [int(x) for x in np.asarray(r.input_ids).tolist()]
         why = self._wait_until_up()
         if why is not None:
@@ -427,9 +434,11 @@ class VllmBackend:
             return Failure(r.key, "bad_states", f"hidden_states has shape {tuple(hs.shape)}, expected {want} "
                            f"(tokens, layer ids {self.layer_ids}, hidden): the server runs other layers or "
                            "another model")
-        if DTYPE_NAMES.get(hs.dtype) != self.s.dtype:
+        if DTYPE_NAMES.get(str(hs.dtype)) != self.s.dtype:
             return Failure(r.key, "bad_states", f"hidden_states are {hs.dtype}, the build stores {self.s.dtype}: "
                            "serve the model with --dtype " + self.s.dtype)
+        import torch  # noqa: PLC0415
+
         aux = torch.cat([hs[:, i, :] for i in self.aux_slots], dim=-1)
         final = hs[:, self.final_slot, :].contiguous()
         if self.s.final_state == "post_norm":
@@ -444,3 +453,43 @@ def _first_diff(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+# -- the backend's spec (builder/extract/backends/registry.py) -------------------------------------------------
+
+def _check_init(ex) -> dict:  # noqa: ANN001 - (Extractor or ModelInfo)
+    from builder.extract.backends.vllm_server import check_init  # noqa: PLC0415
+
+    return check_init(ex)
+
+
+def worker_settings(ctx: RunContext) -> VllmSettings:
+    """The workers' settings: `ctx.staging_dir` is the build's own subfolder of its server's staging folder."""
+    cfg, meta = ctx.cfg, ctx.meta
+    return VllmSettings(server=cfg.server or "", model_name=ctx.model_name, staging=str(ctx.staging_dir),
+                        aux_layers=list(meta["aux_layers"]), num_layers=int(meta["num_layers"]),
+                        hidden_size=int(meta["hidden_size"]), dtype=cfg.dtype, final_state=cfg.final_state,
+                        inflight=int(BACKEND.setting(cfg, "inflight")))
+
+
+def _open(settings, recheck=None):  # noqa: ANN001 - (WorkerSettings)
+    """The model's metadata only (token checks; the server holds the weights), and the build's final norm
+    (post-norm states from the server's pre-norm ones)."""
+    from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
+    from builder.extract.model import Extractor  # noqa: PLC0415
+
+    ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, "cpu", load_weights=False)
+    norm = FinalNorm.load(Path(settings.final_norm)) if settings.final_norm else None
+    return ex, VllmBackend(settings.backend_settings, norm, recheck)
+
+
+def _serve_command(cfg: BuildConfig, meta: dict) -> str:
+    from builder.extract.backends.vllm_server import engine_spec, printable  # noqa: PLC0415
+
+    return printable(engine_spec(cfg, meta))
+
+
+BACKEND = register(BackendSpec(
+    name="vllm", summary="a vLLM server runs the model", open=_open, server=True, device="cpu",
+    final_state="pre_norm", options={"server": None, "inflight": DEFAULT_INFLIGHT},
+    check_init=_check_init, worker_settings=worker_settings, serve_command=_serve_command))

@@ -8,13 +8,18 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import numpy as np
 
 from builder.errors import UsageError
 from builder.extract.backends.engine import complete, served_model
-from builder.extract.backends.vllm import read_and_remove
+from builder.extract.backends.vllm import engine_layer_ids, read_and_remove
+from builder.extract.spec import is_builtin
+
+if TYPE_CHECKING:
+    from builder.config import BuildConfig
 
 CONNECTOR_MODULE = "builder.extract.backends.vllm_connector"  # hsbuild's connectors (loaded by the server)
 GPU_CONNECTOR = "HsbuildHiddenStatesConnector"
@@ -56,6 +61,40 @@ class EngineSpec:
         if self.connector:
             return self.connector, self.connector_module
         return (CPU_CONNECTOR if self.on_cpu() else GPU_CONNECTOR), CONNECTOR_MODULE
+
+
+def check_init(ex) -> dict:  # noqa: ANN001 - (Extractor or ModelInfo)
+    """What init checks of a vLLM build (beyond --server and --staging), and records: the engine's layer ids,
+    and the layers in every convention."""
+    if is_builtin(ex.spec):
+        raise UsageError("--backend vllm: --model must be the local Hugging Face directory the server "
+                         "serves (its config, tokenizer and final norm are read here)")
+    bad = [i for i in ex.aux_layers if i >= ex.num_layers]
+    if bad:
+        raise UsageError(f"--aux-layers {bad}: the engine's layer id {ex.num_layers} is the final state before "
+                         f"the norm, not Hugging Face's hidden_states[{ex.num_layers}]; use ids below "
+                         f"{ex.num_layers} (the final state is always kept)")
+    ids = engine_layer_ids(ex.aux_layers, ex.num_layers)
+    return {"engine_layer_ids": ids,
+            "layer_ids": {"hf_hidden_states": ex.aux_layers + [ex.num_layers],
+                          "vllm_eagle_aux_hidden_state_layer_ids": ids,
+                          "decoder_layer_output": [i - 1 for i in ex.aux_layers] + [ex.num_layers - 1]}}
+
+
+LEGACY_CONNECTOR = "ExampleHiddenStatesConnector"  # what older builds' hsbuild.toml named: now hsbuild's
+
+
+def engine_spec(cfg: BuildConfig, meta: dict) -> EngineSpec:
+    """The build's server, from hsbuild.toml and the build's metadata (its engine layer ids)."""
+    extra = cfg.engine_args or []
+    connector = cfg.engine_connector
+    if connector == LEGACY_CONNECTOR and not cfg.engine_connector_module:
+        connector = None
+    return EngineSpec(model=str(Path(cfg.model).absolute()), server=cfg.server or "",
+                      staging=str(Path(cfg.staging or "").absolute()),
+                      layer_ids=list(meta.get("engine_layer_ids") or []), dtype=cfg.dtype,
+                      connector=connector, connector_module=cfg.engine_connector_module if connector else None,
+                      engine_args=tuple(extra))
 
 
 def serve_command(spec: EngineSpec) -> list[str]:
