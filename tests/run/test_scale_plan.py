@@ -115,16 +115,24 @@ def _columnar(order: list[int]) -> SourceSamples:
 
 
 def _attempts_without_imports(log: EventLog) -> dict[str, int]:
-    """Per sample with events: its `started` events after its last `superseded`, imports left out, counted
-    event by event in Python."""
-    _, rows = log.query("SELECT sample_id, kind, detail FROM events WHERE sample_id IS NOT NULL ORDER BY seq")
+    """Per sample with events: its `started` events after its last `superseded`, imports left out, and less each
+    extraction start that a transient failure ended (the sample's next event of the fold's kinds, verified and
+    row_moved aside, is a `failed` for a transient reason), counted event by event in Python."""
+    _, rows = log.query("SELECT sample_id, kind, detail, reason FROM events WHERE sample_id IS NOT NULL ORDER BY seq")
     out: dict[str, int] = {}
-    for sid, kind, det in rows:
+    before: dict[str, str] = {}  # the sample's previous event: 'extraction' for a start that is not an import's
+    for sid, kind, det, reason in rows:
         n = out.setdefault(sid, 0)
+        if kind in ("verified", "row_moved"):
+            continue
+        extraction = kind == "started" and not (det and json.loads(det).get("origin") == "import")
         if kind == "superseded":
             out[sid] = 0
-        elif kind == "started" and not (det and json.loads(det).get("origin") == "import"):
+        elif extraction:
             out[sid] = n + 1
+        elif kind == "failed" and reason in TRANSIENT_REASONS and before.get(sid) == "extraction":
+            out[sid] = n - 1  # no attempt: the environment's fault
+        before[sid] = "extraction" if extraction else kind
     return out
 
 
