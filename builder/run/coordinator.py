@@ -257,7 +257,10 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
                                   self.engine_message if self.engine_down is not None else None),
                 "paused_for_s": (round(time.monotonic() - self.engine_down, 1) if self.engine_down is not None and
                                  self.paused_reason is None else None),
-                **self._engine_status()}
+                **self._engine_status(),
+                # on Ray: per node (what `status` prints and --metrics serves per node)
+                **({"nodes": self.log.query_dicts("SELECT * FROM nodes WHERE run_id = ?", [self.run_id])}
+                   if self.opts.ray else {})}
 
     # -- the run ----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> RunReport:
