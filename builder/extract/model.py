@@ -41,9 +41,7 @@ from builder.extract.spec import (  # noqa: F401 - re-exported: the torch-free h
     suggest_chunk_tokens,
 )
 from builder.extract.threads import FIXED_THREADING, fix_threading  # noqa: F401 - re-exported
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
+from builder.store.dtypes import torch_dtype
 
 # ---------------------------------------------------------------------------------------------------
 # The built-in model: Llama architecture (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP).
@@ -236,7 +234,7 @@ class Extractor:
         self.final_state = final_state
         self._pre: list[torch.Tensor] = []
         self._keep_logits = True  # pass logits_to_keep=1 to a Hugging Face model (see _hf_states)
-        self.spec, self.dtype_name, self.dtype = spec, dtype, DTYPES[dtype]
+        self.spec, self.dtype_name, self.dtype = spec, dtype, torch_dtype(dtype)
         self.device = pick_device(device)
         self.tokenizer = None
         if is_builtin(spec):

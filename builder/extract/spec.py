@@ -14,9 +14,9 @@ from pathlib import Path
 
 from builder.errors import ModelError
 from builder.extract.chat import ConversationError, hf_chat
+from builder.store.dtypes import STATE_DTYPES, itemsize
 
 CONVENTION = "hf_hidden_states: 0=embeddings, k=output of layer k-1, L=final-norm output"
-DTYPE_WIDTHS = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,8 @@ def check_dtype_and_final_state(dtype: str, final_state: str) -> None:
     """ModelError naming --dtype or --final-state for a value hsbuild does not know."""
     from builder.extract.final_norm import FINAL_STATES  # noqa: PLC0415
 
-    if dtype not in DTYPE_WIDTHS:
-        raise ModelError(f"--dtype '{dtype}': use one of {sorted(DTYPE_WIDTHS)}")
+    if dtype not in STATE_DTYPES:
+        raise ModelError(f"--dtype '{dtype}': use one of {sorted(STATE_DTYPES)}")
     if final_state not in FINAL_STATES:
         raise ModelError(f"--final-state '{final_state}': use one of {', '.join(FINAL_STATES)}")
 
@@ -286,7 +286,7 @@ def check_max_tokens(max_tokens: int | None, max_positions: int) -> None:
 
 def bytes_per_token(hidden_size: int, n_aux: int, dtype: str = "bfloat16") -> int:
     """Uncompressed bytes a token costs in the build (states + input_ids int32 + loss_mask uint8)."""
-    width = DTYPE_WIDTHS[dtype]
+    width = itemsize(dtype)
     return (n_aux + 1) * hidden_size * width + 4 + 1
 
 

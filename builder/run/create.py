@@ -216,9 +216,9 @@ def final_norm_of(ex: Extractor | ModelInfo) -> FinalNorm | RawFinalNorm:
         raw = read_final_norm_raw(Path(ex.spec), ex.dtype_name)
         if raw is not None:
             return raw
-        from builder.extract.model import DTYPES  # noqa: PLC0415 - (torch)
+        from builder.store.dtypes import torch_dtype  # noqa: PLC0415 - (torch)
 
-        return read_final_norm(Path(ex.spec), DTYPES[ex.dtype_name])
+        return read_final_norm(Path(ex.spec), torch_dtype(ex.dtype_name))
     return ex.final_norm()
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from builder.extract.backends import registry as backends
 from builder.extract.spec import BuiltinSpec, is_builtin
+from builder.store.dtypes import itemsize
 
 if TYPE_CHECKING:
     from builder.config import BuildConfig
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 CPU_WORKERS_MAX = 8  # CPU workers `auto` starts at most (each is a process holding the model)
 WORKER_BASE_BYTES = 640 << 20  # a worker process beside its model: the interpreter, torch, transformers, buffers
 MEMORY_SHARE = 0.5  # of the memory available at the run's start, what `auto`'s CPU workers may take together
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -133,7 +133,7 @@ def model_bytes(model: str, dtype: str) -> int:
     """The bytes one loaded copy of `model` takes in `dtype`: the built-in model's parameter count, or a
     Hugging Face directory's weight files scaled from their dtype (config.json's torch_dtype) to the run's.
     0 where that cannot be told (the model is then not what limits the count)."""
-    size = DTYPE_BYTES.get(dtype, 2)
+    size = itemsize(dtype, default=2)
     if is_builtin(model):
         s = BuiltinSpec.parse(model)
         head_dim = s.hidden // s.heads
@@ -148,7 +148,7 @@ def model_bytes(model: str, dtype: str) -> int:
     stored = sum(p.stat().st_size for p in (safetensors or files))
     try:
         cfg = json.loads((root / "config.json").read_text())
-        stored_size = DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""), 2)
+        stored_size = itemsize(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""), default=2)
     except (OSError, ValueError, AttributeError):
         stored_size = 2
     return stored * size // stored_size

@@ -61,7 +61,6 @@ if TYPE_CHECKING:  # (torch: imported once a worker opens the backend)
     from builder.extract.final_norm import FinalNorm
 
 STAGING_SUFFIX = ".safetensors"
-DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 DEFAULT_INFLIGHT = 16  # requests in flight to the server (hsbuild.toml `inflight`, run --inflight)
 
 
@@ -434,7 +433,9 @@ class VllmBackend:
             return Failure(r.key, "bad_states", f"hidden_states has shape {tuple(hs.shape)}, expected {want} "
                            f"(tokens, layer ids {self.layer_ids}, hidden): the server runs other layers or "
                            "another model")
-        if DTYPE_NAMES.get(str(hs.dtype)) != self.s.dtype:
+        from builder.store.dtypes import torch_dtype  # noqa: PLC0415 - (numpy, torch: not at import)
+
+        if hs.dtype != torch_dtype(self.s.dtype):
             return Failure(r.key, "bad_states", f"hidden_states are {hs.dtype}, the build stores {self.s.dtype}: "
                            "serve the model with --dtype " + self.s.dtype)
         import torch  # noqa: PLC0415
