@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.extract.backends.engine import healthy
+from builder.extract.backends.http_client import healthy
 from builder.extract.backends.vllm_server import EngineSpec, serve_command, serve_env
 
 NUM_LAYERS = 4

@@ -790,7 +790,7 @@ def check_server(ctx: Context) -> Check | None:
         read_server_config,
         staging_name,
     )
-    from builder.extract.backends.engine import EngineRejected, EngineUnavailable, healthy, served_model  # noqa: PLC0415
+    from builder.extract.backends.http_client import EngineRejected, EngineUnavailable, healthy, served_model  # noqa: PLC0415
     from builder.extract.backends.vllm import engine_layer_ids  # noqa: PLC0415
     from builder.extract.backends.vllm_server import probe, probe_problems, signature_differs  # noqa: PLC0415
 

@@ -225,7 +225,7 @@ def check_server(c: ServerCheck) -> dict:
     sides) when it is not the build's, or when its configuration cannot be read and `trust` is off;
     EngineUnavailable when it went away meanwhile."""
     from builder.errors import UsageError  # noqa: PLC0415
-    from builder.extract.backends.engine import ServerRefused, served_model  # noqa: PLC0415
+    from builder.extract.backends.http_client import ServerRefused, served_model  # noqa: PLC0415
     from builder.extract.backends.vllm_server import probe, probe_problems, signature_differs  # noqa: PLC0415
 
     fix = f"serve the build with the command `hsbuild serve-command {c.build_root}` prints"

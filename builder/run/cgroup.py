@@ -3,7 +3,7 @@ also one that leaves the server's process group (`setsid`), so one write to `cgr
 
 Made under this process's own cgroup v2 directory (`/proc/self/cgroup`'s `0::` line, under the cgroup2 mount);
 where there is no cgroup2 mount or it is not writable (no delegation, a read-only /sys/fs/cgroup), `create`
-returns None and the process group alone contains the server (builder/run/engine.py). The child enters the
+returns None and the process group alone contains the server (builder/run/server_lifecycle.py). The child enters the
 cgroup between fork and exec (`enter`), before it can start anything.
 """
 

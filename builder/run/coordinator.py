@@ -71,8 +71,8 @@ from builder.space.watermarks import SpaceMonitor
 from builder.store.codec import parse_codec
 
 if TYPE_CHECKING:  # (these import torch: only import and engine runs need them, and import them there)
-    from builder.run.engine import Engine
     from builder.run.imports import DumpIndex, ImportOptions
+    from builder.run.server_lifecycle import Engine
 
 _Dispatch, _Outbox, _stop_workers = Dispatch, Outbox, stop_workers  # (their names before the split)
 __all__ = ["ABORT_GRACE_SECONDS", "HUNG_SECONDS", "PER_WORKER", "QUEUE_SAMPLES", "QUEUE_TOKENS",

@@ -3,7 +3,7 @@ server per node, and one worker per server, on the same node, talking to it over
 states from a staging folder local to that node.
 
 Each node's server is watched by an `EngineHost` actor pinned to that node: it wraps the very `Engine` a local
-run uses (builder/run/engine.py: wait until healthy, probe, launch and restart in launch mode, the health
+run uses (builder/run/server_lifecycle.py: wait until healthy, probe, launch and restart in launch mode, the health
 watch). The driver sees them all through `RayEngines`, which answers the coordinator's engine calls for the
 whole cluster: healthy when every node's server is; restarting whichever died. A node that is gone (its actor
 unreachable) is dropped; its worker is lost with it and its samples go back to pending.
@@ -28,7 +28,7 @@ from builder.config import BuildConfig
 from builder.doctor.server_identity import staging_name
 from builder.errors import UsageError
 from builder.extract.backends.vllm import clear_staging
-from builder.run.engine import Engine, EngineError, EngineOptions, EngineRefused, engine_spec
+from builder.run.server_lifecycle import Engine, EngineError, EngineOptions, EngineRefused, engine_spec
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CALL_SECONDS = 30.0  # a call to a node's EngineHost that takes longer: the node is treated as gone

@@ -1,4 +1,4 @@
-"""Engine supervision: a server backend's inference server during a run (builder/run/engine.py, or one per
+"""Engine supervision: a server backend's inference server during a run (builder/run/server_lifecycle.py, or one per
 node with --ray: builder/run/ray_engines.py). Start it and check it is the build's before a sample goes to it;
 watch its health while the run lasts (a dead one fails its requests at once, a hung one is noticed by its
 silence); pause dispatch while it is unavailable or its staging volume is full, restart it in launch mode, and
@@ -47,7 +47,7 @@ class SupervisionMixin:
             self.engine = RayEngines(self.pool.ray, self.pool.nodes(), self.lay, self.cfg, meta, self.opts.launch,
                                      self.echo, trust_server=self.opts.trust_server)
         else:
-            from builder.run.engine import Engine, EngineOptions  # noqa: PLC0415 - (torch: engine builds only)
+            from builder.run.server_lifecycle import Engine, EngineOptions  # noqa: PLC0415 - (torch: engine builds only)
 
             self.engine = Engine(self.lay, self.cfg, meta,
                                  EngineOptions(launch=self.opts.launch, trust_server=self.opts.trust_server), self.echo)
@@ -57,7 +57,7 @@ class SupervisionMixin:
                                "coalesce(json_extract(detail, '$.recheck')::BOOLEAN, false) = false ORDER BY seq "
                                "LIMIT 1")[1]
         recorded = json.loads(first[0][0]) if first and first[0][0] else None
-        from builder.run.engine import EngineRefused  # noqa: PLC0415
+        from builder.run.server_lifecycle import EngineRefused  # noqa: PLC0415
 
         try:
             found = self.engine.check(recorded)

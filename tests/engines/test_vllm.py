@@ -19,7 +19,7 @@ from conftest import hsbuild, random_rows, write_jsonl
 from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm
 
 from builder.extract.backends.base import Failure, Request
-from builder.extract.backends.engine import complete, served_model
+from builder.extract.backends.http_client import complete, served_model
 from builder.extract.backends.vllm import VllmBackend, VllmSettings, read_and_remove
 from builder.extract.final_norm import FinalNorm
 from builder.formats.reader import HiddenStateDataset
@@ -255,7 +255,7 @@ def test_a_server_serving_another_model_is_refused(tmp_path, vllm_server, tiny_l
     """The probe against the build's first probe: the same model (computed by transformers here) passes, another
     model with the same shape (other weights) is refused in one line naming serve-command."""
     from builder.config import load_config
-    from builder.run.engine import Engine, EngineError, EngineOptions
+    from builder.run.server_lifecycle import Engine, EngineError, EngineOptions
 
     build = _init(tmp_path, vllm_server, 2)
     with EventLog(layout(build).events, read_only=True) as log:

@@ -44,7 +44,7 @@ from vllm_fixture import (
 
 from builder.config import BuildConfig, Watermarks
 from builder.doctor.procinfo import listening_pids, scan_processes
-from builder.extract.backends.engine import healthy, served_model
+from builder.extract.backends.http_client import healthy, served_model
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.create import init_build

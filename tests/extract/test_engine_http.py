@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from builder.extract.backends.engine import EngineRejected, EngineUnavailable, complete, healthy
+from builder.extract.backends.http_client import EngineRejected, EngineUnavailable, complete, healthy
 
 
 def _whole_request(data: bytes) -> bool:

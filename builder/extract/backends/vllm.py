@@ -45,7 +45,7 @@ from builder.extract.backends.base import (
     Unavailable,
     check_finite,
 )
-from builder.extract.backends.engine import (
+from builder.extract.backends.http_client import (
     EngineRejected,
     EngineUnavailable,
     ServerRefused,

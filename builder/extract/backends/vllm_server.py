@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from builder.errors import UsageError
-from builder.extract.backends.engine import complete, served_model
+from builder.extract.backends.http_client import complete, served_model
 from builder.extract.backends.vllm import engine_layer_ids, read_and_remove
 from builder.extract.spec import is_builtin
 

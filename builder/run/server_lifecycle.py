@@ -28,7 +28,7 @@ from pathlib import Path
 from builder.config import BuildConfig
 from builder.doctor.server_identity import Expected, ServerCheck, check_server, staging_name
 from builder.errors import EXIT_PREFLIGHT, HsbuildError, Interrupted, UsageError
-from builder.extract.backends.engine import EngineUnavailable, ServerRefused, healthy
+from builder.extract.backends.http_client import EngineUnavailable, ServerRefused, healthy
 from builder.extract.backends.vllm import clear_staging, staging_usage
 from builder.extract.backends.vllm_server import EngineSpec, engine_spec, serve_command, serve_env
 from builder.layout import BuildLayout
