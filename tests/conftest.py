@@ -1,4 +1,5 @@
-"""Shared fixtures: small real sources and builds on disk, and the CLI run as a real subprocess."""
+"""Shared fixtures: small real sources and builds on disk, and the CLI (in this process, or as a real process:
+tests/cli_runner.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,21 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_runner import hsbuild, hsbuild_proc, note_environment  # noqa: F401 (re-exported: `from conftest import hsbuild`)
 from powercut_fixture import powercut  # noqa: F401 (the power-cut fixture: tests/durability)
 from vllm_fixture import tiny_llama, vllm_server  # noqa: F401 (a real vLLM server: tests/engines)
 
 from builder.config import Watermarks
 from builder.extract.model import fix_threading
 from builder.layout import layout
+from builder.run import testhook
 from builder.run.create import init_build
 
 # Builds in tests live on the machine's ordinary disk, whose fill level we do not control: unless a test is
@@ -32,6 +36,7 @@ os.environ.setdefault("HSBUILD_GROUP_SECONDS", "0.3")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Reference forward passes in tests compare bit for bit with what workers computed: same threading conditions.
 fix_threading()
+note_environment()  # calls whose environment changes more than CALL_TIME_ENV get a real CLI process
 
 ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)
 # a built-in model wide enough that a sample of a few hundred tokens takes a visible moment (~0.1 s on a CPU core):
@@ -39,18 +44,101 @@ ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)
 SLOWER = "builtin:hidden=1024,layers=8,vocab=1024,heads=8,kv_heads=2,intermediate=4096"
 
 
-def wait_for_commits(build: Path, proc: subprocess.Popen, wal_bytes: int = 64 << 10, timeout: float = 240) -> None:
-    """Return once the run `proc` on `build` has committed a stretch of events: its log's WAL holds `wal_bytes`
-    (64 KiB: about a hundred `written` samples, and far below the size at which DuckDB folds the WAL into the
-    database file). Watched with a stat every 20 ms: polling `hsbuild sql` takes seconds under load, in which a
-    fast run can reach its end. The caller checks that the run is still going."""
-    wal = layout(build).wal
+class Hold:
+    """A run held at a known point by the test hook (builder/run/testhook.py): each of its workers stops at its
+    `k`-th task (reported `started`, not yet extracted) until `release()`. Pass `env` to the run (Popen's env, or
+    the CLI's `env=`); `wait()` returns once the workers hold: the run is then certainly still going, a sample in
+    each held worker's hand and k-1 behind it (with HSBUILD_GROUP_SAMPLES=1: written)."""
+
+    def __init__(self, folder: Path, k: int):
+        self.folder, self.k = folder, k
+        folder.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, testhook.ENV: f"{k}:{folder}"}
+
+    def wait(self, workers: int = 1, proc: subprocess.Popen | None = None, timeout: float = 240) -> dict[int, int]:
+        """{worker number: pid} of the held workers, once `workers` of them hold (AssertionError if the run
+        `proc` ended first, or after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = {int(p.name.split("-", 1)[1]): int(p.read_text()) for p in self.folder.glob("reached-*")}
+            if len(found) >= workers:
+                return found
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"the run ended (exit {proc.returncode}) before {workers} worker(s) held "
+                                     f"at task {self.k}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(found)} of {workers} worker(s) held at task {self.k} after {timeout} s")
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        """Every held worker goes on (and none holds later)."""
+        (self.folder / "gate").touch()
+
+
+class Watched:
+    """A Popen'd process (stdout and stderr pipes, text) whose output is read on threads as it comes: a test
+    can wait for a line (`wait_for`) while the process runs, and the pipes never fill."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._threads = [threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
+                         for s, into in ((proc.stdout, self.out), (proc.stderr, self.err)) if s is not None]
+        for t in self._threads:
+            t.start()
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        """Until a line of stderr holds `text` (AssertionError if the process ends first, or after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.err)):
+            if self.proc.poll() is not None:
+                for t in self._threads:
+                    t.join(5)
+                if any(text in line for line in self.err):
+                    return
+                raise AssertionError(f"exited {self.proc.returncode} without saying {text!r}: {''.join(self.err)}")
+            assert time.monotonic() < deadline, f"{text!r} not said within {timeout} s: {''.join(self.err)}"
+            time.sleep(0.02)
+
+    def communicate(self, timeout: float = 120) -> tuple[str, str]:
+        """Wait for the process to end: (stdout, stderr), as Popen.communicate gives them."""
+        self.proc.wait(timeout)
+        for t in self._threads:
+            t.join(timeout)
+        return "".join(self.out), "".join(self.err)
+
+
+@pytest.fixture
+def hold(tmp_path):
+    """hold(k) -> Hold: a run's workers held at their k-th task (see Hold); released at the test's end."""
+    made: list[Hold] = []
+
+    def make(k: int) -> Hold:
+        h = Hold(tmp_path / f"hold-{len(made)}", k)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.release()
+
+
+def wait_written(build: Path, k: int, proc: subprocess.Popen | None = None, timeout: float = 240) -> int:
+    """Return once the run on `build` has committed `k` `written` events (asked of the running owner), with
+    their count; AssertionError if the run `proc` ends first, or after `timeout`."""
+    from builder.log.query import run_query  # noqa: PLC0415
+
     deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        with contextlib.suppress(FileNotFoundError):
-            if wal.stat().st_size >= wal_bytes:
-                return
-        time.sleep(0.02)
+    n = -1
+    while n < k:
+        assert proc is None or proc.poll() is None, f"the run ended (exit {proc.returncode}) with {n} written"
+        assert time.monotonic() < deadline, f"{n} of {k} samples written after {timeout} s"
+        with contextlib.suppress(Exception):  # the owner may be starting
+            n = run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+        if n < k:
+            time.sleep(0.05)
+    return n
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -84,6 +172,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _cli_environment():
+    """(first of the autouse fixtures) The environment this test starts with: the CLI runs in this process only
+    while the test changed nothing in it that a module reads at import (tests/cli_runner.py)."""
+    note_environment()
+
+
+@pytest.fixture(autouse=True)
 def _private_weights_cache(tmp_path, monkeypatch):
     """Model-file digests (extract/weights.py) are cached per test, never in the user's ~/.cache."""
     monkeypatch.setenv("HSBUILD_CACHE_DIR", str(tmp_path / "hsbuild-cache"))
@@ -102,19 +197,20 @@ def make_build(tmp_path):
     return make
 
 
-def hsbuild(*args: str, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cp = subprocess.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
-                        timeout=timeout, env=env, **kw)
-    if check and cp.returncode != 0:
-        raise AssertionError(f"hsbuild {args} exited {cp.returncode}\nstdout:{cp.stdout}\nstderr:{cp.stderr}")
-    return cp
+@pytest.fixture
+def cli():
+    """hsbuild(*args, check=False, timeout=300, cwd=, env=, input=) -> CompletedProcess: the CLI's `main` run in
+    this process as a fresh process would run it (tests/cli_runner.py says what it gives, and which calls still
+    get a real process)."""
+    return hsbuild
 
 
 @pytest.fixture
-def cli():
-    return hsbuild
+def cli_proc():
+    """The same, always as a real `python -m builder.cli` process: for what only a process has (signals from
+    outside, kill -9, the interpreter's own exit codes, a second owner of a build at once, environment variables
+    read at import)."""
+    return hsbuild_proc
 
 
 def fake_nvml_module():

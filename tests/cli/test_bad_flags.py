@@ -61,6 +61,7 @@ RUN = [(["--workers", "0"], None), (["--workers", "-1"], None), (["--workers", "
        (["--device", "cuda:x"], None), (["--inflight", "0"], None), (["--launch"], None),
        (["--batch-tokens", "-1"], None), (["--batch-tokens", "many"], None),
        (["--ray", "nowhere"], None), (["--ray", "head:99999"], None),
+       (["--metrics", "9400"], None), (["--metrics", "127.0.0.1:70000"], None),
        (["--source", "/nonexistent.jsonl"], None), *WATERMARKS]
 
 
@@ -224,11 +225,11 @@ def test_every_subcommand_and_value_flag_has_a_bad_value_case(tmp_path):
 
 @pytest.mark.parametrize("flags", [["--codec", "zstd:99"], ["--codec", "blosc-lz4:99"], ["--staging", "/nonexistent"]],
                          ids=["zstd-99", "blosc-99", "staging-missing"])
-def test_reported_init_flags_refused_by_the_real_command(tmp_path, cli, flags):
+def test_reported_init_flags_refused_by_the_real_command(tmp_path, cli_proc, flags):
     """The cases a user hit (a ValueError traceback; 'created build' then a FileNotFoundError traceback; every
     sample failing later), through the installed entry point: exit 2, one line naming the flag, no build."""
     src = write_jsonl(tmp_path / "src.jsonl", random_rows(2))
-    cp = cli("init", tmp_path / "b", "--source", src, "--model", MODEL, *flags)
+    cp = cli_proc("init", tmp_path / "b", "--source", src, "--model", MODEL, *flags)  # the real process
     err = cp.stderr.strip()
     assert cp.returncode == 2, cp.stdout + cp.stderr
     assert err.startswith(f"hsbuild init: error: {flags[0]} ") and "\n" not in err and "Traceback" not in err, err

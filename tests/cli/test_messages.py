@@ -93,12 +93,15 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli):
-    build = make_build(400)  # tiny samples: a run of them is over in seconds
+def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli, hold):
+    n = 12
+    build = make_build(n)
     lay = layout(build)
-    # one sample a group: the first `written` commits at once, long before the run could end by itself (a run
-    # that already finished would take the Ctrl-Cs after releasing its lock, and test nothing)
-    env = dict(os.environ, HSBUILD_GROUP_SAMPLES="1")
+    # one sample a group: the first `written` commits at once; and the worker holds with its 3rd sample started
+    # (the test hook), so the run cannot end by itself before the Ctrl-Cs (a run that already finished would take
+    # them after releasing its lock, and test nothing)
+    h = hold(3)
+    env = dict(h.env, HSBUILD_GROUP_SAMPLES="1")
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--workers", "1", "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     err: list[str] = []
@@ -106,14 +109,16 @@ def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli):
     reader.start()
     workers: list[int] = []
     try:
+        h.wait(proc=p)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (status_snapshot(lay).get("done", 0) >= 1 and _children(p.pid)):
+        while time.monotonic() < deadline and not (status_snapshot(lay).get("done", 0) >= 1 and _children(p.pid)
+                                                   and status_snapshot(lay).get("started", 0) >= 1):
             time.sleep(0.1)
         workers = _children(p.pid)
         assert workers, "".join(err)
         for w in workers:  # hold the workers mid-run: the first Ctrl-C's safe stop waits for them
             os.kill(w, signal.SIGSTOP)
-        assert status_snapshot(lay).get("done", 0) < 400, "the run ended before it could be interrupted"
+        assert status_snapshot(lay).get("done", 0) < n, "the run ended before it could be interrupted"
         p.send_signal(signal.SIGINT)
         while time.monotonic() < deadline and not any("stopping at a safe point" in line for line in err):
             time.sleep(0.05)

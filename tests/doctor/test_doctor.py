@@ -408,15 +408,18 @@ def test_doctor_on_this_machine_cpu_mode_and_real_disk(make_build, cli):
     assert cp.returncode == EXIT_PREFLIGHT and json.loads(cp.stdout)["problems"] >= 1
 
 
-def test_stale_lock_from_a_sigkilled_run_is_reported_and_taken_over(make_build, cli, monkeypatch):
+def test_stale_lock_from_a_sigkilled_run_is_reported_and_taken_over(make_build, cli, monkeypatch, hold):
     fake_gpu_env(monkeypatch, None, cuda=False)
-    lay = layout(make_build(n=3000))  # enough that the run (one worker a core) is still going at the kill
+    lay = layout(make_build(n=12))
+    h = hold(5)  # the run is still going at the kill, for certain: its worker holds with its 5th sample started
     run = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(lay.root), "--no-progress"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
     try:
+        h.wait(proc=run)
         deadline = time.monotonic() + 30
         written = 0
-        while written < 3:
+        while written < 3:  # the 4 before it are written (one a group)
             assert run.poll() is None and time.monotonic() < deadline, "the run ended or never got going"
             if inspect_lock(lay).held:
                 try:

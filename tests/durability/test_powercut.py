@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import hsbuild
 from powercut_fixture import fsync_dir
 
 from builder.extract.demo import write_demo_source
@@ -24,8 +25,9 @@ RUN_ARGS = ["--no-progress", "--low", "0.999", "--high", "0.999", "--flood", "0.
 
 
 def hs(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+    """A command that only reads (status, sql, verify: in this process, tests/cli_runner.py); the runs that the
+    power cut hits are real processes (`fs.run`, `fs.popen`)."""
+    return hsbuild(*args, cwd=cwd, timeout=timeout)
 
 
 N = 150  # samples: the run (one worker a core) is still going at a cut after up to 30 acknowledged

@@ -20,17 +20,20 @@ import sys
 import time
 
 import pytest
+from conftest import Hold, hsbuild
 
 from builder.extract.demo import write_demo_source
 from builder.layout import layout
 from builder.log.query import run_query, status_snapshot
 
 RUN_ARGS = ["--no-progress", "--low", "0.999", "--high", "0.999", "--flood", "0.9999", "--workers", "1"]
-ENV = {"HSBUILD_STALL_S": "3"}
-N = 60  # the run is still going after the 5th sample (about 1 a second on this FUSE filesystem)
+ENV = {"HSBUILD_STALL_S": "3", "HSBUILD_GROUP_SAMPLES": "1"}
+N = 30  # after the thaw the run goes on long enough for the stall watch to see the stall end (`unstalled`)
 
 
 def hs(*args, timeout=300) -> subprocess.CompletedProcess:
+    """The CLI as a real process (`hsbuild` runs it in this one): for a command that could hang on the stalled
+    volume, which only a process can be timed out of."""
     return subprocess.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout)
 
@@ -42,22 +45,29 @@ def _written(build) -> int:
         return -1
 
 
-def _start(fs, tmp_path) -> tuple[subprocess.Popen, object]:
+def _start(fs, tmp_path) -> tuple[subprocess.Popen, object, int]:
+    """A run that has written 5 samples and is held (the test hook, builder/run/testhook.py) with its 6th in
+    hand: the volume is stalled, then the worker let go, so its next write certainly hangs, mid-run. Returns the
+    run, the build, and the samples written (acknowledged) before the stall."""
     src = write_demo_source(tmp_path / "src.jsonl", n=N)
     assert fs.run(["init", "B", "--source", src]).returncode == 0
     build = fs.path("B")
-    p = fs.popen(["run", "B", *RUN_ARGS], env=ENV)
+    hold = Hold(tmp_path / "hold", 6)
+    p = fs.popen(["run", "B", *RUN_ARGS], env={**hold.env, **ENV})
+    hold.wait(1, p)
     deadline = time.monotonic() + 240
     while p.poll() is None and _written(build) < 5 and time.monotonic() < deadline:
         time.sleep(0.3)
-    assert p.poll() is None and _written(build) >= 5, "the run ended (or never wrote) before the stall"
-    return p, build
+    acked = _written(build)
+    assert p.poll() is None and acked >= 5, "the run ended (or never wrote) before the stall"
+    fs.stall()
+    hold.release()
+    return p, build, acked
 
 
 def test_a_stalled_volume_is_named_and_the_run_lives_through_it(powercut, tmp_path):
     fs = powercut(threads=True)
-    p, build = _start(fs, tmp_path)
-    fs.stall()
+    p, build, _ = _start(fs, tmp_path)  # (stalled)
     try:
         answers = []
         deadline = time.monotonic() + 25
@@ -87,37 +97,35 @@ def test_a_stalled_volume_is_named_and_the_run_lives_through_it(powercut, tmp_pa
     assert "STALLED:" in err and str(fs.mnt) in err and "unstalled" in err, err[-3000:]
     check = next(c for c in json.loads(doc.stdout)["checks"] if c["name"] == "storage.stall")
     assert check["status"] == "fail" and "Ceph" in check["summary"] and "NFS" in check["summary"], check
-    r = hs("sql", "--json", build, "SELECT kind, json_extract(detail, '$.duration_s')::DOUBLE AS d FROM events "
-                                   "WHERE kind IN ('stalled', 'unstalled') ORDER BY seq")
+    r = hsbuild("sql", "--json", build, "SELECT kind, json_extract(detail, '$.duration_s')::DOUBLE AS d "
+                                        "FROM events WHERE kind IN ('stalled', 'unstalled') ORDER BY seq")
     kinds = json.loads(r.stdout)
     assert [k["kind"] for k in kinds][:2] == ["stalled", "unstalled"] and kinds[1]["d"] >= 10, kinds
-    r = hs("sql", "--json", build, "SELECT count(*) AS n, count(DISTINCT sample_id) AS d FROM events "
-                                   "WHERE kind = 'written'")
+    r = hsbuild("sql", "--json", build, "SELECT count(*) AS n, count(DISTINCT sample_id) AS d FROM events "
+                                        "WHERE kind = 'written'")
     assert json.loads(r.stdout) == [{"n": N, "d": N}]
-    v = hs("verify", build)
+    v = hsbuild("verify", build)
     assert v.returncode == 0, v.stdout + v.stderr
 
 
 def test_kill_9_during_a_stall_then_a_power_cut_loses_nothing_committed(powercut, tmp_path):
     fs = powercut(threads=True)
-    p, build = _start(fs, tmp_path)
-    acked = _written(build)
-    fs.stall()
+    p, build, acked = _start(fs, tmp_path)  # (stalled)
     time.sleep(5)
     os.killpg(p.pid, signal.SIGKILL)  # (it dies once its stuck requests return: at the crash)
     report = fs.crash()
     assert report is not None
     fs.remount()
-    r = hs("sql", "--json", build, "SELECT count(*) AS n FROM events WHERE kind = 'written'")
+    r = hsbuild("sql", "--json", build, "SELECT count(*) AS n FROM events WHERE kind = 'written'")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)[0]["n"] >= acked
-    assert hs("verify", build).returncode == 0
+    assert hsbuild("verify", build).returncode == 0
     r = fs.run(["resume", "B", *RUN_ARGS])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = hs("sql", "--json", build, "SELECT count(*) AS n, count(DISTINCT sample_id) AS d FROM events "
-                                   "WHERE kind = 'written'")
+    r = hsbuild("sql", "--json", build, "SELECT count(*) AS n, count(DISTINCT sample_id) AS d FROM events "
+                                        "WHERE kind = 'written'")
     assert json.loads(r.stdout) == [{"n": N, "d": N}]
-    assert hs("verify", build).returncode == 0
+    assert hsbuild("verify", build).returncode == 0
 
 
 @pytest.fixture(autouse=True)

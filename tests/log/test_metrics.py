@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from conftest import hsbuild
 from prometheus_client.parser import text_string_to_metric_families
 
 from builder.log.metrics import MetricsAddressError, StatusCollector, parse_address
@@ -33,7 +34,7 @@ def _scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 
 def _status(build) -> dict:
-    cp = subprocess.run([*HSBUILD, "status", str(build), "--json"], capture_output=True, text=True, timeout=60)
+    cp = hsbuild("status", build, "--json", timeout=60)
     assert cp.returncode == 0, cp.stderr
     return json.loads(cp.stdout)
 
@@ -72,8 +73,7 @@ def _wait_for(p: subprocess.Popen, text: str, timeout: float = 120) -> str:
 
 def test_a_paused_runs_metrics_equal_its_status_and_name_the_pause(make_build):
     build = make_build(n=30)
-    assert subprocess.run([*HSBUILD, "run", str(build), "--limit", "10", "--no-progress"],
-                          capture_output=True, timeout=300).returncode == 0
+    assert hsbuild("run", build, "--limit", "10", "--no-progress").returncode == 0
     # --min-free beyond any disk: the run pauses before its first write and stays paused (its figures still)
     p, url = _start(build, "--min-free", "1000T", "--allow-overcommit")
     try:
@@ -101,12 +101,12 @@ def test_a_paused_runs_metrics_equal_its_status_and_name_the_pause(make_build):
                                        ("run_id", st["run_id"])))] == 1
         assert 0 < m[("hsbuild_disk_usage_ratio", ())] < 1
         # status as text: the pause's reason on its own line, no ETA while paused
-        text = subprocess.run([*HSBUILD, "status", str(build)], capture_output=True, text=True, timeout=60).stdout
+        text = hsbuild("status", build, timeout=60).stdout
         assert any(ln.startswith("PAUSED:  min_free") for ln in text.splitlines()), text
         assert not re.search(r"ETA \d", text), text
         # the going run's duration counts the time paused (no events while paused)
         time.sleep(max(0.0, 3 - (time.monotonic() - paused_at)))
-        text = subprocess.run([*HSBUILD, "status", str(build)], capture_output=True, text=True, timeout=60).stdout
+        text = hsbuild("status", build, timeout=60).stdout
         took = re.search(r"^run: +this run: (\d+)m(\d+)s so far, 0 written", text, re.M)
         assert took and 60 * int(took[1]) + int(took[2]) >= int(time.monotonic() - paused_at), text
     finally:
@@ -143,21 +143,18 @@ def test_metrics_answer_while_the_run_writes(make_build):
 
 def test_a_bad_or_taken_metrics_address_is_refused_in_one_line_and_nothing_starts(make_build):
     build = make_build(n=5)
-    cp = subprocess.run([*HSBUILD, "run", str(build), "--metrics", "localhost"], capture_output=True, text=True,
-                        timeout=120)
+    cp = hsbuild("run", build, "--metrics", "localhost", timeout=120)
     assert cp.returncode == 2 and "--metrics" in cp.stderr and "HOST:PORT" in cp.stderr, cp.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cp = subprocess.run([*HSBUILD, "run", str(build), "--metrics", f"127.0.0.1:{port}", "--no-progress"],
-                            capture_output=True, text=True, timeout=120)
+        cp = hsbuild("run", build, "--metrics", f"127.0.0.1:{port}", "--no-progress", timeout=120)
     assert cp.returncode == 2, cp.stderr
     err = [ln for ln in cp.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and f"--metrics 127.0.0.1:{port}" in err[0] and "free port" in err[0], cp.stderr
     assert _status(build)["written"] == 0  # nothing ran
-    assert subprocess.run([*HSBUILD, "run", str(build), "--no-progress"], capture_output=True,
-                          timeout=300).returncode == 0  # and the lock was released
+    assert hsbuild("run", build, "--no-progress").returncode == 0  # and the lock was released
 
 
 def test_addresses():

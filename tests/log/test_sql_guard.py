@@ -115,14 +115,19 @@ def test_idle_build_cannot_be_changed_by_any_statement(make_build, tmp_path, cap
     assert run_query(lay, "SELECT count(*) FROM samples")[1] == [[5]]  # still readable
 
 
-def test_live_run_log_cannot_be_changed_by_any_statement(make_build, tmp_path, capsys):
-    build = make_build(3000, seed=5)  # still going after the attacks (it is stopped with Ctrl-C)
+def test_live_run_log_cannot_be_changed_by_any_statement(make_build, tmp_path, capsys, hold):
+    build = make_build(12, seed=5)
     lay = layout(build)
     out = tmp_path / "out"
     out.mkdir()
+    # still going after the attacks, for certain: its worker holds with its 5th sample started (the test hook) until
+    # the Ctrl-C that stops it; the 4 before it written one a group
+    h = hold(5)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
     try:
+        h.wait(proc=p)
         deadline = time.monotonic() + 120
         while True:
             assert p.poll() is None and time.monotonic() < deadline, "the run ended or never got going"
@@ -143,6 +148,7 @@ def test_live_run_log_cannot_be_changed_by_any_statement(make_build, tmp_path, c
         assert n == top  # no gap: nothing deleted
     finally:
         p.send_signal(signal.SIGINT)
+        h.release()
         _, err = p.communicate(timeout=120)
     assert p.returncode in (0, 130), err
     rows = log_rows(lay)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import hsbuild
 from test_run import assert_bit_exact
 
 from builder.layout import layout
@@ -71,8 +72,7 @@ def test_sigkill_at_random_moments_then_resume(make_build):
     assert kills >= 7, f"only {kills} kills landed; the workload is too small for this machine"
     assert mid_run_kills >= 4, f"only {mid_run_kills} kills landed while samples were being written"
 
-    final = subprocess.run([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress"],
-                           capture_output=True, text=True, timeout=600)
+    final = hsbuild("resume", build, "--no-progress", timeout=600)
     assert final.returncode == 0, final.stderr
 
     with EventLog(layout(build).events, read_only=True) as log:

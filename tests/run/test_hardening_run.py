@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SLOWER, random_rows, write_jsonl
+from conftest import Watched, random_rows, wait_written, write_jsonl
 from test_run import _children
 
 from builder.layout import layout
@@ -312,23 +312,26 @@ def _written(build) -> int:
         return -1
 
 
-def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_build, cli):
+def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_build, cli, hold):
     """`kill -TERM -- -PGID` (systemd, `timeout`) reaches the coordinator and its workers alike. Three such
     stops in a row must each end at a safe point (exit 130), and no healthy sample may be failed for it."""
-    build = make_build(2000, seed=27)  # enough that three runs, each stopped a moment in, leave work to resume
+    n = 40
+    build = make_build(n, seed=27)
     for _ in range(3):
-        before = _written(build)
-        # groups made durable every 0.3 s: the first `written` comes a moment in, not with the run's whole rest
+        # each run stopped a moment in, for certain: each worker holds with its 4th sample started (the test
+        # hook), the 3 before it staged in a group (made durable every 0.3 s, or at the stop), until the stop
+        # is under way; three runs leave work to resume
+        h = hold(4)
         p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
                               "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, env={**os.environ, "HSBUILD_GROUP_SECONDS": "0.3"})
+                             start_new_session=True, env={**h.env, "HSBUILD_GROUP_SECONDS": "0.3"})
+        w = Watched(p)
         try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and p.poll() is None and _written(build) < before + 3:
-                time.sleep(0.2)
-            assert p.poll() is None, "the run finished before it could be stopped; give it more samples"
+            h.wait(proc=p)
             os.killpg(p.pid, signal.SIGTERM)
-            out, err = p.communicate(timeout=120)
+            w.wait_for("stopping at a safe point")
+            h.release()
+            out, err = w.communicate(timeout=120)
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -339,31 +342,30 @@ def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_buil
         assert failed == [], (failed, err)
     cp = cli("resume", build, "--no-progress")
     assert cp.returncode == 0, cp.stderr
-    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": 2000}]
+    assert _events(build, "SELECT state, count(*) AS n FROM samples GROUP BY 1") == [{"state": "written", "n": n}]
 
 
-def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishes(make_build, cli):
+def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishes(make_build, cli, hold):
     """A worker frozen by SIGSTOP never finishes its sample. One Ctrl-C must still end the run (after a bound,
     here 3 s via HSBUILD_STOP_GRACE), name the worker, and leave its sample to resume, not fail it."""
-    # samples slow enough (a wider model, longer rows: ~0.1 s each) that the run is far from its end when a
-    # worker is frozen: at its end, the worker to freeze may have said `exit` already (tiny samples: 300 in 1 s)
-    n = 80
-    build = make_build(rows=random_rows(n, seed=28, lo=200, hi=300), model=SLOWER)
+    # far from its end when a worker is frozen, for certain: each worker holds with its 4th sample started (the
+    # test hook), the 3 before it written (one a group). Enough samples that both get 4, although a worker may
+    # queue 64 small ones (QUEUE_SAMPLES) before the other is ready
+    n = 100
+    build = make_build(n, seed=28)
+    h = hold(4)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**os.environ, "HSBUILD_STOP_GRACE": "3"})
+                         env={**h.env, "HSBUILD_STOP_GRACE": "3", "HSBUILD_GROUP_SAMPLES": "1"})
     try:
-        deadline = time.monotonic() + 120
-        workers: list[int] = []
-        while time.monotonic() < deadline and p.poll() is None:
-            workers = [c for c in _children(p.pid) if b"spawn_main" in _cmdline(c)]
-            if len(workers) == 2 and _written(build) >= 3:
-                break
-            time.sleep(0.2)
-        assert p.poll() is None and len(workers) == 2
-        frozen = workers[0]
+        held = h.wait(workers=2, proc=p)
+        wait_written(build, 3, p)
+        workers = [c for c in _children(p.pid) if b"spawn_main" in _cmdline(c)]
+        assert p.poll() is None and len(workers) == 2 and held[0] in workers, (held, workers)
+        frozen = held[0]
         os.kill(frozen, signal.SIGSTOP)
         p.send_signal(signal.SIGINT)
+        h.release()  # the other worker goes on to a safe point; the frozen one cannot
         try:
             out, err = p.communicate(timeout=90)
         except subprocess.TimeoutExpired:

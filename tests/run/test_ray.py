@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 from conftest import SLOWER, random_rows
@@ -62,12 +63,24 @@ def verify_clean(cli, build) -> None:
     assert cp.returncode == 0, cp.stdout + cp.stderr
 
 
+def _per_node_written(url: str) -> dict[str, float]:
+    """{node: samples written} from a scrape of the run's --metrics endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["node"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "hsbuild_node_samples_written"}
+
+
 def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build, cli):
     c, nodes = cluster
     # big enough that each sample takes a while: the node goes while it still has work
     build = make_build(rows=random_rows(48, seed=7, lo=400, hi=800), model=SLOW)
     lay = layout(build)
     removed: list[str] = []
+    said: list[str] = []
+    scraped: list[dict] = []
 
     def remove_a_node_once_samples_land() -> None:
         deadline = time.monotonic() + 240
@@ -82,6 +95,8 @@ def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build
             # a node whose worker has written a sample, while most samples are still to do
             victim = next((n for n in nodes if done.get(placed.get(n.node_id), 0) >= 1), None)
             if victim is not None and sum(done.values()) < 24:
+                url = next(ln.split()[-1] for ln in said if ln.startswith("metrics: http://"))
+                scraped.append(_per_node_written(url))  # --metrics: per node, before the node goes
                 c.remove_node(victim)
                 removed.append(victim.node_id)
                 return
@@ -89,9 +104,10 @@ def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build
 
     remover = threading.Thread(target=remove_a_node_once_samples_land, daemon=True)
     remover.start()
-    report = run_build(build, RunOptions(ray=c.address, workers=3))
+    report = run_build(build, RunOptions(ray=c.address, workers=3, metrics="127.0.0.1:0"), echo=said.append)
     remover.join(timeout=10)
     assert removed, "no node was removed mid-run"
+    assert scraped and len(scraped[0]) == 3 and 1 <= sum(scraped[0].values()) < 48, scraped  # every node's series
     assert (report.outcome, report.exit_code) == ("completed", 0), report.messages
     assert sorted(written_once(build)) == sorted(f"s{i:04d}" for i in range(48))
     with EventLog(lay.events, read_only=True) as log:
@@ -162,16 +178,19 @@ def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle
     assert assert_bit_exact(build, model=SLOWER) == n
 
 
-def test_the_driver_killed_then_resumed_on_the_same_cluster(cluster, make_build, cli):
+def test_the_driver_killed_then_resumed_on_the_same_cluster(cluster, make_build, cli, hold):
     c, _ = cluster
     build = make_build(rows=random_rows(30, seed=8, lo=200, hi=400), model=SLOW)
     lay = layout(build)
-    # samples land one by one (the driver passes HSBUILD_* settings on to its actors): the kill comes mid-run
-    env = {**os.environ, "HSBUILD_GROUP_SAMPLES": "1"}
+    # samples land one by one (the driver passes HSBUILD_* settings on to its actors), and the kill comes mid-run
+    # for certain: each worker holds with its 5th sample started (the test hook, HSBUILD_TEST_HOLD passed on too)
+    h = hold(5)
+    env = {**h.env, "HSBUILD_GROUP_SAMPLES": "1"}
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--ray", c.address,
                           "--workers", "2", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)
     try:
+        h.wait(proc=p)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and status_snapshot(lay).get("done", 0) < 4 and p.poll() is None:
             time.sleep(0.2)

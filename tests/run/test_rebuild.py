@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import wait_for_commits
+from conftest import wait_written
 from test_run import assert_bit_exact
 
 from builder.formats.reader import HiddenStateDataset
@@ -60,17 +60,22 @@ def test_a_damaged_log_is_kept_aside_and_rebuilt(make_build, cli):
     assert cp.returncode == 0, cp.stdout + cp.stderr
 
 
-def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli):
+def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli, hold):
     """kill -9 mid-run, then the WAL is lost: the log rolls back to `init`. Resume finds the durable samples in
     the segments' manifests, checks their bytes and records them instead of extracting everything again."""
-    n = 1500  # the run (one worker a core) must still be going when killed
+    n = 60
     build = make_build(n=n)
     lay = layout(build)
     wal = lay.wal
+    # the run must still be going when killed, for certain: its worker holds with its 21st sample started (the
+    # test hook), the 20 before it made durable in groups of 4 and committed
+    h = hold(21)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "4"})
     # killed once its WAL holds commits, and before the run's end (whose closing checkpoint folds the WAL away)
-    wait_for_commits(build, p)
+    h.wait(proc=p)
+    wait_written(build, 20, p)
     assert p.poll() is None, "the run ended before it could be killed"
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()

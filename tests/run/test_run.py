@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from conftest import random_rows, same_states, wait_for_commits, write_jsonl
+from conftest import Watched, random_rows, same_states, wait_written, write_jsonl
 from torch.utils.data import DataLoader
 
 from builder.config import BuildConfig
@@ -154,14 +154,22 @@ def test_init_refuses_existing_build_unless_force(make_build, cli, tmp_path):
     assert cp.returncode == 0, cp.stderr
 
 
-def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli):
-    build = make_build(1500, seed=3)  # still going at the Ctrl-C (one worker a core)
+def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli, hold):
+    n = 40
+    build = make_build(n, seed=3)
+    # still going at the Ctrl-C, for certain: the worker holds with its 13th sample started (the test hook), the
+    # 10 before it written (groups of 5) and two more staged in its next group
+    h = hold(13)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_commits(build, p)  # samples are being written
-    assert p.poll() is None, "the run ended before the Ctrl-C"
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "5"})
+    w = Watched(p)
+    h.wait(proc=p)
+    wait_written(build, 10, p)  # samples are being written
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    w.wait_for("stopping at a safe point")  # the stop is under way: now the worker may go on
+    h.release()
+    out, err = w.communicate(timeout=60)
     assert p.returncode == 130, err
     assert "hsbuild resume" in out
     with EventLog(layout(build).events, read_only=True) as log:
@@ -171,7 +179,7 @@ def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli):
     assert "started" not in states  # stopped between samples: nothing left in flight
     cp = cli("resume", build, "--no-progress")
     assert cp.returncode == 0, cp.stderr
-    assert assert_bit_exact(build) == 1500
+    assert assert_bit_exact(build) == n
     assert os.path.exists(layout(build).lock)
 
 
@@ -187,16 +195,25 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_a_worker_killed_mid_run_stops_the_run_safely(make_build, cli):
-    n = 1500  # still going when a worker is killed
+def test_a_worker_killed_mid_run_stops_the_run_safely(make_build, cli, hold):
+    # still going when a worker is killed, for certain: each worker holds with its 6th sample started (the test
+    # hook). Enough samples that both get 6, although a worker may queue 64 small ones (QUEUE_SAMPLES) before
+    # the other is ready (an idle worker is told to stop: it would not be there to count)
+    n = 100
     build = make_build(n, seed=4)
+    h = hold(6)
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_commits(build, p, wal_bytes=16 << 10)  # samples are being written
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
+    w = Watched(p)
+    victim = h.wait(workers=2, proc=p)[0]
+    wait_written(build, 5, p)  # samples are being written
     workers = [c for c in _children(p.pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    assert p.poll() is None and len(workers) == 2, "the run ended before a worker could be killed"
-    os.kill(workers[0], signal.SIGKILL)  # e.g. the OOM killer
-    out, err = p.communicate(timeout=120)
+    assert p.poll() is None and len(workers) == 2 and victim in workers, (victim, workers)
+    os.kill(victim, signal.SIGKILL)  # e.g. the OOM killer
+    w.wait_for("died (exit code -9)")  # the run knows: the other worker may go on
+    h.release()
+    out, err = w.communicate(timeout=120)
     assert p.returncode == 1, err
     assert "died (exit code -9)" in err and "hsbuild resume" in out
     with EventLog(layout(build).events, read_only=True) as log:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOMY, random_rows, wait_for_commits, write_jsonl
+from conftest import ROOMY, random_rows, wait_written, write_jsonl
 
 from builder.errors import DiskFullError
 from builder.layout import layout
@@ -154,23 +154,32 @@ class Hog(threading.Thread):
             os.close(fd)
 
 
-def test_a_run_whose_log_cannot_commit_stops_safely_and_resumes(tmp_path, tmpfs, cli):
+def test_a_run_whose_log_cannot_commit_stops_safely_and_resumes(tmp_path, tmpfs, cli, hold):
     """Another writer takes every freed byte, the run's released ballast included: the run pauses; asked to
     stop, it cannot commit its last events, waits HSBUILD_COMMIT_WAIT, and stops in one line (exit 3), or
     commits them into the log's last page (exit 130). Either way: no traceback, and resume completes."""
-    n = 600  # far from its end when the hog starts (tiny samples: about a thousand a second)
+    n = 40
     build = make(tmp_path, tmpfs, n)
-    env = {**os.environ, "HSBUILD_COMMIT_WAIT": "8", "PYTHONUNBUFFERED": "1"}
+    # far from its end when the hog starts, for certain: the worker holds with its 11th sample started (the test
+    # hook), the 10 before it written (one a group), until the volume is full
+    h = hold(11)
+    env = {**h.env, "HSBUILD_COMMIT_WAIT": "8", "PYTHONUNBUFFERED": "1", "HSBUILD_GROUP_SAMPLES": "1"}
     # watermarks off: only real ENOSPC stops the writes
     p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--high", "1.0",
                           "--low", "0.9", "--flood", "1.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)
     hog = Hog(tmpfs / "hog.bin")
     try:
-        wait_for_commits(build, p, wal_bytes=16 << 10)  # samples are being written
+        h.wait(proc=p)
+        wait_written(build, 10, p)  # samples are being written
         assert p.poll() is None, "the run ended before the disk filled: " + p.stderr.read()
         os.link(build / ".ballast", tmpfs / "ballast.held")  # the ballast's release will free nothing
         hog.start()
+        deadline = time.monotonic() + 60
+        while os.statvfs(tmpfs).f_bavail > 0:  # the volume is full: the worker's next write meets ENOSPC
+            assert time.monotonic() < deadline, "the hog did not fill the volume"
+            time.sleep(0.01)
+        h.release()
         deadline = time.monotonic() + 120
         while p.poll() is None:
             cp = cli("status", build, "--json")
