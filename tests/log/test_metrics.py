@@ -39,11 +39,11 @@ def _status(build) -> dict:
     return json.loads(cp.stdout)
 
 
-def _start(build, *flags: str) -> tuple[subprocess.Popen, str]:
+def _start(build, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`hsbuild run BUILD --metrics 127.0.0.1:0 FLAGS` and the URL it prints (port 0: any free one)."""
     p = subprocess.Popen([*HSBUILD, "run", str(build), "--metrics", "127.0.0.1:0", "--no-progress", *flags],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         env={**(env or os.environ), "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 120
     lines = []
     while time.monotonic() < deadline:
@@ -117,28 +117,32 @@ def test_a_paused_runs_metrics_equal_its_status_and_name_the_pause(make_build):
         urllib.request.urlopen(url, timeout=5)
 
 
-def test_metrics_answer_while_the_run_writes(make_build):
-    """Scraped again and again during a real run: every scrape is whole (the states add up to the build's
-    samples), the written count only grows, and the run's end closes the endpoint."""
-    build = make_build(n=60)
-    p, url = _start(build, "--workers", "1")
-    written: list[float] = []
+def test_a_writing_runs_metrics_equal_its_status(make_build, hold):
+    """A run that is writing (not paused), held by the test hook before its 6th sample with 5 durable: a scrape
+    and `status --json` give the same counts; let go, it finishes and the run's end closes the endpoint."""
+    build = make_build(n=12)
+    h = hold(6)
+    p, url = _start(build, "--workers", "1", env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
     try:
-        while p.poll() is None:
-            try:
-                m = _scrape(url)
-            except (urllib.error.URLError, ConnectionError):
-                break  # the run ended between two scrapes
-            states = {k[1][0][1]: v for k, v in m.items() if k[0] == "hsbuild_samples"}
-            if states:
-                assert sum(states.values()) == m[("hsbuild_samples_in_build", ())] == 60
-                written.append(states["written"])
-            time.sleep(0.05)
+        h.wait(1, p)
+        deadline = time.monotonic() + 60
+        while _status(build)["written"] < 5 and time.monotonic() < deadline:  # the 5th's events committed
+            time.sleep(0.1)
+        m = _scrape(url)
+        st = _status(build)
+        assert st["running"] and not st["paused"] and st["written"] == 5, st
+        for state in ("pending", "started", "written", "failed"):
+            assert m[("hsbuild_samples", (("state", state),))] == st[state], state
+        assert m[("hsbuild_tokens", (("state", "done"),))] == st["tokens_done"]
+        assert m[("hsbuild_written_bytes", ())] == st["bytes_done"]
+        assert m[("hsbuild_paused", (("reason", ""),))] == 0
     finally:
+        h.release()
         out = p.communicate(timeout=300)[0]
     assert p.returncode == 0, out
-    assert written and written == sorted(written)
-    assert _status(build)["written"] == 60
+    assert _status(build)["written"] == 12
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)
 
 
 def test_a_bad_or_taken_metrics_address_is_refused_in_one_line_and_nothing_starts(make_build):
