@@ -8,39 +8,14 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import threading
 import time
 
-from conftest import Hold
+from conftest import Hold, Watched, hsbuild
 
 from builder.extract.demo import write_demo_source
 
 RUN_ARGS = ["--no-progress", "--low", "0.999", "--high", "0.999", "--flood", "0.9999", "--workers", "1"]
 N = 12
-
-
-def hs(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-class _Lines:
-    """A process's stderr, read as it comes (a thread), for `wait_for`."""
-
-    def __init__(self, stream):
-        self.lines: list[str] = []
-        self._t = threading.Thread(target=lambda: self.lines.extend(iter(stream.readline, "")), daemon=True)
-        self._t.start()
-
-    def wait_for(self, text: str, timeout: float) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if any(text in ln for ln in list(self.lines)):
-                return time.monotonic() - t0
-            time.sleep(0.05)
-        raise AssertionError(f"{text!r} not said within {timeout} s:\n" + "".join(self.lines))
 
 
 def test_ctrl_c_during_a_stall_says_what_it_waits_for_then_stops_safely(powercut, tmp_path):
@@ -51,29 +26,30 @@ def test_ctrl_c_during_a_stall_says_what_it_waits_for_then_stops_safely(powercut
     hold = Hold(tmp_path / "hold", 6)
     env = {**hold.env, "HSBUILD_STALL_S": "2", "HSBUILD_GROUP_SAMPLES": "1"}
     p = fs.popen(["run", "B", *RUN_ARGS], env=env)
-    err = _Lines(p.stderr)
+    err = Watched(p)
     try:
         hold.wait(1, p)
         fs.stall()
         hold.release()  # the 6th sample is extracted and its write hangs
         err.wait_for("STALLED:", 60)
         p.send_signal(signal.SIGINT)
-        took = err.wait_for("waiting for the stalled", 10)
-        assert took < 5, took  # said at once, not once the volume answers
-        said = next(ln for ln in err.lines if "waiting for the stalled" in ln)
+        t0 = time.monotonic()
+        err.wait_for("waiting for the stalled", 10)
+        assert time.monotonic() - t0 < 5  # said at once, not once the volume answers
+        said = next(ln for ln in err.err if "waiting for the stalled" in ln)
         assert str(fs.mnt) in said and "fuse" in said, said
         time.sleep(3)
         assert p.poll() is None  # it waits for the write (nothing half-done is given up)
     finally:
         fs.thaw()
-    assert p.wait(timeout=120) == 130, "".join(err.lines)
-    out = p.stdout.read()
+    out, _ = err.communicate(timeout=120)
+    assert p.returncode == 130, "".join(err.err)
     assert "interrupted at a safe point" in out, out
-    written = json.loads(hs("sql", "--json", build, "SELECT count(*) AS n FROM events WHERE kind = 'written'").stdout)
+    written = json.loads(hsbuild("sql", "--json", build, "SELECT count(*) AS n FROM events WHERE kind = 'written'").stdout)
     assert written[0]["n"] >= 5
-    assert hs("verify", build).returncode == 0
+    assert hsbuild("verify", build).returncode == 0
     r = fs.run(["resume", "B", *RUN_ARGS])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = hs("sql", "--json", build, "SELECT count(*) AS n, count(DISTINCT sample_id) AS d FROM events "
+    r = hsbuild("sql", "--json", build, "SELECT count(*) AS n, count(DISTINCT sample_id) AS d FROM events "
                                    "WHERE kind = 'written'")
     assert json.loads(r.stdout) == [{"n": N, "d": N}]
