@@ -31,6 +31,9 @@ from builder.run.create import init_build
 # mid-way need a steady stream of `written` events, so in tests a group waits at most this long (the test of
 # grouping itself sets its own bound).
 os.environ.setdefault("HSBUILD_GROUP_SECONDS", "0.3")
+# A run whose vLLM server went away checks for it again at waits doubling up to 30 s; in tests a server comes back
+# within seconds, and a run that noticed it up to 30 s late only made the suite slower
+os.environ.setdefault("HSBUILD_SERVER_RETRY_MAX", "2")
 # Ray (tests/run/test_ray.py): every node of a test cluster, and every driver, on the loopback address only
 # (read by Ray when it is imported: set before any test imports it)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -53,7 +56,13 @@ class Hold:
     def __init__(self, folder: Path, k: int):
         self.folder, self.k = folder, k
         folder.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, testhook.ENV: f"{k}:{folder}"}
+        self.spec = f"{k}:{folder}"
+        self.env = {**os.environ, testhook.ENV: self.spec}
+
+    @staticmethod
+    def together(*holds: Hold) -> dict[str, str]:
+        """The environment for a run held by each of `holds` in turn (at its k-th task, then the next's...)."""
+        return {**os.environ, testhook.ENV: ";".join(h.spec for h in holds)}
 
     def wait(self, workers: int = 1, proc: subprocess.Popen | None = None, timeout: float = 240) -> dict[int, int]:
         """{worker number: pid} of the held workers, once `workers` of them hold (AssertionError if the run

@@ -9,6 +9,9 @@ handed to its backend (with HSBUILD_GROUP_SAMPLES=1 also made durable and report
 at its own K-th task. It waits at most HOLD_MAX_S, then goes on anyway: a test that failed before opening the
 gate never leaves a worker held for good.
 
+Several holds, each with its own folder: "K1:DIR1;K2:DIR2" (a worker holds at its K1-th task on DIR1, and again
+at its K2-th on DIR2).
+
 The test waits for a `reached-*` file, acts, then creates `gate` (tests/conftest.py: the `hold` fixture).
 """
 
@@ -24,24 +27,30 @@ POLL_S = 0.02
 _taken: dict[int, int] = {}  # worker number -> tasks it took so far (this process)
 
 
-def _setting() -> tuple[int, Path] | None:
+def _settings() -> list[tuple[int, Path]]:
     raw = os.environ.get(ENV)
     if not raw:
-        return None
-    k, _, folder = raw.partition(":")
-    return int(k), Path(folder)
+        return []
+    holds = []
+    for one in raw.split(";"):
+        k, _, folder = one.partition(":")
+        holds.append((int(k), Path(folder)))
+    return holds
 
 
 def before_task(worker: int) -> None:
     """Called by a worker for each task it takes, once it said `started` (builder/run/worker.py). Holds at the
     K-th (see above)."""
-    setting = _setting()
-    if setting is None:
+    holds = _settings()
+    if not holds:
         return
-    k, folder = setting
     _taken[worker] = n = _taken.get(worker, 0) + 1
-    if n != k:
-        return
+    for k, folder in holds:
+        if n == k:
+            _hold(worker, folder)
+
+
+def _hold(worker: int, folder: Path) -> None:
     gate = folder / "gate"
     tmp = folder / f".reached-{worker}.tmp"
     tmp.write_text(str(os.getpid()))

@@ -188,24 +188,31 @@ def test_a_server_behind_a_proxy_is_refused_unless_trusted(tmp_path, vllm_server
 
 # -- one staging folder, several builds -------------------------------------------------------------------------
 
-def test_two_builds_share_one_server_and_staging_folder(tmp_path, vllm_server):
+def test_two_builds_share_one_server_and_staging_folder(tmp_path, vllm_server, hold):
     """Both run at once through the same server into the same staging folder; another build's files in its
-    subfolder (a sentinel) and files beside the subfolders are never touched."""
+    subfolder (a sentinel) and files beside the subfolders are never touched. (Both runs are held by the test
+    hook at their 3rd task until both are there: they certainly overlap, whatever their size.)"""
     other = vllm_server.staging / "build-someone-else"
     other.mkdir(exist_ok=True)
     sentinel = other / "x.safetensors"
     sentinel.write_bytes(b"not ours")
     (other / "x.safetensors.lock").write_bytes(b"")
-    builds = [_init(tmp_path, f"b{i}", 150, vllm_server.model, vllm_server.url, vllm_server.staging, seed=20 + i,
+    n = 30
+    builds = [_init(tmp_path, f"b{i}", n, vllm_server.model, vllm_server.url, vllm_server.staging, seed=20 + i,
                     inflight=4) for i in range(2)]
+    holds = [hold(3), hold(3)]
     runs = [subprocess.Popen(hsbuild_cmd("run", b, "--no-progress"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for b in builds]
+                             text=True, env=h.env) for b, h in zip(builds, holds, strict=True)]
     try:
+        for h, r in zip(holds, runs, strict=True):
+            h.wait(1, r)
+        for h in holds:
+            h.release()
         outs = [r.communicate(timeout=900) for r in runs]
         for r, (_, err) in zip(runs, outs, strict=True):
             assert r.returncode == 0, err
         for b in builds:
-            _one_written_each(b, 150)
+            _one_written_each(b, n)
         assert sentinel.read_bytes() == b"not ours" and (other / "x.safetensors.lock").exists()
         left = sorted(p.relative_to(vllm_server.staging) for p in vllm_server.staging.rglob("*") if p.is_file())
         assert left == [Path("build-someone-else/x.safetensors"), Path("build-someone-else/x.safetensors.lock")], left
@@ -326,19 +333,20 @@ def _count_live(build: Path) -> int:
     return int(last[0]) if last and last[0].isdigit() else -1
 
 
-def test_kill_9_of_the_api_server_then_another_model_on_the_same_address_is_refused(printed, other_llama):
+def test_kill_9_of_the_api_server_then_another_model_on_the_same_address_is_refused(printed, other_llama, hold):
     root, first_build, server = printed
     port = int(server.url.rsplit(":", 1)[1])
     name = served_model(server.url).id
-    build = _init(root, "c", 600, server.model, server.url, server.staging, seed=41, hi=300, inflight=4)
+    # the worker is held by the test hook before its 6th task while the server is killed, then sends it there
+    build = _init(root, "c", 40, server.model, server.url, server.staging, seed=41, hi=300, inflight=4)
+    held = hold(6)
     err_path = root / "run-c.err"
     with open(err_path, "w") as err:
         run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE, stderr=err,
-                               text=True)
+                               text=True, env={**held.env, "HSBUILD_GROUP_SAMPLES": "1"})
     second = None
     try:
-        _wait_for(lambda: _written_live(build) >= 5 or run.poll() is not None, 300, "samples to be written")
-        assert run.poll() is None, "the run ended before the server could be killed"
+        held.wait(1, run, timeout=300)
         api = sorted(listening_pids(port))
         assert api, "no process listens on the server's port"
         engines = [p for p in scan_processes().values() if p.pgid == server.proc.pid and p.pid not in api
@@ -347,6 +355,7 @@ def test_kill_9_of_the_api_server_then_another_model_on_the_same_address_is_refu
         for pid in api:
             os.kill(pid, signal.SIGKILL)
         _wait_for(lambda: not healthy(server.url, timeout=2.0), 30, "the server to go")
+        held.release()
         st = _wait_for(lambda: (s := _status(build)) and s.get("paused") and s, 60, "the run to pause")
         assert st["pause_reason"] == "server_unavailable", st
 

@@ -1,7 +1,9 @@
 """`hsbuild run --launch`: hsbuild starts the exact serve-command as its child, and when that server hangs
-mid-run (SIGSTOP; its API process killed with -9: below, and across nodes in test_vllm_ray.py) the run pauses (`server_unavailable`), in-flight samples go back to pending (not failed for
-good, not counted against --max-attempts), the server is restarted, and the run finishes by itself. The
-staging folder is a small real tmpfs: it never holds more than the in-flight window."""
+mid-run (SIGSTOP) or crashes (its API process killed with -9; across nodes: test_vllm_ray.py) the run pauses
+(`server_unavailable`), in-flight samples go back to pending (not failed for good, not counted against
+--max-attempts), the server is restarted, and the run finishes by itself. The staging folder is a small real
+tmpfs: it never holds more than the in-flight window. In connect mode the run waits for the server someone else
+runs to come back."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import random_rows, write_jsonl
+from conftest import Hold, random_rows, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
 from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm
 
@@ -43,17 +45,6 @@ def _server_pids(port: int) -> list[int]:
     return pids
 
 
-def _written(build: Path) -> int:
-    try:
-        with EventLog(layout(build).events, read_only=True) as log:
-            return log.count("written")
-    except Exception:  # noqa: BLE001 - the run holds the log: ask through the CLI instead
-        cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT count(*) FROM events WHERE kind='written'", "--csv"),
-                            capture_output=True, text=True)
-        lines = cp.stdout.strip().splitlines()
-        return int(lines[-1]) if cp.returncode == 0 and lines and lines[-1].isdigit() else 0
-
-
 def _why(build: Path, out: str, err: str) -> str:
     """What a user would look at when the run did not end 0: its summary, its messages, the failures logged."""
     cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT sample_id, attempt, reason, detail FROM events "
@@ -61,8 +52,21 @@ def _why(build: Path, out: str, err: str) -> str:
     return f"stdout: {out[-2000:]}\nstderr: {err[-3000:]}\nfailed events: {cp.stdout[-3000:]}{cp.stderr[-500:]}"
 
 
-def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_finishes(tmp_path, tiny_llama, tmpfs):
-    n, inflight = 480, 4  # enough that the run is far from its end when the server hangs
+def test_a_launched_server_that_hangs_then_crashes_is_restarted_each_time_and_the_run_finishes(tmp_path, tiny_llama,
+                                                                                               tmpfs, hold):
+    """One launched run, its server lost twice (one server start saved: they take most of this test's time):
+
+    1. The server hangs (SIGSTOP: alive, silent): killed after HSBUILD_SERVER_HUNG, then restarted (restart 1).
+    2. The restarted server's API process alone is killed with -9, as a crash would. That leaves vLLM's engine
+       processes running, reparented (`VLLM::EngineCore`, its worker): the incident's rogue GPU holder. Before
+       restart 2 every process of that server's group is killed (checked in /proc), and it runs in a cgroup of
+       its own where this machine lets one be made.
+
+    The run finishes by itself, every sample once, none failed for good; no server outlives it; the staging
+    folder (a small real tmpfs) never holds more than the in-flight window. Deterministic: the worker is held by
+    the test hook (builder/run/testhook.py) before its 6th task for the hang and again before its 14th for the
+    crash, so each lands mid-run whatever the sample count."""
+    n, inflight = 40, 4
     staging = tmpfs
     port = free_port()
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 21, vocab=VOCAB, hi=300))
@@ -81,20 +85,41 @@ def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_fini
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
+    hang, crash = hold(6), hold(14)
     run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress", "--launch"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env={**os.environ, "HSBUILD_SERVER_HUNG": "15"})
+                           stderr=subprocess.PIPE, text=True,
+                           env={**Hold.together(hang, crash), "HSBUILD_SERVER_HUNG": "15"})
+    old: list[tuple[int, str]] = []
+    api = 0
     try:
-        deadline = time.monotonic() + 900
-        while _written(build) < 5 and run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert run.poll() is None, "the run ended before the server could be stopped: " + run.stderr.read()
+        # 1. the hang
+        hang.wait(1, run, timeout=900)  # (the launched server's start included)
         pids = _server_pids(port)
         assert pids, "no launched server found"
-        # the server hangs (SIGSTOP: alive, silent): killed after HSBUILD_SERVER_HUNG, then restarted. (A server
-        # killed with -9 takes the same restart path, found at once by its failing requests: that case runs
-        # across nodes in test_vllm_ray.py, each node's server watched by this same Engine.)
         for pid in pids:
             os.killpg(pid, signal.SIGSTOP)
+        hang.release()  # its 6th sample goes to the silent server
+
+        # 2. the crash of the restarted server's API process
+        crash.wait(1, run, timeout=900)
+        [api] = _server_pids(port)
+        assert api not in pids, "the hung server was not replaced"
+        old = _group(api)
+        assert any("VLLM::EngineCore" in c for _, c in old), f"no engine process in the server's group: {old}"
+        can = ServerCgroup.create(f"hsbuild-probe-{os.getpid()}")
+        if can is not None:  # where this machine lets a cgroup be made, the server runs in its own
+            can.kill(1)
+            cgroups = {Path(f"/proc/{pid}/cgroup").read_text().split("0::", 1)[1].split()[0] for pid, _ in old}
+            assert len(cgroups) == 1 and "/hsbuild-server-" in cgroups.pop(), old
+        os.kill(api, signal.SIGKILL)  # the API process alone, as a crash would
+        crash.release()
+        deadline = time.monotonic() + 600
+        while _server_pids(port) in ([], [api]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        new = _server_pids(port)
+        assert new and api not in new, "no new server was launched after the crash"
+        survivors = _group(api)
+        assert not survivors, f"processes of the crashed server outlived its restart: {survivors}"
         out, err = run.communicate(timeout=1200)
     finally:
         done.set()
@@ -103,15 +128,20 @@ def test_launched_server_that_hangs_mid_run_is_killed_restarted_and_the_run_fini
         for pid in _server_pids(port):
             os.killpg(pid, signal.SIGKILL)
     assert run.returncode == 0, _why(build, out, err)
-    assert "PAUSED (server_unavailable)" in err and "restarting it" in err and "healthy again" in err
-    assert "stopped answering /health" in err and "restart 1" in err, err
+    assert "PAUSED (server_unavailable)" in err and "healthy again" in err, err
+    assert "stopped answering /health" in err and "restarting it (restart 1)" in err, err
+    assert "restarting it (restart 2)" in err, err
     assert not _server_pids(port), "the launched server outlived the run"
+    assert not _group(api), "processes of the crashed server remain"
     _one_written_each(build, n)
     with EventLog(layout(build).events, read_only=True) as log:
         paused = log.query("SELECT count(*) FROM events WHERE kind='paused' AND reason='server_unavailable'")[1][0][0]
         resumed = log.query("SELECT count(*) FROM events WHERE kind='resumed' AND reason='server_unavailable'")[1][0][0]
         final_failed = log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
-    assert paused >= 1 and resumed >= 1 and final_failed == 0
+        rechecks = log.query("SELECT count(*) FROM events WHERE kind = 'engine_probe' AND "
+                             "json_extract(detail, '$.recheck')::BOOLEAN")[1][0][0]
+    assert paused >= 2 and resumed >= 2 and final_failed == 0, (paused, resumed, final_failed)
+    assert rechecks >= 2, "a restarted server was not checked again before samples went to it"
     # bounded staging: never more files than requests in flight, nor more bytes than that many of the largest
     largest = 300 * 4 * 128 * 2 + 300 * 8 + 4096
     assert peak["files"] <= inflight + 1 and peak["bytes"] <= (inflight + 1) * largest, peak
@@ -143,61 +173,7 @@ def _group(pgid: int) -> list[tuple[int, str]]:
     return out
 
 
-def test_launch_mode_kill_9_of_the_api_server_leaves_no_engine_process_behind(tmp_path, tiny_llama):
-    """A crash of the launched server's API process alone (kill -9) leaves vLLM's engine processes running,
-    reparented (`VLLM::EngineCore`, its worker): the incident's rogue GPU holder. Before the restart every process
-    of the old server's group is killed (checked in /proc), the run finishes, and none of either server outlives
-    it."""
-    n = 600
-    port = free_port()
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 4, vocab=VOCAB, hi=300))
-    build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=f"http://127.0.0.1:{port}",
-                       staging=str(staging), inflight=4).root
-    _engine_args(build)
-    run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress", "--launch"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    old: list[tuple[int, str]] = []
-    try:
-        deadline = time.monotonic() + 900
-        while _written(build) < 5 and run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert run.poll() is None, "the run ended before the server could be killed: " + run.stderr.read()
-        [api] = _server_pids(port)
-        old = _group(api)
-        assert any("VLLM::EngineCore" in c for _, c in old), f"no engine process in the server's group: {old}"
-        can = ServerCgroup.create(f"hsbuild-probe-{os.getpid()}")
-        if can is not None:  # where this machine lets a cgroup be made, the server runs in its own
-            can.kill(1)
-            cgroups = {Path(f"/proc/{pid}/cgroup").read_text().split("0::", 1)[1].split()[0] for pid, _ in old}
-            assert len(cgroups) == 1 and "/hsbuild-server-" in cgroups.pop(), old
-        os.kill(api, signal.SIGKILL)  # the API process alone, as a crash would
-        deadline = time.monotonic() + 600
-        while _server_pids(port) in ([], [api]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        new = _server_pids(port)
-        assert new and api not in new, "no new server was launched"
-        survivors = _group(api)
-        assert not survivors, f"processes of the killed server outlived its restart: {survivors}"
-        out, err = run.communicate(timeout=1200)
-    finally:
-        if run.poll() is None:
-            run.kill()
-        for pid in _server_pids(port):
-            os.killpg(pid, signal.SIGKILL)
-    assert run.returncode == 0, _why(build, out, err)
-    assert "restarting it (restart 1)" in err, err
-    assert not _server_pids(port), "the launched server outlived the run"
-    assert not _group(api), "processes of the first server remain"
-    _one_written_each(build, n)
-    with EventLog(layout(build).events, read_only=True) as log:
-        rechecks = log.query("SELECT count(*) FROM events WHERE kind = 'engine_probe' AND "
-                             "json_extract(detail, '$.recheck')::BOOLEAN")[1][0][0]
-    assert rechecks >= 1, "the restarted server was not checked again before samples went to it"
-
-
-def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_back(tmp_path, tiny_llama):
+def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_back(tmp_path, tiny_llama, hold):
     """The server someone else runs is killed with -9 mid-run: the run pauses (not fails), waits, and finishes
     once a server is back on the same address; nothing lost, nothing duplicated."""
     from vllm_fixture import start_server, stop_server
@@ -205,22 +181,20 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
     staging = tmp_path / "staging"
     staging.mkdir()
     first = start_server(tmp_path, tiny_llama, staging)
-    # enough samples that the run is far from its end when the server dies: a CPU server answers tens of
-    # short requests a second, and each count below goes through a CLI process while the run holds the log
-    n = 600
+    # the worker is held before its 6th task (the test hook) while the server dies, then sends that sample to it
+    n = 40
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 8, vocab=VOCAB, hi=300))
     build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=first.url,
                        staging=str(staging), inflight=4).root
+    held = hold(6)
     run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True, env=held.env)
     second = None
     try:
-        deadline = time.monotonic() + 600
-        while _written(build) < 5 and run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert run.poll() is None, "the run ended before the server could be killed"
+        held.wait(1, run, timeout=600)
         os.killpg(first.proc.pid, signal.SIGKILL)
         first.proc.wait()
+        held.release()
         time.sleep(8)
         if run.poll() is not None:
             out, err = run.communicate()

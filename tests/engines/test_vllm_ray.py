@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import random_rows, write_jsonl
+from conftest import Hold, random_rows, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
 from test_vllm_launch import _server_pids
 from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, needs_vllm
@@ -25,6 +25,7 @@ from builder.config import BuildConfig
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.log.query import run_query
+from builder.run import testhook
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
 
@@ -42,8 +43,14 @@ def _ask(lay, sql: str) -> list:
         return []
 
 
-def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_llama, monkeypatch, cli):
-    n = 400  # enough that the node is still worth removing once the other one has written on (runs got quicker)
+def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_llama, monkeypatch, hold, cli):
+    # Deterministic (the test hook, builder/run/testhook.py; the run passes HSBUILD_* on to its actors): a worker
+    # holds at its 5th task while the head node's server is killed, and the other node's worker holds again at
+    # its 15th, after the run resumed, while its node is removed. So both happen mid-run, whatever the speed.
+    n = 120
+    first, second = hold(5), hold(15)
+    monkeypatch.setenv(testhook.ENV, Hold.together(first, second)[testhook.ENV])
+    monkeypatch.setenv("HSBUILD_GROUP_SAMPLES", "1")
     # loopback only, inherited by the raylets (hence by the actors that launch the servers; the launched
     # command sets it too)
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
@@ -66,34 +73,38 @@ def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_l
     lines: list[str] = []
 
     def disturb() -> None:
-        deadline = time.monotonic() + 1800  # 2 cores, shared with the suite
-        servers: dict = {}
-        while time.monotonic() < deadline and not servers:
-            rows = _ask(lay, "SELECT detail FROM events WHERE kind = 'engine_probe'")
-            servers = json.loads(rows[0][0])["nodes"] if rows else {}
-            time.sleep(0.5)
-        head = next(k for k in servers if k != other.node_id[:12])
-        port = int(servers[head].rsplit(":", 1)[1])
-
-        def written() -> dict:
-            placed = dict(_ask(lay, "SELECT worker, json_extract_string(detail, '$.node') FROM events "
-                                    "WHERE kind = 'worker_placed'"))
-            done = _ask(lay, "SELECT worker, count(*) FROM events WHERE kind = 'written' GROUP BY 1")
-            return {placed.get(w, "?")[:12]: k for w, k in done}
-
-        while time.monotonic() < deadline and sum(written().values()) < 20:
-            time.sleep(0.2)
-        for pid in _server_pids(port):  # the head node's server and its engine process, as a crash would
-            os.killpg(pid, signal.SIGKILL)
-        events.append("killed")
-        while time.monotonic() < deadline and not _ask(lay, "SELECT 1 FROM events WHERE kind = 'resumed'"):
-            time.sleep(0.5)
-        before = written().get(other.node_id[:12], 0)
-        while time.monotonic() < deadline and written().get(other.node_id[:12], 0) < before + 3:
-            time.sleep(0.2)
-        if sum(written().values()) < n - 40:
+        try:
+            deadline = time.monotonic() + 1800  # 2 cores, shared with the suite
+            first.wait(1, timeout=1800)
+            servers: dict = {}
+            while time.monotonic() < deadline and not servers:
+                rows = _ask(lay, "SELECT detail FROM events WHERE kind = 'engine_probe'")
+                servers = json.loads(rows[0][0])["nodes"] if rows else {}
+                time.sleep(0.2)
+            head = next(k for k in servers if k != other.node_id[:12])
+            port = int(servers[head].rsplit(":", 1)[1])
+            for pid in _server_pids(port):  # the head node's server and its engine process, as a crash would
+                os.killpg(pid, signal.SIGKILL)
+            events.append("killed")
+            first.release()
+            while time.monotonic() < deadline and not _ask(lay, "SELECT 1 FROM events WHERE kind = 'resumed'"):
+                time.sleep(0.2)
+            # the other node's worker, held at its 15th task once the run has resumed
+            placed = {}
+            while time.monotonic() < deadline:
+                placed = dict(_ask(lay, "SELECT worker, json_extract_string(detail, '$.node') FROM events "
+                                        "WHERE kind = 'worker_placed'"))
+                theirs = {w for w, node in placed.items() if (node or '')[:12] == other.node_id[:12]}
+                if any((second.folder / f"reached-{w}").exists() for w in theirs):
+                    break
+                time.sleep(0.2)
+            else:
+                return
             c.remove_node(other)
             events.append("removed")
+        finally:
+            first.release()
+            second.release()
 
     t = threading.Thread(target=disturb, daemon=True)
     t.start()

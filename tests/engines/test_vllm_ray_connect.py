@@ -20,6 +20,7 @@ from vllm_fixture import needs_vllm
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.log.query import run_query
+from builder.run import testhook
 from builder.run.coordinator import Coordinator, RunOptions, run_build
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
@@ -83,33 +84,37 @@ def _engine_host_pids() -> list[int]:
     return pids
 
 
-def test_a_nodes_server_host_lost_mid_run_stops_its_worker_and_the_other_node_finishes(tmp_path, vllm_server):
+def test_a_nodes_server_host_lost_mid_run_stops_its_worker_and_the_other_node_finishes(tmp_path, vllm_server,
+                                                                                      hold, monkeypatch):
     """The actor watching one node's server dies (SIGKILL) while the node lives on. That node's server is no
     longer watched (and a launched one died with the actor: its worker's requests would fail, pausing the run
     again and again), so its worker is stopped and lost like one on a lost node (its samples back to pending),
     and the other node finishes the build. (Without the stop, this connect-mode test's worker would go on
     unwatched: no worker_lost.)"""
-    n = 160
+    n = 40
     build = _init(tmp_path, vllm_server, n, seed=6, hi=500)
     lay = layout(build)
+    # mid-run for certain: a worker holds at its 4th task (the test hook; the run passes HSBUILD_* on to its
+    # actors) while the host is killed
+    held = hold(4)
+    monkeypatch.setenv(testhook.ENV, held.env[testhook.ENV])
+    monkeypatch.setenv("HSBUILD_GROUP_SAMPLES", "1")
     c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
     c.add_node(**NODE)
     c.wait_for_nodes()
     killed: list[int] = []
 
     def kill_one_host_once_samples_land() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                done = run_query(lay, "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
-            except Exception:  # noqa: BLE001 - not running yet
-                done = 0
-            pids = _engine_host_pids()
-            if done >= 3 and len(pids) == 2:
+        try:
+            held.wait(1, timeout=600)
+            deadline = time.monotonic() + 60
+            while len(pids := _engine_host_pids()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if len(pids) == 2:
                 os.kill(pids[0], signal.SIGKILL)
-                killed.append(done)
-                return
-            time.sleep(0.1)
+                killed.append(run_query(lay, "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0])
+        finally:
+            held.release()
 
     t = threading.Thread(target=kill_one_host_once_samples_land, daemon=True)
     t.start()

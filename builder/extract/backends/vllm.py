@@ -62,6 +62,9 @@ if TYPE_CHECKING:  # (torch: imported once a worker opens the backend)
 
 STAGING_SUFFIX = ".safetensors"
 DEFAULT_INFLIGHT = 16  # requests in flight to the server (hsbuild.toml `inflight`, run --inflight)
+# the longest wait between two checks of a server that is still away (the waits double from 0.5 s up to this): how
+# late, at most, a run notices that its server is back
+RETRY_MAX_S = max(0.5, float(os.environ.get("HSBUILD_SERVER_RETRY_MAX", "30")))
 
 
 def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
@@ -261,7 +264,7 @@ class VllmBackend:
         self._up = threading.Event()  # the server answered last time; cleared by a failure, set by the check
         self._up.set()
         self._check_lock = threading.Lock()  # one thread checks the server that came back; the others wait
-        self._retry_in = 0.0  # backoff between checks of a server that is still not back (0.5 s doubling to 30)
+        self._retry_in = 0.0  # backoff between checks of a server that is still not back (0.5 s doubling)
         self._need_bytes = 0  # free bytes staging must have again after it filled up
         self._watching = True
         threading.Thread(target=self._health_watch, name="hsbuild-vllm-health", daemon=True).start()
@@ -324,7 +327,7 @@ class VllmBackend:
     def _wait_until_up(self) -> str | None:
         """After a failure, requests wait instead of failing one after another: until /health answers, staging
         has room, and the server that is back has been checked (`recheck`) to be the build's. Retries back off
-        (0.5 s, doubling, at most 30 s). Returns None to go on, else why to give up (stopping, or refused)."""
+        (0.5 s, doubling, at most RETRY_MAX_S). Returns None to go on, else why to give up (stopping, or refused)."""
         while True:
             if self._refused is not None:
                 return self._refused
@@ -351,7 +354,7 @@ class VllmBackend:
                         continue
                     except EngineUnavailable:
                         pass
-                self._retry_in = min(30.0, max(0.5, self._retry_in * 2))
+                self._retry_in = min(RETRY_MAX_S, max(0.5, self._retry_in * 2))
 
     def _unavailable(self, r: Request, message: str) -> Unavailable:
         self._up.clear()
