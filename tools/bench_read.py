@@ -54,15 +54,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.config import Watermarks  # noqa: E402
-from builder.formats.build_info import BuildInfo  # noqa: E402
-from builder.formats.export import ExportOptions, export_build  # noqa: E402
-from builder.formats.reader import HiddenStateDataset  # noqa: E402
+from builder.exchange.build_info import BuildInfo  # noqa: E402
+from builder.exchange.export import ExportOptions, export_build  # noqa: E402
+from builder.formats.base import Sample  # noqa: E402
+from builder.formats.specforge import SpecForge  # noqa: E402
 from builder.fsutil import dir_size  # noqa: E402
 from builder.layout import layout  # noqa: E402
+from builder.reader import HiddenStateDataset  # noqa: E402
 from builder.run.coordinator import RunOptions, run_build  # noqa: E402
 from builder.run.create import init_build  # noqa: E402
-from builder.trainers.base import Sample  # noqa: E402
-from builder.trainers.specforge import SpecForge  # noqa: E402
 
 MB = 1_000_000
 ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)  # a benchmark, not a test of watermarks
@@ -124,7 +124,7 @@ def specforge_normalizer() -> tuple[Callable[[dict], dict], str]:
         fmt = SpecForge()
         return (lambda d: fmt.item(Sample("", 0, 0, d["input_ids"].long(), d["loss_mask"].long(),
                                           d["aux_hidden_state"][0], d["hidden_state"][0])),
-                "builder.trainers.specforge.SpecForge.item (specforge is not installed)")
+                "builder.formats.specforge.SpecForge.item (specforge is not installed)")
     return (lambda d: normalize_offline_sample(d, max_len=None),
             "specforge.algorithms.eagle3.data.normalize_offline_sample")
 

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.config import BuildConfig, Watermarks  # noqa: E402
-from builder.formats.export import JOURNAL, ExportOptions, ExportReport, export_build  # noqa: E402
+from builder.exchange.export import JOURNAL, ExportOptions, ExportReport, export_build  # noqa: E402
 from builder.layout import layout  # noqa: E402
 from builder.run.coordinator import RunOptions, run_build  # noqa: E402
 from builder.run.create import init_build  # noqa: E402

@@ -142,8 +142,8 @@ class _BackendNames:
 
 def cmd_init(args: argparse.Namespace) -> int:
     from builder.config import BuildConfig, Watermarks  # noqa: PLC0415
+    from builder.exchange.build_info import BuildInfo  # noqa: PLC0415
     from builder.extract.backends import registry as backends  # noqa: PLC0415
-    from builder.formats.build_info import BuildInfo  # noqa: PLC0415
     from builder.run.create import init_build  # noqa: PLC0415
     from builder.space.capacity import describe_capacity  # noqa: PLC0415
 
@@ -421,7 +421,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_rebuild_log(args: argparse.Namespace) -> int:
-    from builder.run.create import recorded_meta, source_samples  # noqa: PLC0415
+    from builder.extract.build_meta import recorded_meta, source_samples  # noqa: PLC0415
     from builder.run.rebuild import rebuild_log  # noqa: PLC0415
 
     rep = rebuild_log(args.build, recorded_meta, source_samples)
@@ -441,8 +441,8 @@ def cmd_serve_command(args: argparse.Namespace) -> int:
     from builder.config import load_config  # noqa: PLC0415
     from builder.errors import UsageError  # noqa: PLC0415
     from builder.extract.backends.registry import of_config, with_server  # noqa: PLC0415
+    from builder.extract.build_meta import recorded_meta  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
-    from builder.run.create import recorded_meta  # noqa: PLC0415
 
     lay = layout(args.build).require()
     cfg = load_config(lay)

@@ -22,7 +22,7 @@ from builder.cli.progress import progress_for
 from builder.errors import EXIT_OK, EXIT_SAMPLES_FAILED
 from builder.humanize import human_bytes
 
-# --dump-layer-convention: the keys of BuildInfo.layer_ids() and their short names (builder/run/imports.py
+# --dump-layer-convention: the keys of BuildInfo.layer_ids() and their short names (builder/exchange/imports.py
 # CONVENTIONS; a test keeps the three lists equal)
 LAYER_CONVENTIONS = ("hf_hidden_states", "decoder_layer_output", "vllm_eagle_aux_hidden_state_layer_ids", "hf",
                      "decoder", "vllm")
@@ -81,7 +81,7 @@ def add_commands(sub, out) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from builder.config import load_config  # noqa: PLC0415
-    from builder.formats.export import ExportOptions, export_build  # noqa: PLC0415
+    from builder.exchange.export import ExportOptions, export_build  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
 
     wm = load_config(layout(args.build).require()).watermarks
@@ -108,7 +108,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if report.layer_flag:  # not the trainer's default layers: it must be told
             print(f"{report.format} must be told these layers: {report.layer_flag}")
         if report.lossy:
-            from builder.formats.lossy import LOSSY_FILE, describe  # noqa: PLC0415
+            from builder.exchange.lossy import LOSSY_FILE, describe  # noqa: PLC0415
 
             print(f"{describe(report.lossy)} (in {LOSSY_FILE})")
         if report.files:
@@ -134,8 +134,8 @@ def _print_not_exported(left: list[dict], b: str) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from builder.exchange.imports import ImportOptions  # noqa: PLC0415
     from builder.run.coordinator import RunOptions, run_build  # noqa: PLC0415
-    from builder.run.imports import ImportOptions  # noqa: PLC0415
 
     opts = RunOptions(workers=args.workers, limit=args.limit, max_attempts=args.max_attempts,
                       verify_after_write=args.verify_after_write, allow_overcommit=args.allow_overcommit,

@@ -71,7 +71,7 @@ from builder.space.watermarks import SpaceMonitor
 from builder.store.codec import parse_codec
 
 if TYPE_CHECKING:  # (these import torch: only import and engine runs need them, and import them there)
-    from builder.run.imports import DumpIndex, ImportOptions
+    from builder.exchange.imports import DumpIndex, ImportOptions
     from builder.run.server_lifecycle import Engine
 
 _Dispatch, _Outbox, _stop_workers = Dispatch, Outbox, stop_workers  # (their names before the split)
@@ -192,7 +192,7 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
             self.cfg.inflight = self.opts.inflight
         self.dump_claim = None  # an import: the layers the dump holds, checked against the build's
         if self.opts.imports is not None:
-            from builder.run.imports import check_dump, check_options  # noqa: PLC0415 - (torch: imports only)
+            from builder.exchange.imports import check_dump, check_options  # noqa: PLC0415 - (torch: imports only)
 
             check_options(self.opts.imports)
             if self.opts.launch:

@@ -16,6 +16,7 @@ from builder import __version__
 from builder.config import DEFAULT_CODEC, QUANTIZE, BuildConfig, Watermarks
 from builder.errors import BuildExistsError, BuildReadOnlyError, ModelError, UsageError
 from builder.extract.backends import registry as backends
+from builder.extract.build_meta import model_info
 from builder.extract.final_norm import (
     FinalNorm,
     RawFinalNorm,
@@ -199,16 +200,6 @@ def choose_final_state(ex: Extractor | ModelInfo, final_state: str | None, backe
     return "pre_norm", "the default; post-norm is derived from it with the kept final norm"
 
 
-def model_info(model: str, aux_layers: list[int] | None, dtype: str, final_state: str) -> Extractor | ModelInfo:
-    """The model's metadata, tokenizer and checks: a Hugging Face directory's read from its files without torch
-    (ModelInfo); the built-in model's from the model itself (its fingerprint hashes its generated weights)."""
-    if not is_builtin(model):
-        return ModelInfo.read(model, aux_layers, dtype, final_state)
-    from builder.extract.model import Extractor  # noqa: PLC0415 - (torch: not at import)
-
-    return Extractor(model, aux_layers, dtype, device="cpu", load_weights=False, final_state=final_state)
-
-
 def final_norm_of(ex: Extractor | ModelInfo) -> FinalNorm | RawFinalNorm:
     """The final norm the build keeps: copied as stored when the checkpoint has it in the build's dtype (no
     torch), else converted (torch)."""
@@ -287,27 +278,3 @@ def _require_data_group(path: Path) -> None:
     if not path.is_dir() or not isinstance(attrs, dict) or "hsbuild_layout" not in attrs:
         raise UsageError(f"{path}: not an hsbuild data group (no hsbuild attributes in zarr.json), so init --force "
                          "will not delete it; move it away, then run init again")
-
-
-def recorded_meta(lay: BuildLayout) -> dict:
-    """The build's metadata as `init` recorded it in data/zarr.json (builds made before that: recomputed from
-    hsbuild.toml and the model's config, as `init` computed it)."""
-    try:
-        attrs = json.loads((lay.data / "zarr.json").read_bytes()).get("attributes", {})
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{lay.data / 'zarr.json'}: unreadable ({e}); the data group's metadata is needed to "
-                         "rebuild the log") from None
-    if isinstance(attrs.get("hsbuild_meta"), dict):
-        return attrs["hsbuild_meta"]
-    cfg = BuildConfig.from_toml(lay.config)
-    ex = model_info(cfg.model, cfg.aux_layers, cfg.dtype, "post_norm")
-    return {"layout_version": int(attrs.get("hsbuild_layout", 1)), "hsbuild_version": __version__,
-            "created_at": time.time(), "source": cfg.source, "config_fingerprint": cfg.fingerprint(),
-            "chunk_tokens": cfg.chunk_tokens, "codec": cfg.codec, "storage_dtype": STORAGE_DTYPES[cfg.dtype],
-            **ex.metadata()}
-
-
-def source_samples(lay: BuildLayout) -> list:
-    """The build's source samples, tokenized as `init` did."""
-    cfg = BuildConfig.from_toml(lay.config)
-    return load_source(cfg.source, model_info(cfg.model, None, cfg.dtype, "post_norm").tokenizer)

@@ -117,7 +117,7 @@ class PreparationMixin:
 
     def _match_dump(self, plan: Plan, report: RunReport, samples: list[Sample]) -> None:
         """An import: index the dump's files against the source; only the samples a file holds are done."""
-        from builder.run.imports import index_dump  # noqa: PLC0415
+        from builder.exchange.imports import index_dump  # noqa: PLC0415
 
         report.dump = index_dump(self.opts.imports, samples, self.cfg.max_tokens, self.dump_claim)
         self.dump_files = report.dump.files

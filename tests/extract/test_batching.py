@@ -17,8 +17,8 @@ from builder.errors import SampleError
 from builder.extract.backends.base import Failure, Request, States
 from builder.extract.backends.inprocess import BATCH_SAMPLES, InProcessBackend
 from builder.extract.model import Extractor
-from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
+from builder.reader import HiddenStateDataset
 
 SMALL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 

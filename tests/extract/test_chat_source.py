@@ -292,7 +292,7 @@ def test_cli_init_with_conversations_and_a_hf_model(tmp_path, cli):
     assert json.loads(cp.stdout) == [{"n": sum(s.num_tokens for s in expected)}]
 
     # a run tokenizes the source again and finds the same samples; their stored loss masks are the template's
-    from builder.formats.reader import HiddenStateDataset
+    from builder.reader import HiddenStateDataset
     from builder.run.coordinator import RunOptions, run_build
 
     assert run_build(tmp_path / "b", RunOptions(device="cpu", allow_overcommit=True),

@@ -15,9 +15,9 @@ from conftest import ROOMY, hsbuild, random_rows, write_jsonl
 
 from builder.extract.final_norm import FinalNorm, read_final_norm
 from builder.extract.model import Extractor
-from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
 

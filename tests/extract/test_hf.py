@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import random_rows, write_jsonl
 
-from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")

@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import ROOMY, write_jsonl
 
-from builder.formats.export import ExportOptions, export_build
-from builder.formats.reader import HiddenStateDataset
+from builder.exchange.export import ExportOptions, export_build
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
 
@@ -115,7 +115,7 @@ def test_speculators_reads_a_build_directly_through_its_transfer_plugin(builds):
     pytest.importorskip("hs_connectors", reason="needs speculators: pip install -e .[trainers] && pip install "
                                                 "--no-deps speculators==0.9.0 hs-connectors==0.9.0")
     data = pytest.importorskip("speculators.train.data", reason="needs speculators (see the trainers extra)")
-    from builder.formats.speculators_transfer import HsbuildTransfer
+    from builder.reader.speculators_transfer import HsbuildTransfer
 
     b, _, tmp = builds
     # speculators' own dataset directory: the Arrow rows of an export (the same rows, in source order)

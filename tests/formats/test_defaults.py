@@ -22,19 +22,19 @@ import torch
 from conftest import ROOMY, hsbuild, write_jsonl
 
 from builder.config import load_config
-from builder.formats.build_info import (
+from builder.exchange.build_info import (
     TRAINER_DEFAULT_LAYERS,
     TRAINER_FINAL_STATE,
     TRAINER_NUMBERING,
     TRAINERS,
     BuildInfo,
 )
-from builder.formats.export import ExportOptions, export_build
-from builder.formats.reader import HiddenStateDataset
+from builder.exchange.export import ExportOptions, export_build
+from builder.formats import make_format
 from builder.layout import layout
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
-from builder.trainers import make_format
 
 SMALL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 DEEP = "builtin:hidden=64,layers=8,vocab=1024,heads=2,kv_heads=1,intermediate=128"

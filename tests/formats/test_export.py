@@ -29,11 +29,11 @@ from conftest import ROOMY, hsbuild, random_rows, write_jsonl
 
 from builder.config import Watermarks
 from builder.errors import FormatError, UsageError, WontFitError
-from builder.formats.build_info import BuildInfo
-from builder.formats.export import JOURNAL, TMP_SUFFIX, ExportOptions, export_build
-from builder.formats.reader import HiddenStateDataset
+from builder.exchange.build_info import BuildInfo
+from builder.exchange.export import JOURNAL, TMP_SUFFIX, ExportOptions, export_build
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
 from builder.store.segment import field_geometry, sample_files
@@ -315,7 +315,7 @@ def test_vocabulary_files_are_what_the_trainers_compute(post, pre, rows40, expor
     assert set(vm) == {"d2t", "t2d"}
     assert_top_d(vm["d2t"], vm["t2d"], post_freq, smaller_id=False)  # SpecForge's ties: the token it counts first
 
-    from builder.trainers.vocab import vocab_mapping as ours
+    from builder.formats.vocab import vocab_mapping as ours
 
     out, _ = exported(post, "modelopt", draft_vocab_size=D)
     assert {int(k): v for k, v in json.loads((out / "token_freq.json").read_text()).items()} == post_freq

@@ -36,13 +36,13 @@ from test_export import (
 
 from builder.config import BuildConfig, Watermarks
 from builder.errors import DiskFullError, UsageError
-from builder.formats import export as export_mod
-from builder.formats.export import JOURNAL, STAGING, TMP_SUFFIX, ExportOptions, export_build
-from builder.formats.reader import HiddenStateDataset
+from builder.exchange import export as export_mod
+from builder.exchange.export import JOURNAL, STAGING, TMP_SUFFIX, ExportOptions, export_build
+from builder.formats.modelopt import ModelOpt
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
-from builder.trainers.modelopt import ModelOpt
 
 FORMATS = ("specforge", "speculators", "modelopt")
 

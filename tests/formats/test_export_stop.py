@@ -14,7 +14,7 @@ import pytest
 from test_export_reconcile import assert_same_tree
 
 from builder.errors import Interrupted
-from builder.formats.export import ExportOptions, export_build
+from builder.exchange.export import ExportOptions, export_build
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.progress import NoProgress

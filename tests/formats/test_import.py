@@ -21,16 +21,16 @@ import torch
 from conftest import ROOMY, random_rows, write_jsonl
 
 from builder.errors import UsageError
-from builder.formats.build_info import BuildInfo
-from builder.formats.export import JOURNAL, ExportOptions, export_build
-from builder.formats.reader import HiddenStateDataset
+from builder.exchange.build_info import BuildInfo
+from builder.exchange.export import JOURNAL, ExportOptions, export_build
+from builder.exchange.imports import CONVENTIONS, BuildGeometry, DumpRefused, ImportOptions
+from builder.formats import make_format
+from builder.formats.base import Sample as TrainerSample
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
-from builder.run.imports import CONVENTIONS, BuildGeometry, DumpRefused, ImportOptions
-from builder.trainers import make_format
-from builder.trainers.base import Sample as TrainerSample
 
 MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 H, N_AUX = 64, 3
@@ -690,7 +690,7 @@ def test_identical_duplicates_alone_are_no_error(source, tmp_path, cli):
 def test_settle_compares_states_only_over_the_samples_tokens(tmp_path):
     """`settle` without a run: SpecForge-style padding past the sample's tokens is no difference, one changed
     bit is; a file that does not load is that file's own problem and takes no part."""
-    from builder.run.imports import DumpIndex, settle  # noqa: PLC0415
+    from builder.exchange.imports import DumpIndex, settle  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(3)
     n = 9

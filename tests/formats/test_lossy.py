@@ -10,12 +10,12 @@ import json
 import pytest
 from conftest import ROOMY, hsbuild, random_rows, write_jsonl
 
-from builder.formats.build_info import BuildInfo
-from builder.formats.export import ExportOptions, export_build
-from builder.formats.lossy import LOSSY_FILE
-from builder.formats.reader import HiddenStateDataset
+from builder.exchange.build_info import BuildInfo
+from builder.exchange.export import ExportOptions, export_build
+from builder.exchange.lossy import LOSSY_FILE
 from builder.layout import layout
 from builder.log.query import run_query
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
 from builder.store.codec import FP8_SCHEME

@@ -12,9 +12,9 @@ import torch
 from conftest import random_rows
 
 from builder.errors import DamagedSampleError
-from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 from builder.store.segment import field_geometry, sample_files
 from builder.store.shard import EMPTY, encode_shard, read_index

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from builder.errors import FormatError
-from builder.trainers.base import Rejected
-from builder.trainers.speculators import Speculators
-from builder.trainers.vocab import vocab_mapping
+from builder.formats.base import Rejected
+from builder.formats.speculators import Speculators
+from builder.formats.vocab import vocab_mapping
 
 
 def test_an_fp8_speculators_file_is_refused_as_lossy(tmp_path):

@@ -22,11 +22,11 @@ import pytest
 import torch
 from conftest import ROOMY, write_jsonl
 
-from builder.formats.export import ExportOptions, export_build
+from builder.exchange.export import ExportOptions, export_build
+from builder.formats.specforge import SpecForge
+from builder.formats.vocab import specforge_counts, specforge_vocab_mapping, vocab_mapping
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
-from builder.trainers.specforge import SpecForge
-from builder.trainers.vocab import specforge_counts, specforge_vocab_mapping, vocab_mapping
 
 MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 VOCAB = 1024

@@ -138,7 +138,7 @@ def test_a_relative_model_path_is_recorded_absolute_and_never_resolved_again(tmp
     assert hub.connections == []
 
     # the states are D1's model's, also for the samples written from D2
-    from builder.formats.reader import HiddenStateDataset  # noqa: PLC0415
+    from builder.reader import HiddenStateDataset  # noqa: PLC0415
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(d1 / "models" / "A", dtype=torch.bfloat16).eval()
     items = list(HiddenStateDataset(build))

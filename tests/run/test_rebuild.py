@@ -13,9 +13,9 @@ import torch
 from conftest import wait_written
 from test_run import assert_bit_exact
 
-from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 
 

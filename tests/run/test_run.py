@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader
 from builder.config import BuildConfig
 from builder.extract.model import Extractor
 from builder.extract.source import load_source
-from builder.formats.reader import HiddenStateDataset, collate_concat
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset, collate_concat
 from builder.run.coordinator import RunOptions, run_build
 from builder.verify.checks import check_location
 

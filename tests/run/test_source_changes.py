@@ -11,9 +11,9 @@ from conftest import random_rows, write_jsonl
 from test_run import assert_bit_exact
 
 from builder.config import BuildConfig
-from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset
 
 NAN = 7  # the builtin model's testing aid: this token's embedding is NaN, so a sample holding it fails `nonfinite`
 MODEL = f"builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128,nan_token={NAN}"

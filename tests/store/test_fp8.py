@@ -12,8 +12,8 @@ import torch
 import zarr
 
 from builder.errors import EXIT_USAGE
-from builder.formats.reader import HiddenStateDataset
 from builder.log.query import run_query
+from builder.reader import HiddenStateDataset
 from builder.store.codec import FP8_SCHEME, dequantize_fp8, quantize_fp8
 from builder.store.reader import SegmentReader
 from builder.store.segment import SegmentWriter, init_data_group

@@ -19,9 +19,9 @@ import pytest
 from conftest import ROOMY, random_rows, write_jsonl
 
 from builder.errors import DamagedSampleError
-from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
 from builder.store.codec import declared_size

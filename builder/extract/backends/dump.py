@@ -11,7 +11,7 @@ a `Failure` with reason `import_<check>`: the sample is left for `resume` to ext
 convention (post-norm derived from pre-norm with the build's final norm; the other way round is refused).
 
 `bad_shape` here is one odd file's: a dump whose layers or width contradict the build's as a whole never gets
-this far (`run.imports.check_dump` and `check_width` refuse it before the run dispatches anything).
+this far (`exchange.imports.check_dump` and `check_width` refuse it before the run dispatches anything).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # (torch and the trainer formats: imported once a worker open
     import torch
 
     from builder.extract.final_norm import FinalNorm
-    from builder.trainers.base import Loaded
+    from builder.formats.base import Loaded
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class DumpBackend:
     capacity = 2  # one file in hand, one read ahead
 
     def __init__(self, settings: DumpSettings, norm: FinalNorm | None):
-        from builder.trainers import make_format  # noqa: PLC0415
+        from builder.formats import make_format  # noqa: PLC0415
 
         self.s = settings
         self.fmt = make_format(settings.format, final_state=settings.dump_final_state)
@@ -58,7 +58,7 @@ class DumpBackend:
         self._pending.append(request)
 
     def collect(self, timeout: float) -> list[Outcome]:  # noqa: ARG002 - reading a file does not wait
-        from builder.trainers.base import Rejected  # noqa: PLC0415
+        from builder.formats.base import Rejected  # noqa: PLC0415
 
         out: list[Outcome] = []
         while self._pending:
@@ -73,7 +73,7 @@ class DumpBackend:
         return out
 
     def load(self, r: Request) -> States:
-        from builder.trainers.base import Rejected  # noqa: PLC0415
+        from builder.formats.base import Rejected  # noqa: PLC0415
 
         if r.origin is None:
             raise Rejected("unreadable", "no dump file was assigned to this sample")
@@ -84,7 +84,7 @@ class DumpBackend:
         import numpy as np  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
-        from builder.trainers.base import Rejected  # noqa: PLC0415
+        from builder.formats.base import Rejected  # noqa: PLC0415
 
         n, h, k = int(want_ids.shape[0]), self.s.hidden_size, self.s.n_aux
         ids, aux, final = got.input_ids, got.aux, got.final
@@ -119,7 +119,7 @@ class DumpBackend:
         return got.loss_mask is None or not bool(got.loss_mask[n:].any())
 
     def _convert(self, final: torch.Tensor, state: str) -> torch.Tensor:
-        from builder.trainers.base import Rejected  # noqa: PLC0415
+        from builder.formats.base import Rejected  # noqa: PLC0415
 
         if state == self.s.final_state:
             return final

@@ -41,7 +41,7 @@ class RunContext:
     meta: dict  # the build's metadata (hidden_size, num_layers, aux_layers, ...)
     model_name: str = ""  # server backends: the name the server serves the model under
     staging_dir: str = ""  # server backends: the build's own subfolder of the server's staging folder
-    imports: Any = None  # an import (`reads_dumps`): run.imports.ImportOptions (format, final_state)
+    imports: Any = None  # an import (`reads_dumps`): exchange.imports.ImportOptions (format, final_state)
 
 
 def _no_settings(_ctx: RunContext) -> None:

@@ -15,7 +15,7 @@ specforge/algorithms/eagle3/data.py, specforge/training/vocab_mapping.py):
 - a reduced draft vocabulary: `{"d2t": int64 [D] offsets (target = draft + d2t[draft]), "t2d": bool [V]}`
   from the D most frequent loss-masked tokens, sorted by id (`vocab_mapping/vocab_mapping.pt`, passed to
   training as `model.vocab_mapping_path`), ties broken as SpecForge breaks them when it derives the mapping
-  from the same files itself (trainers/vocab.py: the token it counts first, walking the files in path order).
+  from the same files itself (formats/vocab.py: the token it counts first, walking the files in path order).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from builder.trainers.base import Exported, Loaded, Rejected, Sample
-from builder.trainers.torchfile import int_1d, load_file, save_bytes
-from builder.trainers.vocab import specforge_counts, specforge_vocab_mapping
+from builder.formats.base import Exported, Loaded, Rejected, Sample
+from builder.formats.torchfile import int_1d, load_file, save_bytes
+from builder.formats.vocab import specforge_counts, specforge_vocab_mapping
 
 GROUP = 2000
 NAME = re.compile(r"data_(\d+)\.ckpt(\.gz)?$")

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from builder.errors import DamagedSampleError, FormatError
-from builder.formats.build_info import BuildInfo
+from builder.exchange.build_info import BuildInfo
 from builder.layout import layout
 from builder.log.query import run_query
 from builder.store.reader import SegmentReader
@@ -45,7 +45,7 @@ class HiddenStateDataset(Dataset):
         self.format = None
         self._info: BuildInfo | None = None
         if format is not None:
-            from builder.trainers import EXPORT_FORMATS, make_format  # noqa: PLC0415
+            from builder.formats import EXPORT_FORMATS, make_format  # noqa: PLC0415
 
             if format not in EXPORT_FORMATS:
                 raise FormatError(f"format '{format}': use one of {', '.join(EXPORT_FORMATS)}")
@@ -73,12 +73,12 @@ class HiddenStateDataset(Dataset):
     @property
     def lossy(self) -> dict | None:
         """None for a build that stores its states exactly; an fp8 build (`init --quantize fp8`): its scheme and
-        the error measured when its samples were written, over this dataset's samples (builder/formats/lossy.py;
+        the error measured when its samples were written, over this dataset's samples (builder/exchange/lossy.py;
         what an export writes to hsbuild-lossy.json)."""
         if self.info.lossy is None:
             return None
         if self._lossy is None:
-            from builder.formats.lossy import ERRORS_SQL, summarize  # noqa: PLC0415
+            from builder.exchange.lossy import ERRORS_SQL, summarize  # noqa: PLC0415
 
             want = self.format.final_state if self.format is not None else None
             self._lossy = summarize(self.info, run_query(self.lay, ERRORS_SQL)[1],
@@ -96,7 +96,7 @@ class HiddenStateDataset(Dataset):
 
     def sample(self, i: int, final_state: str | None = None):
         """Item i as a trainer format's `Sample` (the final state in `final_state`, default the format's)."""
-        from builder.trainers.base import Sample  # noqa: PLC0415
+        from builder.formats.base import Sample  # noqa: PLC0415
 
         e, t = self._read(i)
         want = final_state or (self.format.final_state if self.format is not None else self.info.final_state)

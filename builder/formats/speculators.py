@@ -30,9 +30,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from builder.trainers.base import Exported, Loaded, Rejected, Sample
-from builder.trainers.torchfile import save_bytes
-from builder.trainers.vocab import vocab_mapping
+from builder.formats.base import Exported, Loaded, Rejected, Sample
+from builder.formats.torchfile import save_bytes
+from builder.formats.vocab import vocab_mapping
 
 NAME = re.compile(r"hs_(\d+)\.safetensors$")
 ARROW = "data-00000-of-00001.arrow"

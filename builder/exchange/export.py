@@ -58,8 +58,10 @@ from builder.errors import (
     UsageError,
     WontFitError,
 )
-from builder.formats.build_info import BuildInfo
-from builder.formats.lossy import export_lossy
+from builder.exchange.build_info import BuildInfo
+from builder.exchange.lossy import export_lossy
+from builder.formats import make_format
+from builder.formats.base import Exported, Sample, TrainerFormat
 from builder.fsutil import fsync_path, fsync_paths
 from builder.humanize import human_bytes
 from builder.layout import BuildLayout, layout
@@ -69,8 +71,6 @@ from builder.progress import NoProgress, Progress
 from builder.space.watermarks import Usage, disk_usage
 from builder.store.dtypes import itemsize
 from builder.store.reader import SegmentReader
-from builder.trainers import make_format
-from builder.trainers.base import Exported, Sample, TrainerFormat
 from builder.verify.sweep import parse_subset, stable_part
 
 JOURNAL = "hsbuild-export.json"

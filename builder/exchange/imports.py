@@ -39,11 +39,11 @@ import numpy as np
 from builder.errors import EXIT_PREFLIGHT, FormatError, HsbuildError, UsageError
 from builder.extract.final_norm import FINAL_STATES
 from builder.extract.source import Sample
+from builder.formats import IMPORT_FORMATS, make_format
+from builder.formats.base import Rejected
 from builder.layout import BuildLayout
-from builder.trainers import IMPORT_FORMATS, make_format
-from builder.trainers.base import Rejected
 
-JOURNAL = "hsbuild-export.json"  # an hsbuild export's journal (builder/formats/export.py): its layers, every numbering
+JOURNAL = "hsbuild-export.json"  # an hsbuild export's journal (builder/exchange/export.py): its layers, every numbering
 # --dump-layer-convention: BuildInfo.layer_ids()'s keys, and their short names
 CONVENTIONS = {"hf": "hf_hidden_states", "decoder": "decoder_layer_output",
                "vllm": "vllm_eagle_aux_hidden_state_layer_ids"}
@@ -78,7 +78,7 @@ class BuildGeometry:
 
     @classmethod
     def load(cls, lay: BuildLayout) -> BuildGeometry:
-        from builder.run.create import recorded_meta  # noqa: PLC0415 - (duckdb, the model's config: imports only)
+        from builder.extract.build_meta import recorded_meta  # noqa: PLC0415 - (the model's config: imports only)
 
         meta = recorded_meta(lay)
         return cls(int(meta["hidden_size"]), int(meta["num_layers"]), tuple(int(i) for i in meta["aux_layers"]),
@@ -90,8 +90,7 @@ class BuildGeometry:
 
     def layer_ids(self) -> dict[str, list[int]]:
         """The aux layers, then the final state, in each numbering: what `BuildInfo.layer_ids()` says
-        (builder/formats/build_info.py, a layer this one may not import; tests/formats/test_import.py keeps the
-        two equal)."""
+        (builder/exchange/build_info.py, not imported here; tests/formats/test_import.py keeps the two equal)."""
         L, aux = self.num_layers, list(self.aux_layers)
         return {CONVENTIONS["hf"]: [*aux, L], CONVENTIONS["decoder"]: [i - 1 for i in aux] + [L - 1],
                 CONVENTIONS["vllm"]: [*aux, L]}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from builder.trainers.base import Loaded, Rejected
-from builder.trainers.torchfile import int_1d, load_file
+from builder.formats.base import Loaded, Rejected
+from builder.formats.torchfile import int_1d, load_file
 
 SUFFIXES = (".pt", ".ckpt", ".pth", ".pt.gz", ".ckpt.gz", ".pth.gz")
 TOKENS = ("input_ids", "token_ids")

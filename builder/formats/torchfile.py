@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from builder.trainers.base import Rejected
+from builder.formats.base import Rejected
 
 
 def save_bytes(obj: object) -> bytes:

@@ -27,9 +27,9 @@ from urllib.parse import quote
 
 import torch
 
-from builder.trainers.base import Exported, Loaded, Rejected, Sample
-from builder.trainers.torchfile import int_1d, load_dict, save_bytes
-from builder.trainers.vocab import vocab_mapping
+from builder.formats.base import Exported, Loaded, Rejected, Sample
+from builder.formats.torchfile import int_1d, load_dict, save_bytes
+from builder.formats.vocab import vocab_mapping
 
 
 class ModelOpt:
