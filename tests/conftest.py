@@ -19,7 +19,7 @@ from cli_runner import hsbuild, hsbuild_proc, note_environment  # noqa: F401 (re
 from powercut_fixture import powercut  # noqa: F401 (the power-cut fixture: tests/durability)
 from vllm_fixture import tiny_llama, vllm_server  # noqa: F401 (a real vLLM server: tests/engines)
 
-from builder.config import Watermarks
+from builder.config import AUTO_WORKERS, BuildConfig, Watermarks
 from builder.extract.model import fix_threading
 from builder.layout import layout
 from builder.run import testhook
@@ -195,15 +195,29 @@ def _private_weights_cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def make_build(tmp_path):
-    """make_build(n=20, rows=None, **init_kwargs) -> build path (initialised, not run)."""
+    """make_build(n=20, rows=None, workers=1, **init_kwargs) -> build path (initialised, not run). One worker
+    unless a test asks for more (`workers=2`, or "auto" as `init` records it): a worker is a process that imports
+    torch (about 2 CPU-seconds), and most tests are not about how the workers share a run."""
 
-    def make(n: int = 20, rows: list[dict] | None = None, name: str = "build", seed: int = 0, **kw) -> Path:
+    def make(n: int = 20, rows: list[dict] | None = None, name: str = "build", seed: int = 0,
+             workers: int | str = 1, **kw) -> Path:
         src = write_jsonl(tmp_path / f"{name}-source.jsonl", rows if rows is not None else random_rows(n, seed))
         kw.setdefault("watermarks", ROOMY)
         kw.setdefault("model", "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128")
-        return init_build(tmp_path / name, src, **kw).root
+        root = init_build(tmp_path / name, src, **kw).root
+        if workers != AUTO_WORKERS:
+            set_workers(root, workers)
+        return root
 
     return make
+
+
+def set_workers(build: Path, workers: int | str) -> None:
+    """The build's `workers` setting, as a user edits hsbuild.toml."""
+    path = layout(build).config
+    cfg = BuildConfig.from_toml(path)
+    cfg.workers = workers
+    cfg.save(path)
 
 
 @pytest.fixture

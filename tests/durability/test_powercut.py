@@ -30,7 +30,11 @@ def hs(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
     return hsbuild(*args, cwd=cwd, timeout=timeout)
 
 
-N = 150  # samples: the run (one worker a core) is still going at a cut after up to 30 acknowledged
+# The run that the power cut hits is held by the test hook: its WORKERS each stop at task HELD_AT (HELD_GROUP
+# samples made durable together), so at least HELD_AT - HELD_GROUP >= 30 samples are acknowledged before the
+# hold, and it is certainly still going at the cut. N: more than the WORKERS * (HELD_AT - 1) it can write.
+WORKERS, HELD_AT, HELD_GROUP = 2, 35, 5
+N = WORKERS * (HELD_AT - 1) + 12
 
 
 def _source(tmp_path, n=N):
@@ -97,19 +101,22 @@ def test_eventlog_commits_survive_power_cut(powercut):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dirs", ["strict", "journal"])
-def test_power_cut_mid_run_keeps_acknowledged_writes(powercut, tmp_path, dirs):
+def test_power_cut_mid_run_keeps_acknowledged_writes(powercut, tmp_path, dirs, hold):
     """A cut at a random moment of a run: every sample the surviving log calls written verifies, nothing it
     acknowledged is lost, and resume finishes with each sample exactly once."""
     fs = powercut(dirs)
     assert fs.run(["init", "B", "--source", _source(tmp_path)]).returncode == 0
-    p = fs.popen(["run", "B", *RUN_ARGS])
+    held = hold(HELD_AT)  # never let go: the cut kills the run, held or not yet
+    p = fs.popen(["run", "B", *RUN_ARGS, "--workers", str(WORKERS)],
+                 env={"HSBUILD_TEST_HOLD": held.spec, "HSBUILD_GROUP_SAMPLES": str(HELD_GROUP)})
     target = random.randint(3, 30)
     acked, deadline = -1, time.monotonic() + 240
     while p.poll() is None and time.monotonic() < deadline and acked < target:
         acked = _written(fs)
         time.sleep(0.3)
-    assert p.poll() is None and acked >= 3, f"run ended or stalled before the cut (acked={acked})"
+    assert p.poll() is None and acked >= target, f"run ended or stalled before the cut (acked={acked})"
     time.sleep(random.uniform(0, 1.0))
+    assert p.poll() is None
     fs.crash()
     fs.remount()
     st = hs("sql", "--json", fs.path("B"), "SELECT count(*) AS n FROM events WHERE kind = 'written'")

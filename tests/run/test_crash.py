@@ -19,7 +19,12 @@ from builder.log.events import EventLog
 from builder.verify.checks import check_location
 
 KILLS = 8
-N = 1500  # tiny samples: each run must be far from its end at its kill, also on a loaded machine
+WORKERS = 2  # each killed run's workers (--workers)
+GROUP = 7  # samples a worker makes durable together (HSBUILD_GROUP_SAMPLES): groups straddle the kills
+HOLD_MIN, HOLD_MAX = GROUP + 1, 20  # each resume is held at a random task of each worker in this range
+# what the killed runs can extract at most (each worker stops at its held task, K-1 before it), and more: no
+# killed run can reach its end, whatever the machine's speed
+N = KILLS * WORKERS * (HOLD_MAX - 1) + 16
 
 
 def _files(root: Path) -> dict[str, int]:
@@ -36,26 +41,27 @@ def _written_count(build: Path) -> int:
         return -1
 
 
-def test_sigkill_at_random_moments_then_resume(make_build):
+def test_sigkill_at_random_moments_then_resume(make_build, hold):
+    # Each resume is held by the test hook (each worker at a random task HOLD_MIN to HOLD_MAX) and never let go:
+    # it is killed at a random moment before it gets there or while it holds, never after its end. By its held
+    # task a worker has handed at least one full group to its committer, which writes it during the hold.
     build = make_build(N, seed=7)
     rng = random.Random(1234)
     kills = mid_run_kills = 0
-    for _ in range(KILLS * 2):
-        if kills >= KILLS:
-            break
+    for i in range(KILLS):
         before = _written_count(build)
-        p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if kills % 3 == 0:  # a third of the kills at any moment, startup included
+        held = hold(rng.randint(HOLD_MIN, HOLD_MAX))
+        p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
+                              "--workers", str(WORKERS)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env={**held.env, "HSBUILD_GROUP_SAMPLES": str(GROUP)})
+        if i % 3 == 0:  # a third of the kills at any moment, startup included
             time.sleep(rng.uniform(0.2, 4.0))
         else:  # the rest once this run is writing, a random moment later
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120
             while p.poll() is None and time.monotonic() < deadline and _written_count(build) <= max(before, 0):
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 0.5))
-        if p.poll() is not None:  # finished (or failed) before the kill
-            assert p.returncode == 0, p.stderr.read()
-            break
+        assert p.poll() is None, f"resume {i} ended (exit {p.returncode}) before its kill: {p.stderr.read()}"
         during = _written_count(build)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
@@ -69,8 +75,9 @@ def test_sigkill_at_random_moments_then_resume(make_build):
         time.sleep(0.7)
         assert _files(layout(build).data) == snap
     print(f"\n{kills} SIGKILLs, {mid_run_kills} of them while samples were being written")
-    assert kills >= 7, f"only {kills} kills landed; the workload is too small for this machine"
-    assert mid_run_kills >= 4, f"only {mid_run_kills} kills landed while samples were being written"
+    assert kills == KILLS
+    # the kills that waited for this run's first written sample (5 of the 8) all landed mid-run
+    assert mid_run_kills >= 5, f"only {mid_run_kills} kills landed while samples were being written"
 
     final = hsbuild("resume", build, "--no-progress", timeout=600)
     assert final.returncode == 0, final.stderr

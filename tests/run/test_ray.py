@@ -20,10 +20,10 @@ import pytest
 from conftest import SLOWER, random_rows
 from test_run import assert_bit_exact
 
-from builder.formats.reader import HiddenStateDataset
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.log.query import run_query, status_snapshot
+from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
@@ -73,38 +73,50 @@ def _per_node_written(url: str) -> dict[str, float]:
             if s.name == "hsbuild_node_samples_written"}
 
 
-def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build, cli):
+def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build, cli, hold, monkeypatch):
     c, nodes = cluster
-    # big enough that each sample takes a while: the node goes while it still has work
+    # The run is held by the test hook: each worker stops with its 3rd sample in hand, the 2 before it written
+    # one by one (the driver passes HSBUILD_* settings on to its actors). A node goes while its worker holds: it
+    # certainly still has work, and the run samples left (at most 6 of the 48 written). Samples of 400 tokens
+    # or more: a worker's queue (QUEUE_TOKENS) holds at most 20, so two workers leave the third enough to hold.
     build = make_build(rows=random_rows(48, seed=7, lo=400, hi=800), model=SLOW)
     lay = layout(build)
+    h = hold(3)
     removed: list[str] = []
     said: list[str] = []
     scraped: list[dict] = []
 
-    def remove_a_node_once_samples_land() -> None:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:  # asked of the running coordinator (its query socket), as `hsbuild sql` would
-                placed = dict(run_query(lay, "SELECT json_extract_string(detail, '$.node'), worker FROM events "
-                                             "WHERE kind = 'worker_placed'")[1])
-                done = dict(run_query(lay, "SELECT worker, count(*) FROM events WHERE kind = 'written' "
-                                           "GROUP BY 1")[1])
-            except Exception:  # noqa: BLE001 - not running yet: look again
-                placed, done = {}, {}
-            # a node whose worker has written a sample, while most samples are still to do
-            victim = next((n for n in nodes if done.get(placed.get(n.node_id), 0) >= 1), None)
-            if victim is not None and sum(done.values()) < 24:
-                url = next(ln.split()[-1] for ln in said if ln.startswith("metrics: http://"))
-                scraped.append(_per_node_written(url))  # --metrics: per node, before the node goes
-                c.remove_node(victim)
-                removed.append(victim.node_id)
-                return
-            time.sleep(0.2)
+    def remove_a_held_node() -> None:
+        try:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                held = h.wait(timeout=240)  # {worker: pid} of the workers holding now
+                try:  # asked of the running coordinator (its query socket), as `hsbuild sql` would
+                    placed = dict(run_query(lay, "SELECT json_extract_string(detail, '$.node'), worker FROM events "
+                                                 "WHERE kind = 'worker_placed'")[1])
+                    done = dict(run_query(lay, "SELECT worker, count(*) FROM events WHERE kind = 'written' "
+                                               "GROUP BY 1")[1])
+                except Exception:  # noqa: BLE001 - not running yet: look again
+                    placed, done = {}, {}
+                # a node (not the head) whose worker holds, with a sample of it written
+                victim = next((n for n in nodes if placed.get(n.node_id) in held
+                               and done.get(placed.get(n.node_id), 0) >= 1), None)
+                if victim is not None and sum(done.values()) < 24:
+                    url = next(ln.split()[-1] for ln in said if ln.startswith("metrics: http://"))
+                    scraped.append(_per_node_written(url))  # --metrics: per node, before the node goes
+                    c.remove_node(victim)
+                    removed.append(victim.node_id)
+                    return
+                time.sleep(0.2)
+        finally:
+            h.release()  # the others go on
 
-    remover = threading.Thread(target=remove_a_node_once_samples_land, daemon=True)
+    remover = threading.Thread(target=remove_a_held_node, daemon=True)
     remover.start()
-    report = run_build(build, RunOptions(ray=c.address, workers=3, metrics="127.0.0.1:0"), echo=said.append)
+    with monkeypatch.context() as m:
+        m.setenv("HSBUILD_TEST_HOLD", h.spec)
+        m.setenv("HSBUILD_GROUP_SAMPLES", "1")
+        report = run_build(build, RunOptions(ray=c.address, workers=3, metrics="127.0.0.1:0"), echo=said.append)
     remover.join(timeout=10)
     assert removed, "no node was removed mid-run"
     assert scraped and len(scraped[0]) == 3 and 1 <= sum(scraped[0].values()) < 48, scraped  # every node's series
@@ -132,7 +144,8 @@ def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build
     assert assert_bit_exact(build, model=SLOW) == 48
 
 
-def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle_one(cluster, make_build):
+def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle_one(cluster, make_build, hold,
+                                                                                      monkeypatch):
     """Small samples: the first worker ready is handed them all (its queue holds up to 8192 tokens), so the
     other has nothing to do from the start. Its actor is killed mid-run: the idle worker must still be there to
     take its samples back (one told to stop as soon as it had nothing to do could not, and the run stopped with
@@ -141,29 +154,38 @@ def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle
     n = 20
     build = make_build(rows=random_rows(n, seed=9, lo=300, hi=380), model=SLOWER)
     lay = layout(build)
+    # The busy worker is held by the test hook with its 3rd sample in hand: it is killed mid-run for certain,
+    # with at most 2 of the 20 written (the driver passes HSBUILD_TEST_HOLD on to its actors).
+    h = hold(3)
     seen: dict = {}
 
     def kill_the_busy_worker() -> None:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                pids = dict(run_query(lay, "SELECT worker, CAST(json_extract(detail, '$.pid') AS BIGINT) "
-                                           "FROM events WHERE kind = 'worker_placed'")[1])
-                started = dict(run_query(lay, "SELECT worker, count(*) FROM events WHERE kind = 'started' "
-                                              "GROUP BY 1")[1])
-                written = run_query(lay, "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
-            except Exception:  # noqa: BLE001 - not running yet: look again
-                pids, started, written = {}, {}, 0
-            busy = [w for w, k in started.items() if k >= 2]
-            if len(pids) == 2 and busy and written < n // 2:
-                seen.update(busy=busy[0], started=started, written=written)
-                os.kill(pids[busy[0]], signal.SIGKILL)
-                return
-            time.sleep(0.05)
+        try:
+            h.wait(timeout=240)
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                try:
+                    pids = dict(run_query(lay, "SELECT worker, CAST(json_extract(detail, '$.pid') AS BIGINT) "
+                                               "FROM events WHERE kind = 'worker_placed'")[1])
+                    started = dict(run_query(lay, "SELECT worker, count(*) FROM events WHERE kind = 'started' "
+                                                  "GROUP BY 1")[1])
+                    written = run_query(lay, "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+                except Exception:  # noqa: BLE001 - not running yet: look again
+                    pids, started, written = {}, {}, 0
+                busy = [w for w, k in started.items() if k >= 2]
+                if len(pids) == 2 and busy and written < n // 2:
+                    seen.update(busy=busy[0], started=started, written=written)
+                    os.kill(pids[busy[0]], signal.SIGKILL)
+                    return
+                time.sleep(0.05)
+        finally:
+            h.release()  # the idle worker, taking the samples over, must not hold at its own 3rd
 
     killer = threading.Thread(target=kill_the_busy_worker, daemon=True)
     killer.start()
-    report = run_build(build, RunOptions(ray=c.address, workers=2))
+    with monkeypatch.context() as m:
+        m.setenv("HSBUILD_TEST_HOLD", h.spec)
+        report = run_build(build, RunOptions(ray=c.address, workers=2))
     killer.join(timeout=10)
     assert seen, "no worker was killed mid-run"
     # the scenario: at the kill, only the busy worker had started samples (the other had none to do)

@@ -72,7 +72,7 @@ def assert_bit_exact(build, model=MODEL, max_tokens=None) -> int:
 
 
 def test_run_stores_bit_exact_states_and_metadata(make_build):
-    build = make_build(12)
+    build = make_build(12, workers="auto")  # (the default a user gets: one worker a core)
     report = run_build(build, RunOptions())
     assert (report.outcome, report.exit_code, report.written) == ("completed", 0, 12)
     assert assert_bit_exact(build) == 12

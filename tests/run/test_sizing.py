@@ -141,7 +141,7 @@ def _run_started(build) -> dict:
 
 
 def test_a_new_build_runs_one_worker_a_core_and_says_why(make_build):
-    build = make_build(n=12, model=TINY)
+    build = make_build(n=12, model=TINY, workers="auto")
     assert 'workers = "auto"' in (build / "hsbuild.toml").read_text()
     avail = mem_available()
     assert avail is None or avail > 4 * GiB, "this test needs the tiny model's workers to fit in memory"
@@ -156,14 +156,14 @@ def test_a_new_build_runs_one_worker_a_core_and_says_why(make_build):
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
 def test_auto_counts_the_cores_the_run_may_use_not_the_machines(make_build):
-    build = make_build(n=6, model=TINY)
+    build = make_build(n=6, model=TINY, workers="auto")
     cp = hsbuild("run", build, "--no-progress", check=True, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
     assert "workers: 1 (auto: the CPU: 1 usable core(s); 1 thread(s) each)" in cp.stderr
     assert _run_started(build)["workers"] == 1
 
 
 def test_a_number_is_taken_as_given_from_the_flag_or_the_config(make_build):
-    build = make_build(n=6, model=TINY)
+    build = make_build(n=6, model=TINY, workers="auto")
     cp = hsbuild("run", build, "--no-progress", "--workers", "1", "--limit", "3", check=True)
     assert "auto" not in cp.stderr and _run_started(build)["workers"] == 1
     cfg = BuildConfig.from_toml(build / "hsbuild.toml")
@@ -175,7 +175,7 @@ def test_a_number_is_taken_as_given_from_the_flag_or_the_config(make_build):
 
 @pytest.mark.parametrize("value", ['"many"', "0", "2.5", "true"])
 def test_a_bad_workers_value_in_the_config_is_refused_naming_the_file_and_key(make_build, value):
-    build = make_build(n=4, model=TINY)
+    build = make_build(n=4, model=TINY, workers="auto")
     toml = build / "hsbuild.toml"
     toml.write_text(toml.read_text().replace('workers = "auto"', f"workers = {value}"))
     before = (build / "events.duckdb").stat().st_size if (build / "events.duckdb").exists() else None
@@ -189,6 +189,6 @@ def test_a_bad_workers_value_in_the_config_is_refused_naming_the_file_and_key(ma
 
 @pytest.mark.parametrize("flag", ["0", "many", "-1"])
 def test_a_bad_workers_flag_is_a_usage_error(make_build, flag):
-    build = make_build(n=4, model=TINY)
+    build = make_build(n=4, model=TINY, workers="auto")
     cp = hsbuild("run", build, "--workers", flag)
     assert cp.returncode == 2 and "--workers" in cp.stderr and "auto" in cp.stderr
