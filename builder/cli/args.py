@@ -80,11 +80,15 @@ def _int(s: str) -> int:
         raise argparse.ArgumentTypeError(f"'{s}': give a whole number") from None
 
 
-def positive_int(s: str) -> int:
+def _at_least(s: str, low: int) -> int:
     n = _int(s)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"'{s}': must be 1 or more")
+    if n < low:
+        raise argparse.ArgumentTypeError(f"'{s}': must be {low} or more")
     return n
+
+
+def positive_int(s: str) -> int:
+    return _at_least(s, 1)
 
 
 def workers(s: str) -> int | str:
@@ -98,10 +102,7 @@ def workers(s: str) -> int | str:
 
 
 def count(s: str) -> int:
-    n = _int(s)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"'{s}': must be 0 or more")
-    return n
+    return _at_least(s, 0)
 
 
 def fraction(s: str) -> float:

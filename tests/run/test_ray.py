@@ -202,7 +202,7 @@ def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle
 
 def test_the_driver_killed_then_resumed_on_the_same_cluster(cluster, make_build, cli, hold):
     c, _ = cluster
-    build = make_build(rows=random_rows(30, seed=8, lo=200, hi=400), model=SLOW)
+    build = make_build(rows=random_rows(30, seed=8, lo=200, hi=400), model=SLOW, workers="auto")
     lay = layout(build)
     # samples land one by one (the driver passes HSBUILD_* settings on to its actors), and the kill comes mid-run
     # for certain: each worker holds with its 5th sample started (the test hook, HSBUILD_TEST_HOLD passed on too)

@@ -64,7 +64,7 @@ def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli, hold):
     """kill -9 mid-run, then the WAL is lost: the log rolls back to `init`. Resume finds the durable samples in
     the segments' manifests, checks their bytes and records them instead of extracting everything again."""
     n = 60
-    build = make_build(n=n)
+    build = make_build(n=n, workers="auto")
     lay = layout(build)
     wal = lay.wal
     # the run must still be going when killed, for certain: its worker holds with its 21st sample started (the
