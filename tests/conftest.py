@@ -136,18 +136,25 @@ def hold(tmp_path):
 def wait_written(build: Path, k: int, proc: subprocess.Popen | None = None, timeout: float = 240) -> int:
     """Return once the run on `build` has committed `k` `written` events (asked of the running owner), with
     their count; AssertionError if the run `proc` ends first, or after `timeout`."""
-    from builder.log.query import run_query  # noqa: PLC0415
-
     deadline = time.monotonic() + timeout
     n = -1
     while n < k:
         assert proc is None or proc.poll() is None, f"the run ended (exit {proc.returncode}) with {n} written"
         assert time.monotonic() < deadline, f"{n} of {k} samples written after {timeout} s"
-        with contextlib.suppress(Exception):  # the owner may be starting
-            n = run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+        n = written_count(build)
         if n < k:
             time.sleep(0.05)
     return n
+
+
+def written_count(build: Path) -> int:
+    """`written` events on `build` so far, asked of the run that owns its log (or read from the log when none
+    does); -1 while the owner cannot answer (it may be starting)."""
+    from builder.log.query import run_query  # noqa: PLC0415
+
+    with contextlib.suppress(Exception):
+        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+    return -1
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -206,17 +213,18 @@ def make_build(tmp_path):
         kw.setdefault("model", "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128")
         root = init_build(tmp_path / name, src, **kw).root
         if workers != AUTO_WORKERS:
-            set_workers(root, workers)
+            set_config(root, workers=workers)
         return root
 
     return make
 
 
-def set_workers(build: Path, workers: int | str) -> None:
-    """The build's `workers` setting, as a user edits hsbuild.toml."""
+def set_config(build: Path, **settings) -> None:
+    """Change settings of the build's hsbuild.toml (e.g. `workers=2`, `engine_args=[...]`), as a user edits it."""
     path = layout(build).config
     cfg = BuildConfig.from_toml(path)
-    cfg.workers = workers
+    for key, value in settings.items():
+        setattr(cfg, key, value)
     cfg.save(path)
 
 

@@ -22,6 +22,21 @@ if TYPE_CHECKING:  # (torch: imported where a tensor is made; `init` describes a
     import torch
 
 TRAINERS = ("specforge", "speculators", "modelopt")
+
+
+def layer_numberings(aux_layers: list[int] | tuple[int, ...], num_layers: int) -> dict[str, list[int]]:
+    """The aux layers (Hugging Face hidden_states indices), then the final state, of a `num_layers`-layer model in
+    each numbering trainers and engines use (what an export's journal records and an import's claim is read in)."""
+    L, aux = num_layers, list(aux_layers)
+    return {
+        # Hugging Face output_hidden_states index: 0 is the embeddings, k the output of decoder layer k-1
+        "hf_hidden_states": [*aux, L],
+        # SpecForge / Model-Optimizer / EAGLE-3 configs ("eagle_aux_hidden_state_layer_ids"): decoder layer index
+        "decoder_layer_output": [i - 1 for i in aux] + [L - 1],
+        # vLLM's extract_hidden_states layer ids: k = hidden_states[k] (L is the final state before the norm)
+        "vllm_eagle_aux_hidden_state_layer_ids": [*aux, L],
+    }
+
 # What each trainer assumes the aux layers are when nothing names them, for an L-layer target, in its own numbering,
 # and how to name them. Checked against SpecForge 0.2.0 (algorithms/model_providers.py,
 # resolve_eagle_capture_layers: decoder ids 1, L//2-1, L-4; `specforge train -c CFG key=value` overrides),
@@ -94,15 +109,7 @@ class BuildInfo:
 
     def layer_ids(self) -> dict[str, list[int]]:
         """The aux layers (then the final state) in each numbering trainers and engines use."""
-        L = self.num_layers
-        return {
-            # Hugging Face output_hidden_states index: 0 is the embeddings, k the output of decoder layer k-1
-            "hf_hidden_states": [*self.aux_layers, L],
-            # SpecForge / Model-Optimizer / EAGLE-3 configs ("eagle_aux_hidden_state_layer_ids"): decoder layer index
-            "decoder_layer_output": [i - 1 for i in self.aux_layers] + [L - 1],
-            # vLLM's extract_hidden_states layer ids: k = hidden_states[k] (L is the final state before the norm)
-            "vllm_eagle_aux_hidden_state_layer_ids": [*self.aux_layers, L],
-        }
+        return layer_numberings(self.aux_layers, self.num_layers)
 
     def derives(self, want: str) -> bool:
         """Whether the final state can be given in convention `want`: the stored one, or post-norm derived from

@@ -37,6 +37,7 @@ from urllib.parse import unquote
 import numpy as np
 
 from builder.errors import EXIT_PREFLIGHT, FormatError, HsbuildError, UsageError
+from builder.exchange.build_info import layer_numberings
 from builder.extract.final_norm import FINAL_STATES
 from builder.extract.source import Sample
 from builder.formats import IMPORT_FORMATS, make_format
@@ -89,11 +90,8 @@ class BuildGeometry:
         return len(self.aux_layers)
 
     def layer_ids(self) -> dict[str, list[int]]:
-        """The aux layers, then the final state, in each numbering: what `BuildInfo.layer_ids()` says
-        (builder/exchange/build_info.py, not imported here; tests/formats/test_import.py keeps the two equal)."""
-        L, aux = self.num_layers, list(self.aux_layers)
-        return {CONVENTIONS["hf"]: [*aux, L], CONVENTIONS["decoder"]: [i - 1 for i in aux] + [L - 1],
-                CONVENTIONS["vllm"]: [*aux, L]}
+        """The aux layers, then the final state, in each numbering (the one rule `BuildInfo.layer_ids()` uses)."""
+        return layer_numberings(self.aux_layers, self.num_layers)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import hsbuild, random_rows, write_jsonl
+from conftest import hsbuild, random_rows, write_jsonl, written_count
 from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm
 
 from builder.extract.backends.base import Failure, Request
@@ -25,7 +25,6 @@ from builder.extract.backends.vllm import VllmBackend, VllmSettings, read_and_re
 from builder.extract.final_norm import FinalNorm
 from builder.layout import layout
 from builder.log.events import EventLog
-from builder.log.query import run_query
 from builder.reader import HiddenStateDataset
 from builder.run.create import init_build
 
@@ -124,13 +123,6 @@ def test_resume_against_another_layer_set_is_refused(tmp_path, vllm_server):
         assert log.count("written") == 0
 
 
-def _written_now(build: Path) -> int:
-    """`written` events so far, asked of the run that owns the log (its query socket) or read from the log."""
-    with contextlib.suppress(Exception):
-        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
-    return -1
-
-
 def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server, hold):
     # Each resume is held by the test hook at a random task (10 to 20) of its worker and never let go: it is
     # killed at a random moment before it gets there, or held there, never after its end, whatever its speed. (By
@@ -140,7 +132,7 @@ def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server, hold
     rng = random.Random(5)
     kills = mid_run = 0
     for i in range(8):
-        before = _written_now(build)
+        before = written_count(build)
         held = hold(rng.randint(10, 20))
         p = subprocess.Popen(hsbuild_cmd("resume", build, "--no-progress", "--inflight", "8"),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -149,11 +141,11 @@ def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server, hold
             time.sleep(rng.uniform(0.5, 4.0))
         else:  # once this run is writing, a random moment later
             deadline = time.monotonic() + 120
-            while p.poll() is None and time.monotonic() < deadline and _written_now(build) <= max(before, 0):
+            while p.poll() is None and time.monotonic() < deadline and written_count(build) <= max(before, 0):
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 0.8))
         assert p.poll() is None, f"resume {i} ended (exit {p.returncode}) before its kill"
-        during = _written_now(build)
+        during = written_count(build)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         kills += 1
@@ -234,7 +226,6 @@ def test_doctor_names_another_process_holding_the_gpus(tmp_path, vllm_server, mo
 
 def _doctor_in_process(build: Path) -> dict:
     """`hsbuild doctor BUILD --json` through the CLI's main in this process (where NVML is faked)."""
-    import contextlib
     import io
 
     from builder.cli.app import main

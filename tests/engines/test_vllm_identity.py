@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hsbuild, mounted_tmpfs, random_rows, write_jsonl
+from conftest import hsbuild, mounted_tmpfs, random_rows, set_config, write_jsonl, written_count
 from test_vllm import _check_against_transformers, _one_written_each
 from vllm_fixture import (
     VOCAB,
@@ -42,7 +42,7 @@ from vllm_fixture import (
     stop_server,
 )
 
-from builder.config import BuildConfig, Watermarks
+from builder.config import Watermarks
 from builder.doctor.procinfo import listening_pids, scan_processes
 from builder.extract.backends.http_client import healthy, served_model
 from builder.layout import layout
@@ -236,9 +236,7 @@ def printed(tmp_path_factory, tiny_llama):
         # tests/space/test_storage.py), so that the server's write meets ENOSPC
         build = _init(root, "a", 40, tiny_llama, url, staging, seed=31,
                       watermarks=Watermarks(low=0.9998, high=0.9999, flood=0.99995))
-        cfg = BuildConfig.from_toml(layout(build).config)  # as a user would: engine_args in hsbuild.toml
-        cfg.engine_args = list(ENGINE_ARGS)
-        cfg.save(layout(build).config)
+        set_config(build, engine_args=list(ENGINE_ARGS))  # as a user would: engine_args in hsbuild.toml
         cp = hsbuild("serve-command", build)
         assert cp.returncode == 0, cp.stderr
         line = cp.stdout.strip()
@@ -369,7 +367,7 @@ def test_kill_9_of_the_api_server_then_another_model_on_the_same_address_is_refu
                   "the kill command to end the engine processes")
 
         # the user restarts "the server" on the same address, under the same name: with another model
-        written_before = _written_live(build)
+        written_before = written_count(build)
         second = start_server(root, other_llama, server.staging, port=port, extra=("--served-model-name", name))
         out, _ = run.communicate(timeout=600)
     finally:
@@ -388,10 +386,3 @@ def test_kill_9_of_the_api_server_then_another_model_on_the_same_address_is_refu
     assert written >= written_before > 0
     # what was written before the crash is the build's model's: nothing of the other model got in
     assert _check_against_transformers(build, server.model, "pre_norm") == written
-
-
-def _written_live(build: Path) -> int:
-    cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT count(*) FROM events WHERE kind = 'written'", "--csv"),
-                        capture_output=True, text=True)
-    last = cp.stdout.strip().splitlines()[-1:]
-    return int(last[0]) if last and last[0].isdigit() else -1

@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Hold, random_rows, write_jsonl
+from conftest import Hold, random_rows, set_config, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
 from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm
 
-from builder.config import BuildConfig
 from builder.extract.backends.vllm import staging_usage
 from builder.layout import layout
 from builder.log.events import EventLog
@@ -72,7 +71,7 @@ def test_a_launched_server_that_hangs_then_crashes_is_restarted_each_time_and_th
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 21, vocab=VOCAB, hi=300))
     build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=f"http://127.0.0.1:{port}",
                        staging=str(staging), inflight=inflight).root
-    _engine_args(build)
+    set_config(build, engine_args=list(ENGINE_ARGS))  # no torch.compile warm-up for the tiny model
 
     peak = {"files": 0, "bytes": 0}
     done = threading.Event()
@@ -147,14 +146,6 @@ def test_a_launched_server_that_hangs_then_crashes_is_restarted_each_time_and_th
     assert peak["files"] <= inflight + 1 and peak["bytes"] <= (inflight + 1) * largest, peak
     assert not list(staging.rglob("*.safetensors"))
     assert _check_against_transformers(build, tiny_llama, "pre_norm") == n
-
-
-def _engine_args(build: Path) -> None:
-    """No torch.compile warm-up for the tiny model (tests/vllm_fixture.py ENGINE_ARGS), set as a user would."""
-    path = layout(build).config
-    cfg = BuildConfig.from_toml(path)
-    cfg.engine_args = list(ENGINE_ARGS)
-    cfg.save(path)
 
 
 def _group(pgid: int) -> list[tuple[int, str]]:

@@ -16,12 +16,11 @@ import threading
 import time
 
 import pytest
-from conftest import Hold, random_rows, write_jsonl
+from conftest import Hold, random_rows, set_config, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
 from test_vllm_launch import _server_pids
 from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, needs_vllm
 
-from builder.config import BuildConfig
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.log.query import run_query
@@ -59,10 +58,7 @@ def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_l
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 33, vocab=VOCAB, hi=200))
     build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm",
                        server=f"http://127.0.0.1:{free_port()}", staging=str(staging), inflight=4).root
-    path = layout(build).config  # no torch.compile warm-up for the tiny model, as a user sets engine flags
-    cfg = BuildConfig.from_toml(path)
-    cfg.engine_args = list(ENGINE_ARGS)
-    cfg.save(path)
+    set_config(build, engine_args=list(ENGINE_ARGS))  # no torch.compile warm-up for the tiny model
     lay = layout(build)
 
     assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"  # tests/conftest.py: loopback only

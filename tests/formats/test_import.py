@@ -603,7 +603,7 @@ def test_the_claim_is_recorded_in_the_run_and_shown_in_the_report(source, tmp_pa
 
 
 def test_the_imports_numberings_are_the_builds(source, tmp_path):
-    """The import checks claims in BuildInfo.layer_ids()'s numberings (computed again below the formats layer),
+    """The import checks claims in BuildInfo.layer_ids()'s numberings (the build's metadata read its own way),
     and --dump-layer-convention offers exactly their keys and short names."""
     from builder.cli.exchange import LAYER_CONVENTIONS  # noqa: PLC0415
 
