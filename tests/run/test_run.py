@@ -156,7 +156,7 @@ def test_init_refuses_existing_build_unless_force(make_build, cli, tmp_path):
 
 def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli, hold):
     n = 40
-    build = make_build(n, seed=3)
+    build = make_build(n, seed=3, workers="auto")  # (one worker alone: a time-bound group may keep its 10th staged)
     # still going at the Ctrl-C, for certain: the worker holds with its 13th sample started (the test hook), the
     # 10 before it written (groups of 5) and two more staged in its next group
     h = hold(13)
