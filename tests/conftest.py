@@ -42,9 +42,6 @@ fix_threading()
 note_environment()  # calls whose environment changes more than CALL_TIME_ENV get a real CLI process
 
 ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)
-# a built-in model wide enough that a sample of a few hundred tokens takes a visible moment (~0.1 s on a CPU core).
-# (Tests that act mid-run do not count on it: they hold the run with the test hook, `Hold` below.)
-SLOWER = "builtin:hidden=1024,layers=8,vocab=1024,heads=8,kv_heads=2,intermediate=4096"
 
 
 class Hold:

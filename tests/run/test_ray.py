@@ -17,7 +17,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import SLOWER, random_rows
+from conftest import random_rows
 from test_run import assert_bit_exact
 
 from builder.layout import layout
@@ -29,7 +29,6 @@ from builder.run.coordinator import RunOptions, run_build
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-SLOW = "builtin:hidden=512,layers=4,vocab=1024,heads=4,kv_heads=2,intermediate=2048"
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
 
 
@@ -79,7 +78,7 @@ def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build
     # one by one (the driver passes HSBUILD_* settings on to its actors). A node goes while its worker holds: it
     # certainly still has work, and the run samples left (at most 6 of the 48 written). Samples of 400 tokens
     # or more: a worker's queue (QUEUE_TOKENS) holds at most 20, so two workers leave the third enough to hold.
-    build = make_build(rows=random_rows(48, seed=7, lo=400, hi=800), model=SLOW)
+    build = make_build(rows=random_rows(48, seed=7, lo=400, hi=800))
     lay = layout(build)
     h = hold(3)
     removed: list[str] = []
@@ -141,7 +140,7 @@ def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build
     text = cli("status", build).stdout
     assert f"node:    {removed[0][:12]} ({socket.gethostname()}): 1 worker(s)" in text and "GONE since" in text, text
     verify_clean(cli, build)
-    assert assert_bit_exact(build, model=SLOW) == 48
+    assert assert_bit_exact(build) == 48
 
 
 def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle_one(cluster, make_build, hold,
@@ -152,7 +151,7 @@ def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle
     "0 worker(s) go on")."""
     c, _ = cluster
     n = 20
-    build = make_build(rows=random_rows(n, seed=9, lo=300, hi=380), model=SLOWER)
+    build = make_build(rows=random_rows(n, seed=9, lo=300, hi=380))
     lay = layout(build)
     # The busy worker is held by the test hook with its 3rd sample in hand: it is killed mid-run for certain,
     # with at most 2 of the 20 written (the driver passes HSBUILD_TEST_HOLD on to its actors).
@@ -197,12 +196,12 @@ def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle
         by = dict(log.query("SELECT worker, count(*) FROM events WHERE kind = 'written' GROUP BY 1")[1])
     assert lost == [(seen["busy"],)]
     assert sum(k for w, k in by.items() if w != seen["busy"]) >= 1, by  # the idle one took its samples over
-    assert assert_bit_exact(build, model=SLOWER) == n
+    assert assert_bit_exact(build) == n
 
 
 def test_the_driver_killed_then_resumed_on_the_same_cluster(cluster, make_build, cli, hold):
     c, _ = cluster
-    build = make_build(rows=random_rows(30, seed=8, lo=200, hi=400), model=SLOW, workers="auto")
+    build = make_build(rows=random_rows(30, seed=8, lo=200, hi=400), workers="auto")
     lay = layout(build)
     # samples land one by one (the driver passes HSBUILD_* settings on to its actors), and the kill comes mid-run
     # for certain: each worker holds with its 5th sample started (the test hook, HSBUILD_TEST_HOLD passed on too)
@@ -230,7 +229,7 @@ def test_the_driver_killed_then_resumed_on_the_same_cluster(cluster, make_build,
     assert "workers: 3 (auto: one a live node of the Ray cluster, 3" in cp.stderr, cp.stderr
     assert sorted(written_once(build)) == sorted(f"s{i:04d}" for i in range(30))
     verify_clean(cli, build)
-    assert assert_bit_exact(build, model=SLOW) == 30
+    assert assert_bit_exact(build) == 30
     st = json.loads(cli("status", build, "--json").stdout)
     assert st["done"] == 30
     # the nodes of the resumed run: its three workers, one on each node of the same cluster, none gone
