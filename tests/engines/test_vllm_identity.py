@@ -13,24 +13,31 @@ layers' states, whatever server it is pointed at, on its first run or after the 
   server is killed with -9 mid-run: `doctor` names the engine processes it left behind with a kill command that
   ends them, and a server of ANOTHER model restarted under the same address and name is refused (exit 4); every
   sample written before holds the build's model's states.
+- Connect mode, the server someone else runs killed with -9 mid-run (its whole process group): the run pauses,
+  not fails, and finishes once a server is back on the same address. The tests of this section share one server
+  address, in file order (one vLLM start each saved: they take most of the time): the connect test restarts the
+  printed server it killed, and the kill -9 test after it crashes that one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import hsbuild, mounted_tmpfs, random_rows, set_config, write_jsonl, written_count
 from test_vllm import _check_against_transformers, _one_written_each
+from test_vllm_launch import _why
 from vllm_fixture import (
     VOCAB,
     Server,
@@ -225,8 +232,16 @@ def test_two_builds_share_one_server_and_staging_folder(tmp_path, vllm_server, h
 
 # -- the printed command, a full staging volume, a crash, another model ------------------------------------------
 
+@dataclass
+class Printed:
+    root: Path
+    build: Path  # the build whose serve-command started the server
+    server: Server  # the server now at the address (the connect test replaces the printed one)
+    started: list[Server]  # every server started here, stopped at the end
+
+
 @pytest.fixture(scope="module")
-def printed(tmp_path_factory, tiny_llama):
+def printed(tmp_path_factory, tiny_llama) -> Printed:
     """A build whose server runs the line `hsbuild serve-command BUILD` prints, run by bash as printed, with the
     staging folder on a 24 MB tmpfs (mounted here; skipped where it cannot be)."""
     root = tmp_path_factory.mktemp("printed")
@@ -253,12 +268,14 @@ def printed(tmp_path_factory, tiny_llama):
                 stop_server(proc)
                 pytest.fail(f"the printed command did not serve (exit {proc.returncode}):\n{log.read_text()[-4000:]}")
             time.sleep(1)
-        server = Server(url, tiny_llama, staging, proc, log)
+        shared = Printed(root, build, Server(url, tiny_llama, staging, proc, log), [])
+        shared.started.append(shared.server)
         try:
-            yield root, build, server
+            yield shared
         finally:
-            stop_server(proc)
-            _kill_engines_of(proc.pid)
+            for server in shared.started:
+                stop_server(server.proc)
+                _kill_engines_of(server.proc.pid)
 
 
 def _kill_engines_of(pgid: int) -> None:
@@ -286,7 +303,7 @@ def _wait_for(pred, timeout: float, what: str, every: float = 0.5):
 
 
 def test_a_full_staging_volume_pauses_the_run_naming_enospc_then_it_finishes(printed):
-    root, build, server = printed
+    root, build, server = printed.root, printed.build, printed.server
     staging = server.staging
     free = shutil.disk_usage(staging).free
     filler = staging / "filler.bin"  # someone else's file on the staging volume: it leaves ~40 KB free
@@ -324,6 +341,60 @@ def test_a_full_staging_volume_pauses_the_run_naming_enospc_then_it_finishes(pri
     assert _check_against_transformers(build, server.model, "pre_norm") == 40
 
 
+def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_back(printed, hold):
+    """The server someone else runs is killed with -9 mid-run: the run pauses (not fails), waits, and finishes
+    once a server is back on the same address; nothing lost, nothing duplicated. (The server is the module's: the
+    one the printed command started; the one brought back stays for the next test.)"""
+    first, root = printed.server, printed.root
+    assert healthy(first.url), "the module's server is down: a test before this one left it so"
+    staging, tiny_llama = first.staging, first.model
+    # the worker is held before its 6th task (the test hook) while the server dies, then sends that sample to it
+    n = 40
+    src = write_jsonl(root / "conn.jsonl", random_rows(n, 8, vocab=VOCAB, hi=300))
+    build = init_build(root / "conn", src, model=str(tiny_llama), backend="vllm", server=first.url,
+                       staging=str(staging), inflight=4).root
+    held = hold(6)
+    run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=held.env)
+    second = None
+    try:
+        held.wait(1, run, timeout=600)
+        os.killpg(first.proc.pid, signal.SIGKILL)  # the whole server, as a machine's crash would
+        first.proc.wait()
+        held.release()
+        time.sleep(8)
+        if run.poll() is not None:
+            out, err = run.communicate()
+            pytest.fail(f"the run ended (rc {run.returncode}) while the server was gone: {err[-2000:]}")
+        cp = subprocess.run(hsbuild_cmd("status", build, "--json"), capture_output=True, text=True)
+        st = json.loads(cp.stdout)
+        assert st["paused"] and st["pause_reason"] == "server_unavailable" and st["server_healthy"] is False, st
+        # the samples in flight when it died went back to pending (requeued), never counted as failed; no ETA
+        assert st["failed"] == 0 and st["requeued"] >= 1 and st["eta_seconds"] is None, st
+        text = subprocess.run(hsbuild_cmd("status", build), capture_output=True, text=True).stdout
+        assert "engine:  vllm" in text and not re.search(r"ETA \d", text), text
+        assert any(ln.startswith("PAUSED:") and "server_unavailable" in ln for ln in text.splitlines()), text
+        assert f"({st['requeued']} of the pending went back to pending" in text, text
+        # bring a server back on the same address (the user restarting it)
+        second = start_server(root, tiny_llama, staging, port=int(first.url.rsplit(":", 1)[1]))
+        printed.started.append(second)
+        printed.server = second  # the server at the module's address from now on
+        out, err = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, _why(build, out, err)
+    assert "PAUSED (server_unavailable)" in err and "healthy again" in err
+    _one_written_each(build, n)
+    with EventLog(layout(build).events, read_only=True) as log:
+        assert log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0] == 0
+        unavailable = log.query("SELECT count(*) FROM events WHERE reason = 'server_unavailable' AND kind = 'failed'")
+        rechecks = log.query("SELECT count(*) FROM events WHERE kind = 'engine_probe' AND "
+                             "json_extract(detail, '$.recheck')::BOOLEAN")[1][0][0]
+    assert unavailable[1][0][0] >= 1  # in flight when it died: back to pending, then written
+    assert rechecks >= 1  # the server that came back was checked (command line, /v1/models, probe) first
+
+
 def _count_live(build: Path) -> int:
     cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT count(*) FROM events WHERE kind = 'failed'", "--csv"),
                         capture_output=True, text=True)
@@ -332,7 +403,8 @@ def _count_live(build: Path) -> int:
 
 
 def test_kill_9_of_the_api_server_then_another_model_on_the_same_address_is_refused(printed, other_llama, hold):
-    root, first_build, server = printed
+    root, server = printed.root, printed.server
+    assert healthy(server.url), "the module's server is down: a test before this one left it so"
     port = int(server.url.rsplit(":", 1)[1])
     name = served_model(server.url).id
     # the worker is held by the test hook before its 6th task while the server is killed, then sends it there

@@ -2,14 +2,12 @@
 mid-run (SIGSTOP) or crashes (its API process killed with -9; across nodes: test_vllm_ray.py) the run pauses
 (`server_unavailable`), in-flight samples go back to pending (not failed for good, not counted against
 --max-attempts), the server is restarted, and the run finishes by itself. The staging folder is a small real
-tmpfs: it never holds more than the in-flight window. In connect mode the run waits for the server someone else
-runs to come back."""
+tmpfs: it never holds more than the in-flight window. (In connect mode the run waits for the server someone
+else runs to come back: test_vllm_identity.py, on the server its module shares.)"""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -162,59 +160,3 @@ def _group(pgid: int) -> list[tuple[int, str]]:
         except (OSError, ValueError, IndexError):
             continue
     return out
-
-
-def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_back(tmp_path, tiny_llama, hold):
-    """The server someone else runs is killed with -9 mid-run: the run pauses (not fails), waits, and finishes
-    once a server is back on the same address; nothing lost, nothing duplicated."""
-    from vllm_fixture import start_server, stop_server
-
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    first = start_server(tmp_path, tiny_llama, staging)
-    # the worker is held before its 6th task (the test hook) while the server dies, then sends that sample to it
-    n = 40
-    src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 8, vocab=VOCAB, hi=300))
-    build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=first.url,
-                       staging=str(staging), inflight=4).root
-    held = hold(6)
-    run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=held.env)
-    second = None
-    try:
-        held.wait(1, run, timeout=600)
-        os.killpg(first.proc.pid, signal.SIGKILL)
-        first.proc.wait()
-        held.release()
-        time.sleep(8)
-        if run.poll() is not None:
-            out, err = run.communicate()
-            pytest.fail(f"the run ended (rc {run.returncode}) while the server was gone: {err[-2000:]}")
-        cp = subprocess.run(hsbuild_cmd("status", build, "--json"), capture_output=True, text=True)
-        st = json.loads(cp.stdout)
-        assert st["paused"] and st["pause_reason"] == "server_unavailable" and st["server_healthy"] is False, st
-        # the samples in flight when it died went back to pending (requeued), never counted as failed; no ETA
-        assert st["failed"] == 0 and st["requeued"] >= 1 and st["eta_seconds"] is None, st
-        text = subprocess.run(hsbuild_cmd("status", build), capture_output=True, text=True).stdout
-        assert "engine:  vllm" in text and not re.search(r"ETA \d", text), text
-        assert any(ln.startswith("PAUSED:") and "server_unavailable" in ln for ln in text.splitlines()), text
-        assert f"({st['requeued']} of the pending went back to pending" in text, text
-        # bring a server back on the same address (the user restarting it)
-        second = start_server(tmp_path, tiny_llama, staging, port=int(first.url.rsplit(":", 1)[1]))
-        out, err = run.communicate(timeout=900)
-    finally:
-        if run.poll() is None:
-            run.kill()
-        for s in (first, second):
-            if s is not None:
-                stop_server(s.proc)
-    assert run.returncode == 0, _why(build, out, err)
-    assert "PAUSED (server_unavailable)" in err and "healthy again" in err
-    _one_written_each(build, n)
-    with EventLog(layout(build).events, read_only=True) as log:
-        assert log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0] == 0
-        unavailable = log.query("SELECT count(*) FROM events WHERE reason = 'server_unavailable' AND kind = 'failed'")
-        rechecks = log.query("SELECT count(*) FROM events WHERE kind = 'engine_probe' AND "
-                             "json_extract(detail, '$.recheck')::BOOLEAN")[1][0][0]
-    assert unavailable[1][0][0] >= 1  # in flight when it died: back to pending, then written
-    assert rechecks >= 1  # the server that came back was checked (command line, /v1/models, probe) first
