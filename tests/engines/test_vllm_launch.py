@@ -22,6 +22,7 @@ from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm
 from builder.extract.backends.vllm import staging_usage
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.log.query import run_query
 from builder.run.cgroup import ServerCgroup
 from builder.run.create import init_build
 
@@ -97,8 +98,14 @@ def test_a_launched_server_that_hangs_then_crashes_is_restarted_each_time_and_th
             os.killpg(pid, signal.SIGSTOP)
         hang.release()  # its 6th sample goes to the silent server
 
-        # 2. the crash of the restarted server's API process
+        # 2. the crash of the restarted server's API process, once the run has resumed on it: the held worker
+        # can reach its 14th task while the run is still paused (its queued samples fail at once while the hung
+        # server is replaced), and a crash then would fall into the same pause
         crash.wait(1, run, timeout=900)
+        deadline = time.monotonic() + 600
+        while _resumed(build) < 1 and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _resumed(build) >= 1, "the run did not resume after the hung server's restart"
         [api] = _server_pids(port)
         assert api not in pids, "the hung server was not replaced"
         old = _group(api)
@@ -144,6 +151,15 @@ def test_a_launched_server_that_hangs_then_crashes_is_restarted_each_time_and_th
     assert peak["files"] <= inflight + 1 and peak["bytes"] <= (inflight + 1) * largest, peak
     assert not list(staging.rglob("*.safetensors"))
     assert _check_against_transformers(build, tiny_llama, "pre_norm") == n
+
+
+def _resumed(build: Path) -> int:
+    """`resumed` events for server_unavailable so far, asked of the run that owns the log (-1 until it answers)."""
+    try:
+        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'resumed' AND "
+                                        "reason = 'server_unavailable'")[1][0][0]
+    except Exception:  # noqa: BLE001 - not answering yet
+        return -1
 
 
 def _group(pgid: int) -> list[tuple[int, str]]:
