@@ -144,14 +144,19 @@ def wait_written(build: Path, k: int, proc: subprocess.Popen | None = None, time
     return n
 
 
-def written_count(build: Path) -> int:
-    """`written` events on `build` so far, asked of the run that owns its log (or read from the log when none
-    does); -1 while the owner cannot answer (it may be starting)."""
+def live_count(build: Path, sql: str) -> int:
+    """The count `sql` (a `SELECT count(*) ...`) gives on `build` now, asked of the run that owns its log (or read
+    from the log when none does); -1 while the owner cannot answer (it may be starting, or gone)."""
     from builder.log.query import run_query  # noqa: PLC0415
 
     with contextlib.suppress(Exception):
-        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
+        return run_query(layout(build), sql)[1][0][0]
     return -1
+
+
+def written_count(build: Path) -> int:
+    """`written` events on `build` so far (live_count)."""
+    return live_count(build, "SELECT count(*) FROM events WHERE kind = 'written'")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -236,8 +236,12 @@ def test_two_builds_share_one_server_and_staging_folder(tmp_path, vllm_server, h
 class Printed:
     root: Path
     build: Path  # the build whose serve-command started the server
-    server: Server  # the server now at the address (the connect test replaces the printed one)
-    started: list[Server]  # every server started here, stopped at the end
+    started: list[Server]  # every server started at the address, in order; all stopped at the end
+
+    @property
+    def server(self) -> Server:
+        """The server now at the address: the printed one, until the connect test brings another back."""
+        return self.started[-1]
 
 
 @pytest.fixture(scope="module")
@@ -268,8 +272,7 @@ def printed(tmp_path_factory, tiny_llama) -> Printed:
                 stop_server(proc)
                 pytest.fail(f"the printed command did not serve (exit {proc.returncode}):\n{log.read_text()[-4000:]}")
             time.sleep(1)
-        shared = Printed(root, build, Server(url, tiny_llama, staging, proc, log), [])
-        shared.started.append(shared.server)
+        shared = Printed(root, build, [Server(url, tiny_llama, staging, proc, log)])
         try:
             yield shared
         finally:
@@ -356,7 +359,6 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
     held = hold(6)
     run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=held.env)
-    second = None
     try:
         held.wait(1, run, timeout=600)
         os.killpg(first.proc.pid, signal.SIGKILL)  # the whole server, as a machine's crash would
@@ -366,8 +368,7 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
         if run.poll() is not None:
             out, err = run.communicate()
             pytest.fail(f"the run ended (rc {run.returncode}) while the server was gone: {err[-2000:]}")
-        cp = subprocess.run(hsbuild_cmd("status", build, "--json"), capture_output=True, text=True)
-        st = json.loads(cp.stdout)
+        st = _status(build)
         assert st["paused"] and st["pause_reason"] == "server_unavailable" and st["server_healthy"] is False, st
         # the samples in flight when it died went back to pending (requeued), never counted as failed; no ETA
         assert st["failed"] == 0 and st["requeued"] >= 1 and st["eta_seconds"] is None, st
@@ -376,9 +377,8 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
         assert any(ln.startswith("PAUSED:") and "server_unavailable" in ln for ln in text.splitlines()), text
         assert f"({st['requeued']} of the pending went back to pending" in text, text
         # bring a server back on the same address (the user restarting it)
-        second = start_server(root, tiny_llama, staging, port=int(first.url.rsplit(":", 1)[1]))
-        printed.started.append(second)
-        printed.server = second  # the server at the module's address from now on
+        # (the server at the module's address from now on)
+        printed.started.append(start_server(root, tiny_llama, staging, port=int(first.url.rsplit(":", 1)[1])))
         out, err = run.communicate(timeout=900)
     finally:
         if run.poll() is None:

@@ -15,14 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Hold, random_rows, set_config, write_jsonl
+from conftest import Hold, live_count, random_rows, set_config, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
 from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm
 
 from builder.extract.backends.vllm import staging_usage
 from builder.layout import layout
 from builder.log.events import EventLog
-from builder.log.query import run_query
 from builder.run.cgroup import ServerCgroup
 from builder.run.create import init_build
 
@@ -154,12 +153,8 @@ def test_a_launched_server_that_hangs_then_crashes_is_restarted_each_time_and_th
 
 
 def _resumed(build: Path) -> int:
-    """`resumed` events for server_unavailable so far, asked of the run that owns the log (-1 until it answers)."""
-    try:
-        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'resumed' AND "
-                                        "reason = 'server_unavailable'")[1][0][0]
-    except Exception:  # noqa: BLE001 - not answering yet
-        return -1
+    """`resumed` events for server_unavailable so far (conftest's live_count: -1 until the run answers)."""
+    return live_count(build, "SELECT count(*) FROM events WHERE kind = 'resumed' AND reason = 'server_unavailable'")
 
 
 def _group(pgid: int) -> list[tuple[int, str]]:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import hsbuild
+from conftest import hsbuild, live_count
 from test_run import assert_bit_exact
 
 from builder.layout import layout
@@ -32,13 +32,9 @@ def _files(root: Path) -> dict[str, int]:
 
 
 def _written_count(build: Path) -> int:
-    from builder.log.query import run_query
-
-    try:  # (a run's own writes: not what it adopted before it started, which the owner also answers for)
-        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written' AND run_id IN "
-                                        "(SELECT run_id FROM events WHERE kind = 'run_started')")[1][0][0]
-    except Exception:  # noqa: BLE001 - the run may be starting or gone
-        return -1
+    # (a run's own writes: not what it adopted before it started, which the owner also answers for)
+    return live_count(build, "SELECT count(*) FROM events WHERE kind = 'written' AND run_id IN "
+                             "(SELECT run_id FROM events WHERE kind = 'run_started')")
 
 
 def test_sigkill_at_random_moments_then_resume(make_build, hold):

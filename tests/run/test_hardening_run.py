@@ -18,7 +18,6 @@ from test_run import _children
 
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
-from builder.log.query import run_query
 from builder.log.session import OwnerSession
 from builder.run import coordinator as coordinator_mod
 from builder.run.coordinator import RunOptions, run_build
@@ -302,14 +301,6 @@ def test_a_run_that_ends_in_an_error_stops_its_idle_workers_at_once(make_build):
     shutdown = time.monotonic() - term.closed_at
     assert shutdown < 20, f"stopping 4 workers took {shutdown:.0f} s"
     assert not [c for c in _children(os.getpid()) if b"spawn_main" in _cmdline(c)]  # every worker is gone
-
-
-def _written(build) -> int:
-    """Written events so far, asked of the running owner (or read from the file when none runs)."""
-    try:
-        return run_query(layout(build), "SELECT count(*) FROM events WHERE kind = 'written'")[1][0][0]
-    except Exception:  # noqa: BLE001 - the run may be starting or gone
-        return -1
 
 
 def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_build, cli, hold):
