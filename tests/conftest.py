@@ -159,6 +159,34 @@ def written_count(build: Path) -> int:
     return live_count(build, "SELECT count(*) FROM events WHERE kind = 'written'")
 
 
+def worker_pids(root: int) -> list[int]:
+    """The live hsbuild workers below process `root` (its children, or the fork server's: workers name themselves
+    hsbuild-wN, builder/run/worker_start.py)."""
+    from builder.run.worker_start import NAME_PREFIX  # noqa: PLC0415
+
+    kids: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        head, _, rest = text.rpartition(")")
+        fields = rest.split()
+        if len(fields) < 2 or fields[0] == "Z":
+            continue
+        pid = int(stat.parent.name)
+        kids.setdefault(int(fields[1]), []).append(pid)
+        names[pid] = head.partition("(")[2]
+    out, todo = [], list(kids.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if names.get(pid, "").startswith(NAME_PREFIX):
+            out.append(pid)
+        todo.extend(kids.get(pid, []))
+    return sorted(out)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -66,6 +66,7 @@ from builder.run.sizing import workers_for
 from builder.run.spawning import RAY_CPUS_PER_WORKER, SpawningMixin
 from builder.run.standby import Flags, Standby
 from builder.run.supervision import HUNG_SECONDS, SupervisionMixin
+from builder.run.worker_start import worker_context
 from builder.space.capacity import measured_bytes_per_token, project, stored_tokens
 from builder.space.watermarks import SpaceMonitor
 from builder.store.codec import parse_codec
@@ -386,8 +387,11 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
         return report
 
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
-        ctx = mp.get_context("spawn")
-        fix_threading()  # inherited by the spawned workers before their first forward pass
+        fix_threading()  # inherited by the workers before torch loads (there, or in the server they fork from)
+        if self.standby is not None:
+            ctx = self.standby.ctx
+        else:  # (Ray's workers are actors: no fork server for them)
+            ctx = mp.get_context("spawn") if self.pool is not None or self.opts.ray else worker_context()
         # the standby workers hold the run's flags since they were spawned
         flags = self.standby.flags if self.standby is not None else Flags(ctx)
         threads = self._threads()

@@ -1,4 +1,5 @@
-"""Starting the run's workers: local processes (spawned, or taken from those the CLI started before the run:
+"""Starting the run's workers: local processes (forked from the server that imported torch, or spawned:
+builder/run/worker_start.py; or taken from those the CLI started before the run:
 builder/run/standby.py), or actors on a Ray cluster (--ray: builder/run/ray_pool.py), one a node for `auto`;
 and how many intra-op threads each gets. Part of the Coordinator (builder/run/coordinator.py).
 """
@@ -12,6 +13,7 @@ from builder.log.events import Event, detail
 from builder.run.messages import WorkerSettings
 from builder.run.sizing import usable_cpus
 from builder.run.standby import Flags, Standby, start_ignoring_stop_signals, worker_entry
+from builder.run.worker_start import forked
 
 RAY_CPUS_PER_WORKER = float(os.environ.get("HSBUILD_RAY_CPUS", "1"))  # CPUs a Ray worker's actor reserves
 
@@ -63,9 +65,9 @@ class SpawningMixin:
         if ready is not None:
             return ready
         mine, theirs = ctx.Pipe(duplex=True)
-        p = ctx.Process(target=worker_entry, args=(settings, theirs, flags), daemon=True,
+        p = ctx.Process(target=worker_entry, args=(settings, theirs, flags, dict(os.environ)), daemon=True,
                         name=f"hsbuild-worker-{settings.worker}")
-        start_ignoring_stop_signals(p)  # (starts it)
+        start_ignoring_stop_signals(p, forked(ctx))  # (starts it)
         theirs.close()  # so a dead worker's pipe reads as EOF here
         return p, mine
 

@@ -1,9 +1,11 @@
 """Worker processes started before the coordinator needs them.
 
-A spawned worker spends seconds importing torch and the model code before it can take a sample; so does the
-coordinator, on its own imports, source, plan and preflight. `Standby` spawns the run's workers first (the CLI
-does so before it even imports the coordinator): each imports what extraction needs, then waits on its pipe
-for its `WorkerSettings`; the coordinator hands each one its settings once it has a plan (`take`). Nothing here
+A worker needs seconds before it can take a sample (torch and the model code; a Hugging Face model's classes);
+so does the coordinator, on its own imports, source, plan and preflight. `Standby` starts the run's workers
+first (the CLI does so before it even imports the coordinator): each imports what extraction needs, then waits
+on its pipe for its `WorkerSettings`; the coordinator hands each one its settings once it has a plan (`take`).
+Workers fork from the server that imported torch once, or are spawned (builder/run/worker_start.py); a fork
+waits for that server's imports, so they are started from a thread while the caller goes on. Nothing here
 imports torch.
 
 A standby worker owns nothing and touches nothing until it has its settings: one never taken (nothing to do, a
@@ -14,12 +16,13 @@ Workers are spawned with SIGINT and SIGTERM ignored (the coordinator decides whe
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
+import threading
 from multiprocessing.connection import Connection
 
 from builder.extract.threads import fix_threading
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from builder.run.worker_start import STOP_SIGNALS, child_setup, forked, worker_context
 
 
 class Flags:
@@ -48,12 +51,15 @@ class Flags:
         self._a[1] = int(v)
 
 
-def start_ignoring_stop_signals(p: mp.process.BaseProcess) -> None:
-    """Start a worker process that ignores SIGINT and SIGTERM from its first instruction: an ignored signal
+def start_ignoring_stop_signals(p: mp.process.BaseProcess, forked: bool = False) -> None:
+    """Start a worker process (a forked one ignores them already: builder/run/worker_start.py) that ignores SIGINT and SIGTERM from its first instruction: an ignored signal
     stays ignored across exec, so this process ignores them for the moment of the spawn. A Ctrl-C or a
     `kill -TERM -- -PGID` (systemd, `timeout`) then reaches the coordinator alone, which stops the workers at
     a safe point; none is killed with a sample in hand. (A signal arriving in those few milliseconds is
     ignored by the coordinator too.)"""
+    if forked:
+        p.start()
+        return
     handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     try:
         p.start()
@@ -62,16 +68,19 @@ def start_ignoring_stop_signals(p: mp.process.BaseProcess) -> None:
             signal.signal(sig, handler)
 
 
-def worker_entry(settings, conn: Connection, flags: Flags) -> None:  # pragma: no cover - subprocess
+def worker_entry(settings, conn: Connection, flags: Flags, env: dict[str, str]) -> None:  # pragma: no cover
     """A worker process's target: `worker_main`, imported in the worker (the coordinator never imports torch)."""
+    child_setup(env, settings.worker)
     from builder.run.worker import worker_main  # noqa: PLC0415
 
     worker_main(settings, conn, flags)
 
 
-def standby_main(conn: Connection, flags: Flags, preload_hf: bool = False) -> None:  # pragma: no cover - subprocess
-    """A spawned worker: import extraction's code now (and transformers' model classes for a Hugging Face
+def standby_main(conn: Connection, flags: Flags, preload_hf: bool, env: dict[str, str],
+                 worker: int) -> None:  # pragma: no cover - subprocess
+    """A standby worker: import extraction's code now (and transformers' model classes for a Hugging Face
     model), then wait for the settings (None or EOF: not needed)."""
+    child_setup(env, worker)
     from builder.run.worker import worker_main  # noqa: PLC0415 - torch and the model code, while the coordinator starts
 
     if preload_hf:
@@ -92,29 +101,53 @@ def standby_main(conn: Connection, flags: Flags, preload_hf: bool = False) -> No
 
 
 class Standby:
-    """`workers` processes spawned now, waiting for their settings."""
+    """`workers` processes started now, waiting for their settings."""
 
     def __init__(self, workers: int, preload_hf: bool = False):
-        fix_threading()  # inherited by the spawned workers: read when torch loads there
-        self.ctx = mp.get_context("spawn")
+        fix_threading()  # inherited by the workers: read when torch loads there (or in the server they fork from)
+        self.ctx = worker_context()
         self.flags = Flags(self.ctx)
         self.workers = workers
         self._slots: dict[int, tuple[mp.process.BaseProcess, Connection]] = {}
+        self._starting: threading.Thread | None = None
+        env = dict(os.environ)
+        if forked(self.ctx):  # each start waits for the server's imports: not this caller
+            self._starting = threading.Thread(target=self._start_all, args=(preload_hf, env, True),
+                                              name="hsbuild-standby", daemon=True)
+            self._starting.start()
+        else:
+            self._start_all(preload_hf, env, False)
+
+    def _start_all(self, preload_hf: bool, env: dict[str, str], forked: bool) -> None:
         try:
-            for w in range(workers):
+            for w in range(self.workers):
                 mine, theirs = self.ctx.Pipe(duplex=True)
-                p = self.ctx.Process(target=standby_main, args=(theirs, self.flags, preload_hf), daemon=True,
+                p = self.ctx.Process(target=standby_main, args=(theirs, self.flags, preload_hf, env, w), daemon=True,
                                      name=f"hsbuild-worker-{w}")
-                start_ignoring_stop_signals(p)
+                start_ignoring_stop_signals(p, forked)
                 theirs.close()  # so a dead worker's pipe reads as EOF here
                 self._slots[w] = (p, mine)
         except BaseException:
-            self.close()
-            raise
+            if not forked:
+                self.close()
+                raise
+            # (on the thread: the slots started so far are taken or closed as usual; the coordinator starts
+            # any worker missing here itself, and meets the same error there, in its own words)
+
+    def _started(self) -> None:
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+
+    def pids(self) -> list[int]:
+        """The standby workers' process ids, once they are started."""
+        self._started()
+        return [p.pid for p, _ in self._slots.values()]
 
     def take(self, w: int, settings) -> tuple[mp.process.BaseProcess, Connection] | None:
         """Worker `w`, given its settings: (its process, the coordinator's end of its pipe); None if there is no
         such standby worker or it is gone (the caller starts one)."""
+        self._started()
         slot = self._slots.pop(w, None)
         if slot is None:
             return None
@@ -130,6 +163,7 @@ class Standby:
     def close(self) -> None:
         """Stop every worker not taken. They hold nothing yet (no file, no sample), so they are killed at once
         rather than waited for: one may still be importing torch for seconds."""
+        self._started()
         slots, self._slots = list(self._slots.values()), {}
         for p, conn in slots:
             conn.close()

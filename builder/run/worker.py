@@ -2,7 +2,8 @@
 
 Workers never touch the event log. They report to the coordinator over their own pipe, in the typed messages
 of builder.run.messages; the coordinator commits `written` only after the worker has made the sample durable.
-A worker dies with its coordinator (PR_SET_PDEATHSIG), so a SIGKILLed run leaves no writer behind, and ignores
+A worker dies with its parent (PR_SET_PDEATHSIG): the coordinator, or the fork server it was forked from, which
+exits with the coordinator (builder/run/worker_start.py); so a SIGKILLed run leaves no writer behind. It ignores
 SIGINT/SIGTERM: the coordinator decides when it stops.
 """
 
@@ -48,6 +49,7 @@ from builder.run.messages import (
     Written,
 )
 from builder.run.standby import Flags
+from builder.run.worker_start import server_pid
 from builder.store.segment import Location, SegmentWriter, StagedGroup, is_disk_full, new_segment_name
 
 
@@ -105,8 +107,8 @@ def run_hosted(settings: WorkerSettings, conn, flags) -> None:
 def _worker_loop(settings: WorkerSettings, conn, flags: Flags, hosted: bool = False) -> None:  # pragma: no cover
     conn = _SendLocked(conn)
     if not hosted:
-        _die_with_parent()
-        if os.getppid() != settings.coordinator_pid:  # the coordinator died while this process was starting
+        _die_with_parent()  # the coordinator, or the fork server (which exits with the coordinator)
+        if os.getppid() != (server_pid() or settings.coordinator_pid):  # that parent died while this one started
             os._exit(1)
         # The coordinator decides when to stop: a Ctrl-C or SIGTERM to the whole process group must not kill a
         # worker with a sample in hand. (Spawned with both ignored already; this keeps it so.)

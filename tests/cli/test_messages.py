@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import worker_pids
 
 from builder.cli.output import MAX_WIDTH
 from builder.cli.progress import ProgressBar
@@ -86,13 +87,6 @@ def test_a_run_that_died_is_still_reported_as_one(make_build, cli):
     assert "dmesg" in cp.stderr  # the taken-over lock's fix: see why it stopped
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
 def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli, hold):
     n = 12
     build = make_build(n)
@@ -111,10 +105,10 @@ def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli, hold):
     try:
         h.wait(proc=p)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (status_snapshot(lay).get("done", 0) >= 1 and _children(p.pid)
+        while time.monotonic() < deadline and not (status_snapshot(lay).get("done", 0) >= 1 and worker_pids(p.pid)
                                                    and status_snapshot(lay).get("started", 0) >= 1):
             time.sleep(0.1)
-        workers = _children(p.pid)
+        workers = worker_pids(p.pid)
         assert workers, "".join(err)
         for w in workers:  # hold the workers mid-run: the first Ctrl-C's safe stop waits for them
             os.kill(w, signal.SIGSTOP)

@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import Watched, random_rows, wait_written, write_jsonl
-from test_run import _children
+from conftest import Watched, random_rows, wait_written, worker_pids, write_jsonl
 
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
@@ -24,13 +23,6 @@ from builder.run.coordinator import RunOptions, run_build
 from builder.run.messages import Stop
 from builder.store import segment as segment_mod
 from builder.store.segment import SegmentWriter, init_data_group, sample_files
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def _events(build, sql: str) -> list[dict]:
@@ -300,7 +292,7 @@ def test_a_run_that_ends_in_an_error_stops_its_idle_workers_at_once(make_build):
         run_build(build, RunOptions(workers=4, progress=term), echo=term.echo)
     shutdown = time.monotonic() - term.closed_at
     assert shutdown < 20, f"stopping 4 workers took {shutdown:.0f} s"
-    assert not [c for c in _children(os.getpid()) if b"spawn_main" in _cmdline(c)]  # every worker is gone
+    assert not worker_pids(os.getpid())  # every worker is gone
 
 
 def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_build, cli, hold):
@@ -351,7 +343,7 @@ def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishe
     try:
         held = h.wait(workers=2, proc=p)
         wait_written(build, 3, p)
-        workers = [c for c in _children(p.pid) if b"spawn_main" in _cmdline(c)]
+        workers = worker_pids(p.pid)
         assert p.poll() is None and len(workers) == 2 and held[0] in workers, (held, workers)
         frozen = held[0]
         os.kill(frozen, signal.SIGSTOP)

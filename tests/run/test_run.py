@@ -8,10 +8,9 @@ import signal
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import torch
-from conftest import Watched, random_rows, same_states, wait_written, write_jsonl
+from conftest import Watched, random_rows, same_states, wait_written, worker_pids, write_jsonl
 from torch.utils.data import DataLoader
 
 from builder.config import BuildConfig
@@ -183,18 +182,6 @@ def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli, hold)
     assert os.path.exists(layout(build).lock)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
 def test_a_worker_killed_mid_run_stops_the_run_safely(make_build, cli, hold):
     # still going when a worker is killed, for certain: each worker holds with its 6th sample started (the test
     # hook). Enough samples that both get 6, although a worker may queue 64 small ones (QUEUE_SAMPLES) before
@@ -208,7 +195,7 @@ def test_a_worker_killed_mid_run_stops_the_run_safely(make_build, cli, hold):
     w = Watched(p)
     victim = h.wait(workers=2, proc=p)[0]
     wait_written(build, 5, p)  # samples are being written
-    workers = [c for c in _children(p.pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    workers = worker_pids(p.pid)
     assert p.poll() is None and len(workers) == 2 and victim in workers, (victim, workers)
     os.kill(victim, signal.SIGKILL)  # e.g. the OOM killer
     w.wait_for("died (exit code -9)")  # the run knows: the other worker may go on

@@ -27,26 +27,46 @@ def test_a_run_with_nothing_to_do_leaves_no_worker_behind(make_build):
     assert first.written == 3
     assert not mp.active_children()
     given = Standby(2)  # as the CLI passes them
-    pids = [p.pid for p, _ in given._slots.values()]
+    pids = given.pids()
     again = run_build(build, RunOptions(workers=2, standby=given), resume=True, echo=lambda m: None)
     assert again.written == 0 and again.exit_code == 0
     assert not mp.active_children() and all(_gone(p) for p in pids)
 
 
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
 def test_standby_workers_exit_when_their_coordinator_is_sigkilled(tmp_path):
+    """Nothing the standby started (its workers, the fork server they fork from) outlives a SIGKILLed
+    coordinator, wherever it was: the server still importing torch, the workers importing extraction's code, the
+    workers waiting for their settings."""
     script = ("import os, signal, sys, time\n"
               "from builder.run.standby import Standby\n"
               "s = Standby(2)\n"
-              "print(' '.join(str(p.pid) for p, _ in s._slots.values()), flush=True)\n"
+              "print(os.getpid(), flush=True)\n"
+              "if sys.argv[2] == 'started':\n"
+              "    print(' '.join(str(p) for p in s.pids()), flush=True)\n"
               "time.sleep(float(sys.argv[1]))\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
-    for wait in (0.1, 6.0):  # killed while its workers import torch, and once they wait for their settings
-        p = subprocess.run([sys.executable, "-c", script, str(wait)], capture_output=True, text=True, timeout=60,
-                           cwd=Path(__file__).resolve().parents[2])
+    for wait, when in ((0.1, "now"), (0.1, "started"), (6.0, "started")):
+        p = subprocess.run([sys.executable, "-c", script, str(wait), when], capture_output=True, text=True,
+                           timeout=60, cwd=Path(__file__).resolve().parents[2], start_new_session=True)
         assert p.returncode == -9, p.stderr
-        pids = [int(x) for x in p.stdout.split()]
-        assert len(pids) == 2
+        group, *rest = p.stdout.splitlines()
+        pids = [int(x) for x in rest[0].split()] if rest else []
+        assert len(pids) == (2 if when == "started" else 0)
         deadline = time.monotonic() + 30
-        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        while _group(int(group)) and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert not _group(int(group)), f"{_group(int(group))} outlived their coordinator ({wait} s, {when})"
         assert all(_gone(pid) for pid in pids), f"standby workers {pids} outlived their coordinator"

@@ -1,5 +1,5 @@
 """A log owner in a process of its own, for test_state_machine.py's coordinator-crash rule. Kept apart from the
-test module so the forkserver child imports only the event log (not torch, not Hypothesis)."""
+test module so the forked child imports only the event log (not Hypothesis)."""
 
 from __future__ import annotations
 

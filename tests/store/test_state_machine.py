@@ -9,7 +9,6 @@ checksums."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -26,6 +25,7 @@ from owner_proc import own_and_commit
 
 from builder.extract.source import Sample
 from builder.log.events import Event, EventLog
+from builder.run.worker_start import worker_context
 from builder.store.reader import SegmentReader
 from builder.store.segment import SegmentWriter, init_data_group, new_segment_name
 from builder.verify.checks import check_location
@@ -33,10 +33,8 @@ from builder.verify.checks import check_location
 IDS = [f"s{i}" for i in range(6)]
 H, N_AUX, C = 8, 3, 4
 
-# Owner processes fork from a server that has already imported the event log (DuckDB, pyarrow), so a crash costs
-# a fraction of a second, not an interpreter start.
-OWNERS = mp.get_context("forkserver")
-OWNERS.set_forkserver_preload(["builder.log.events"])
+# Owner processes fork from the server that hsbuild's workers fork from (builder/run/worker_start.py: torch and
+# numpy already imported), so a crash costs a fraction of a second, not an interpreter start.
 OWNER_CRASHES = 2  # per example: each costs a process and two opens of the log
 
 
@@ -113,8 +111,9 @@ class BuildMachine(RuleBasedStateMachine):
         self.owner_crashes += 1
         batch, before = self.pending, self._event_count()
         self.log.close()
-        ours, theirs = OWNERS.Pipe()
-        owner = OWNERS.Process(target=own_and_commit, args=(str(self.dir / "events.duckdb"), batch, theirs),
+        owners = worker_context()
+        ours, theirs = owners.Pipe()
+        owner = owners.Process(target=own_and_commit, args=(str(self.dir / "events.duckdb"), batch, theirs),
                                daemon=True)
         owner.start()
         theirs.close()

@@ -1,0 +1,133 @@
+"""How a run's local worker processes start: forked from a server that imported torch once, or spawned.
+
+A worker needs torch, numpy, zarr and numcodecs: about 1.5 CPU-seconds of imports in a fresh interpreter. A run
+that spawns N workers pays them N times, and a program that runs several builds (a notebook, a test suite, a
+pipeline) pays them again for every run. So workers are forked from multiprocessing's fork server instead, which
+imported those libraries once (builder/run/zygote.py) and stays up, idle, for the life of this process: a worker
+then starts in a few milliseconds. The server imports nothing of hsbuild's that reads a setting, and never
+touches a GPU (a forked child may initialize CUDA; a child of a process that did may not).
+
+A forked child inherits the server's state, not this process's, so what a spawned worker would have had is
+handed over explicitly, and the server is only used while it is the same:
+- The environment: a worker takes this process's variables as they are when it starts (`child_setup`), so a
+  setting changed since the server started (HSBUILD_*, a cache directory) reaches it as it would reach a
+  spawned worker.
+- The variables the preloaded libraries read once, when imported (threading: OMP_*, MKL_*, ...; IMPORT_TIME):
+  while any differs from what the server started with, workers are spawned instead. A server started by other
+  code in this process (its imports and environment unknown to us) is never used.
+- Stop signals: the server is started with SIGINT and SIGTERM ignored, which its children inherit, so a Ctrl-C
+  or `kill -TERM -- -PGID` reaches the coordinator alone (as `start_ignoring_stop_signals` does for a spawned
+  worker). Setting a signal's handler needs the main thread: from any other thread, workers are spawned.
+- HSBUILD_WORKER_START=spawn spawns every worker (the behaviour before the server; for comparing the two).
+
+A forked worker's parent is the server, which exits when this process does (multiprocessing closes its pipe);
+a worker dies with its parent (builder/run/worker.py), so none outlives the coordinator either way.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import multiprocessing.forkserver as mp_forkserver
+import os
+import signal
+import threading
+
+START_ENV = "HSBUILD_WORKER_START"
+ZYGOTE = "builder.run.zygote"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Variables read by the preloaded libraries (or their OpenMP, MKL, BLAS and CUDA runtimes) when they are imported
+IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO", "BLIS_", "NUMEXPR_", "TORCH", "PYTORCH",
+               "CUDA", "NVIDIA_", "NPY_", "NUMPY_", "ZARR_", "NUMCODECS", "BLOSC", "LD_", "PYTHON")
+NAME_PREFIX = "hsbuild-w"  # a worker's process name (ps, top, /proc/PID/comm): hsbuild-w0, hsbuild-w1, ...
+
+_lock = threading.Lock()
+_server: tuple[int, dict[str, str]] | None = None  # (pid, import-time variables) of the server this module started
+
+
+def import_time_env(env: dict[str, str] | os._Environ | None = None) -> dict[str, str]:
+    """The variables of `env` (default: this process's) that the preloaded libraries read when imported."""
+    src = os.environ if env is None else env
+    return {k: v for k, v in src.items() if k.startswith(IMPORT_TIME)}
+
+
+def worker_context() -> mp.context.BaseContext:
+    """The context to start this run's workers from: the fork server with the libraries preloaded, started now
+    if it is not running (it imports them while the caller goes on), or `spawn` where that server would not give
+    a worker what a fresh interpreter would (the module's docstring)."""
+    spawn = mp.get_context("spawn")
+    if os.environ.get(START_ENV, "") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return spawn
+    if threading.current_thread() is not threading.main_thread():
+        return spawn
+    global _server
+    fs = getattr(mp_forkserver, "_forkserver", None)
+    if fs is None or not hasattr(fs, "_forkserver_pid"):  # another Python's multiprocessing: not ours to drive
+        return spawn
+    env = import_time_env()
+    with _lock:
+        pid = fs._forkserver_pid
+        if pid is not None and (_server is None or _server[0] != pid):
+            return spawn  # started by other code in this process
+        if _server is not None and _server[1] != env:
+            return spawn
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([ZYGOTE])
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+        try:
+            mp_forkserver.ensure_running()  # (re)starts it if it is not up: spawns it, does not wait for its imports
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        if _server is None or _server[0] != fs._forkserver_pid:
+            _server = (fs._forkserver_pid, env)
+        return ctx
+
+
+def running_server() -> int | None:
+    """The pid of the fork server this module started, while it runs; None otherwise."""
+    fs = getattr(mp_forkserver, "_forkserver", None)
+    with _lock:
+        if _server is None or fs is None or getattr(fs, "_forkserver_pid", None) != _server[0]:
+            return None
+    try:
+        os.kill(_server[0], 0)
+    except OSError:
+        return None
+    return _server[0]
+
+
+def forked(ctx: mp.context.BaseContext) -> bool:
+    """Whether `ctx` forks its processes from the server (starting one is then quick and needs no signal
+    handling in this thread)."""
+    return ctx.get_start_method() == "forkserver"
+
+
+def child_setup(env: dict[str, str], worker: int) -> None:  # pragma: no cover - in the worker process
+    """First thing in a worker: stop signals ignored (already so, from the spawn or the server; kept so), the
+    coordinator's environment as it was at the start, and the process named `hsbuild-wN`."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
+    set_process_name(f"{NAME_PREFIX}{worker}")
+
+
+def set_process_name(name: str) -> None:
+    """Name this process (Linux's PR_SET_NAME, 15 bytes at most) as ps and top show it. Best effort."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def server_pid() -> int | None:
+    """In a worker: the pid of the server it was forked from (its expected parent); None if it was spawned."""
+    import sys  # noqa: PLC0415
+
+    zygote = sys.modules.get(ZYGOTE)
+    pid = getattr(zygote, "SERVER_PID", None)
+    return pid if pid is not None and pid != os.getpid() else None

@@ -1,0 +1,99 @@
+"""Workers fork from a server that imported torch once (builder/run/worker_start.py), and get what a spawned
+worker would: this process's environment as it is when their run starts, not the server's; their stop signals
+ignored; a name. Where the server could not give them that (a variable read at import changed since it started,
+a server started by other code), they are spawned."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from builder.run import testhook
+from builder.run.coordinator import RunOptions, run_build
+from builder.run.worker_start import NAME_PREFIX, running_server, worker_context
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _proc(pid: int) -> dict[str, str]:
+    """A process's name, parent and signal dispositions, from /proc."""
+    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if ":\t" in line)
+    return {"comm": comm, "ppid": status["PPid"].strip(), "ignored": status["SigIgn"].strip()}
+
+
+def _held_run(build: Path, h) -> tuple[int, dict[str, str]]:
+    """Run `build` here (the main thread, as a program does) while a thread reads its held worker's /proc and
+    releases it: (written, that worker's _proc)."""
+    seen: dict[str, str] = {}
+
+    def watch():
+        try:
+            pid = h.wait(timeout=120)[0]
+            seen.update(_proc(pid))
+        finally:
+            h.release()
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    report = run_build(build, RunOptions(workers=1), echo=lambda m: None)
+    t.join(130)
+    return report.written, seen
+
+
+def _ignores_stop_signals(mask: str) -> bool:
+    bits = int(mask, 16)
+    return all(bits >> (sig - 1) & 1 for sig in (2, 15))  # SIGINT, SIGTERM
+
+
+def test_a_forked_worker_takes_its_runs_environment_not_the_servers(make_build, hold, monkeypatch):
+    first = run_build(make_build(3, name="first"), RunOptions(workers=1), echo=lambda m: None)
+    assert first.written == 3
+    server = running_server()
+    assert server is not None and worker_context().get_start_method() == "forkserver"
+    h = hold(1)
+    monkeypatch.setenv(testhook.ENV, h.spec)  # set after the server started: the worker holds only if it sees it
+    written, seen = _held_run(make_build(3, name="second", seed=1), h)
+    assert written == 3
+    assert seen["comm"] == f"{NAME_PREFIX}0"
+    assert int(seen["ppid"]) == server != os.getpid(), seen  # forked from the same server, started once
+    assert _ignores_stop_signals(seen["ignored"]), seen
+
+
+def test_workers_are_spawned_while_a_variable_read_at_import_differs(make_build, hold, monkeypatch):
+    run_build(make_build(2, name="first"), RunOptions(workers=1), echo=lambda m: None)  # the server is up
+    server = running_server()
+    assert server is not None
+    monkeypatch.setenv("OMP_SCHEDULE", "static")  # torch's OpenMP read it when the server imported torch
+    assert worker_context().get_start_method() == "spawn"
+    h = hold(1)
+    monkeypatch.setenv(testhook.ENV, h.spec)
+    written, seen = _held_run(make_build(3, name="second", seed=2), h)
+    assert written == 3
+    assert int(seen["ppid"]) == os.getpid() and seen["comm"] == f"{NAME_PREFIX}0", seen  # spawned here
+    assert _ignores_stop_signals(seen["ignored"]), seen
+    monkeypatch.delenv("OMP_SCHEDULE")
+    assert worker_context().get_start_method() == "forkserver" and running_server() == server
+
+
+@pytest.mark.parametrize("case", ["foreign server", "asked to spawn"])
+def test_workers_are_spawned_where_the_server_is_not_ours_to_use(case):
+    script = ("import multiprocessing as mp, os, sys\n"
+              "if sys.argv[1] == 'foreign server':\n"
+              "    ctx = mp.get_context('forkserver')\n"
+              "    ctx.set_forkserver_preload([])\n"
+              "    p = ctx.Process(target=os.getpid)\n"
+              "    p.start(); p.join()\n"
+              "else:\n"
+              "    os.environ['HSBUILD_WORKER_START'] = 'spawn'\n"
+              "from builder.run.worker_start import running_server, worker_context\n"
+              "print(worker_context().get_start_method(), running_server())\n")
+    cp = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.split() == ["spawn", "None"]
