@@ -13,15 +13,17 @@ handed over explicitly, and the server is only used while it is the same:
   setting changed since the server started (HSBUILD_*, a cache directory) reaches it as it would reach a
   spawned worker.
 - The variables the preloaded libraries read once, when imported (threading: OMP_*, MKL_*, ...; IMPORT_TIME):
-  while any differs from what the server started with, workers are spawned instead. A server started by other
-  code in this process (its imports and environment unknown to us) is never used.
+  when any differs from what the server started with, that server is let go and another one started, which
+  imports them under the settings of now. A server started by other code in this process (its imports and
+  environment unknown to us) is never used: workers are spawned.
 - Stop signals: the server is started with SIGINT and SIGTERM ignored, which its children inherit, so a Ctrl-C
   or `kill -TERM -- -PGID` reaches the coordinator alone (as `start_ignoring_stop_signals` does for a spawned
   worker). Setting a signal's handler needs the main thread: from any other thread, workers are spawned.
 - HSBUILD_WORKER_START=spawn spawns every worker (the behaviour before the server; for comparing the two).
 
-A forked worker's parent is the server, which exits when this process does (multiprocessing closes its pipe);
-a worker dies with its parent (builder/run/worker.py), so none outlives the coordinator either way.
+A forked worker's parent is the server, which exits when this process does (the EOF of its liveness pipe, whose
+other ends the workers close: `child_setup`); a worker dies with its parent (builder/run/worker.py), so none
+outlives the coordinator either way.
 Nothing here imports torch.
 """
 
@@ -63,15 +65,15 @@ def worker_context() -> mp.context.BaseContext:
         return spawn
     global _server
     fs = getattr(mp_forkserver, "_forkserver", None)
-    if fs is None or not hasattr(fs, "_forkserver_pid"):  # another Python's multiprocessing: not ours to drive
-        return spawn
+    if fs is None or not all(hasattr(fs, a) for a in ("_forkserver_pid", "_forkserver_alive_fd")):
+        return spawn  # another Python's multiprocessing: not ours to drive (child_setup needs both)
     env = import_time_env()
     with _lock:
         pid = fs._forkserver_pid
         if pid is not None and (_server is None or _server[0] != pid):
             return spawn  # started by other code in this process
-        if _server is not None and _server[1] != env:
-            return spawn
+        if pid is not None and _server[1] != env:
+            _retire(fs)  # its imports saw other settings: a new one, for this run and those after it
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([ZYGOTE])
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
@@ -83,6 +85,26 @@ def worker_context() -> mp.context.BaseContext:
         if _server is None or _server[0] != fs._forkserver_pid:
             _server = (fs._forkserver_pid, env)
         return ctx
+
+
+def _retire(fs) -> None:
+    """Let the server go: this process's end of its liveness pipe closed, it exits once every worker forked from
+    it has (those of past runs are gone; `child_setup` closed theirs); reaped on a thread. The next
+    `ensure_running` starts another."""
+    with fs._lock:
+        pid, fd = fs._forkserver_pid, fs._forkserver_alive_fd
+        fs._forkserver_pid = fs._forkserver_alive_fd = fs._forkserver_address = None
+    if fd is not None:
+        os.close(fd)
+    if pid is not None:
+        threading.Thread(target=_reap, args=(pid,), name="hsbuild-forkserver-reaper", daemon=True).start()
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def running_server() -> int | None:
@@ -106,9 +128,20 @@ def forked(ctx: mp.context.BaseContext) -> bool:
 
 def child_setup(env: dict[str, str], worker: int) -> None:  # pragma: no cover - in the worker process
     """First thing in a worker: stop signals ignored (already so, from the spawn or the server; kept so), the
-    coordinator's environment as it was at the start, and the process named `hsbuild-wN`."""
+    server's liveness pipe closed (below), the coordinator's environment as it was at the start, and the process
+    named `hsbuild-wN`.
+
+    multiprocessing hands every forked child the write end of the pipe whose EOF tells the server that its
+    clients are gone, so that a child may start processes of its own. A worker starts none; were it to keep that
+    end, the server would outlive a SIGKILLed coordinator as long as any worker lived, and a worker that does not
+    read its pipe (one busy with a sample) would outlive both: its parent-death signal comes from the server."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    if server_pid() is not None:
+        fs = mp_forkserver._forkserver
+        if fs._forkserver_alive_fd is not None:
+            os.close(fs._forkserver_alive_fd)
+            fs._forkserver_alive_fd = None
     if dict(os.environ) != env:
         os.environ.clear()
         os.environ.update(env)

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import process_group
+
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.standby import Standby
 
@@ -33,19 +35,6 @@ def test_a_run_with_nothing_to_do_leaves_no_worker_behind(make_build):
     assert not mp.active_children() and all(_gone(p) for p in pids)
 
 
-def _group(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group `pgid`."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
-
-
 def test_standby_workers_exit_when_their_coordinator_is_sigkilled(tmp_path):
     """Nothing the standby started (its workers, the fork server they fork from) outlives a SIGKILLed
     coordinator, wherever it was: the server still importing torch, the workers importing extraction's code, the
@@ -66,7 +55,7 @@ def test_standby_workers_exit_when_their_coordinator_is_sigkilled(tmp_path):
         pids = [int(x) for x in rest[0].split()] if rest else []
         assert len(pids) == (2 if when == "started" else 0)
         deadline = time.monotonic() + 30
-        while _group(int(group)) and time.monotonic() < deadline:
+        while process_group(int(group)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _group(int(group)), f"{_group(int(group))} outlived their coordinator ({wait} s, {when})"
+        assert not process_group(int(group)), f"{process_group(int(group))} outlived their coordinator ({wait} s, {when})"
         assert all(_gone(pid) for pid in pids), f"standby workers {pids} outlived their coordinator"

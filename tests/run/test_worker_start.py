@@ -1,17 +1,20 @@
 """Workers fork from a server that imported torch once (builder/run/worker_start.py), and get what a spawned
 worker would: this process's environment as it is when their run starts, not the server's; their stop signals
-ignored; a name. Where the server could not give them that (a variable read at import changed since it started,
-a server started by other code), they are spawned."""
+ignored; a name. A variable read at import changed since the server started: another server imports under it.
+A server started by other code in the process, or HSBUILD_WORKER_START=spawn: workers are spawned."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
+from conftest import process_group
 
 from builder.run import testhook
 from builder.run.coordinator import RunOptions, run_build
@@ -66,20 +69,48 @@ def test_a_forked_worker_takes_its_runs_environment_not_the_servers(make_build, 
     assert _ignores_stop_signals(seen["ignored"]), seen
 
 
-def test_workers_are_spawned_while_a_variable_read_at_import_differs(make_build, hold, monkeypatch):
+def test_a_variable_read_at_import_changed_gets_a_server_that_imported_under_it(make_build, hold, monkeypatch):
     run_build(make_build(2, name="first"), RunOptions(workers=1), echo=lambda m: None)  # the server is up
-    server = running_server()
-    assert server is not None
+    old = running_server()
+    assert old is not None
     monkeypatch.setenv("OMP_SCHEDULE", "static")  # torch's OpenMP read it when the server imported torch
-    assert worker_context().get_start_method() == "spawn"
+    assert worker_context().get_start_method() == "forkserver"
+    new = running_server()
+    assert new not in (None, old)
     h = hold(1)
     monkeypatch.setenv(testhook.ENV, h.spec)
     written, seen = _held_run(make_build(3, name="second", seed=2), h)
     assert written == 3
-    assert int(seen["ppid"]) == os.getpid() and seen["comm"] == f"{NAME_PREFIX}0", seen  # spawned here
+    assert int(seen["ppid"]) == new and seen["comm"] == f"{NAME_PREFIX}0", seen  # forked from the new server
     assert _ignores_stop_signals(seen["ignored"]), seen
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{old}").exists() and time.monotonic() < deadline:  # the old one exits (and is reaped)
+        time.sleep(0.1)
+    assert not Path(f"/proc/{old}").exists(), f"the replaced server {old} is still there"
     monkeypatch.delenv("OMP_SCHEDULE")
-    assert worker_context().get_start_method() == "forkserver" and running_server() == server
+    assert worker_context().get_start_method() == "forkserver" and running_server() not in (None, new)
+
+
+def test_a_worker_busy_with_a_sample_dies_with_its_sigkilled_coordinator(make_build, hold):
+    """A held worker (a sample in hand, not reading its pipe) learns of its coordinator's death only from its
+    parent, the fork server: that server must exit with the coordinator, not live on while a worker does."""
+    build = make_build(10, seed=3)
+    h = hold(3)
+    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
+    try:
+        worker = h.wait(proc=p)[0]
+        assert _proc(worker)["comm"] == f"{NAME_PREFIX}0" and int(_proc(worker)["ppid"]) != p.pid  # forked
+        p.kill()  # the coordinator alone, not its group
+        p.wait()
+        deadline = time.monotonic() + 30
+        while process_group(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not process_group(p.pid), f"{process_group(p.pid)} outlived their SIGKILLed coordinator"
+    finally:
+        for pid in process_group(p.pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("case", ["foreign server", "asked to spawn"])
