@@ -109,6 +109,8 @@ class Standby:
         self.flags = Flags(self.ctx)
         self.workers = workers
         self._slots: dict[int, tuple[mp.process.BaseProcess, Connection]] = {}
+        self._mu = threading.Lock()
+        self._closed = False
         self._starting: threading.Thread | None = None
         env = dict(os.environ)
         if forked(self.ctx):  # each start waits for the server's imports: not this caller
@@ -126,7 +128,13 @@ class Standby:
                                      name=f"hsbuild-worker-{w}")
                 start_ignoring_stop_signals(p, forked)
                 theirs.close()  # so a dead worker's pipe reads as EOF here
-                self._slots[w] = (p, mine)
+                with self._mu:
+                    closed = self._closed
+                    if not closed:
+                        self._slots[w] = (p, mine)
+                if closed:  # closed while this one started: not needed
+                    _stop([(p, mine)])
+                    return
         except BaseException:
             if not forked:
                 self.close()
@@ -162,12 +170,18 @@ class Standby:
 
     def close(self) -> None:
         """Stop every worker not taken. They hold nothing yet (no file, no sample), so they are killed at once
-        rather than waited for: one may still be importing torch for seconds."""
-        self._started()
-        slots, self._slots = list(self._slots.values()), {}
-        for p, conn in slots:
-            conn.close()
-            if p.is_alive():
-                p.kill()
-        for p, _ in slots:
-            p.join(timeout=5)
+        rather than waited for: one may still be importing for seconds. Does not wait for the starts still
+        under way (the fork server's imports): each one started after this is stopped as it comes."""
+        with self._mu:
+            self._closed = True
+            slots, self._slots = list(self._slots.values()), {}
+        _stop(slots)
+
+
+def _stop(slots: list[tuple[mp.process.BaseProcess, Connection]]) -> None:
+    for p, conn in slots:
+        conn.close()
+        if p.is_alive():
+            p.kill()
+    for p, _ in slots:
+        p.join(timeout=5)

@@ -1,13 +1,26 @@
-"""Imported once, in the fork server that workers are forked from (builder/run/worker_start.py): the libraries
-every worker needs, so that a forked worker starts without importing them. Nothing of hsbuild's that reads a
-setting is imported here (a forked child would inherit the value the server read), and nothing touches a GPU.
+"""Imported once, in the fork server that workers are forked from (builder/run/worker_start.py), and nowhere
+else: the libraries every worker needs, so that a forked worker starts without importing them. Nothing of
+hsbuild's that reads a setting is imported here (a forked child would inherit the value the server read), and
+nothing touches a GPU.
+
+The server dies with the process that started it (PR_SET_PDEATHSIG, set before the imports): a coordinator that
+exits or is killed while the server still imports does not leave it importing for nothing, and the workers
+forked from it die with it (their own parent-death signal). Its liveness pipe (multiprocessing's) stays the
+guarantee where that signal does not come (the coordinator died before it was set).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 
 SERVER_PID = os.getpid()  # a forked worker's expected parent
+
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except OSError:
+    pass
 
 import numcodecs  # noqa: E402, F401
 import numpy  # noqa: E402, F401

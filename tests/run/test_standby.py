@@ -4,12 +4,13 @@ has nothing to do, not when the coordinator is SIGKILLed while they wait, and a 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from conftest import process_group
+from conftest import process_group, worker_pids
 
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.standby import Standby
@@ -59,3 +60,15 @@ def test_standby_workers_exit_when_their_coordinator_is_sigkilled(tmp_path):
             time.sleep(0.1)
         assert not process_group(int(group)), f"{process_group(int(group))} outlived their coordinator ({wait} s, {when})"
         assert all(_gone(pid) for pid in pids), f"standby workers {pids} outlived their coordinator"
+
+
+def test_a_standby_closed_while_its_workers_start_stops_each_as_it_comes():
+    """close() does not wait for the fork server's imports (a refused run exits at once); the workers started
+    after it are stopped as they come, and none is left."""
+    given = Standby(2)
+    given.close()
+    given._started()  # (the test waits for the starts under way; close did not)
+    deadline = time.monotonic() + 10
+    while (worker_pids(os.getpid()) or mp.active_children()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not worker_pids(os.getpid()) and not mp.active_children()
