@@ -737,7 +737,13 @@ def model_fingerprint(cfg: BuildConfig) -> str | None:
 
 
 def prepare_model_fingerprint(ctx: Context) -> tuple[str | None, str | None]:
-    """(fingerprint, error): done before standalone doctor takes the build lock, so it holds it briefly."""
+    """(fingerprint, error): done before standalone doctor takes the build lock, so it holds it briefly.
+    A run's preflight leaves a builtin model to its workers: each fingerprints the model it loads, and the run
+    refuses one that differs from the build's before any sample (builder/run/handling.py); building it here too
+    would import torch into the coordinator for nothing (a Hugging Face directory's digests are cached: kept)."""
+    if ctx.for_run and is_builtin(ctx.cfg.model):
+        ctx.model_fp = (None, None)
+        return ctx.model_fp
     try:
         ctx.model_fp = (model_fingerprint(ctx.cfg), None)
     except HsbuildError as e:
