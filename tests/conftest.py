@@ -159,29 +159,35 @@ def written_count(build: Path) -> int:
     return live_count(build, "SELECT count(*) FROM events WHERE kind = 'written'")
 
 
+def _live_processes() -> list[tuple[int, str, int, int]]:
+    """(pid, name, parent pid, process group) of every live (not zombie) process, from /proc/PID/stat."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, _, rest = stat.read_text().rpartition(")")
+        except OSError:
+            continue
+        fields = rest.split()
+        if len(fields) < 3 or fields[0] == "Z":
+            continue
+        out.append((int(stat.parent.name), head.partition("(")[2], int(fields[1]), int(fields[2])))
+    return out
+
+
 def worker_pids(root: int) -> list[int]:
     """The live hsbuild workers below process `root` (its children, or the fork server's: workers name themselves
     hsbuild-wN, builder/run/worker_start.py)."""
     from builder.run.worker_start import NAME_PREFIX  # noqa: PLC0415
 
+    procs = _live_processes()
     kids: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        head, _, rest = text.rpartition(")")
-        fields = rest.split()
-        if len(fields) < 2 or fields[0] == "Z":
-            continue
-        pid = int(stat.parent.name)
-        kids.setdefault(int(fields[1]), []).append(pid)
-        names[pid] = head.partition("(")[2]
+    for pid, _, ppid, _ in procs:
+        kids.setdefault(ppid, []).append(pid)
+    names = {pid: name for pid, name, _, _ in procs}
     out, todo = [], list(kids.get(root, []))
     while todo:
         pid = todo.pop()
-        if names.get(pid, "").startswith(NAME_PREFIX):
+        if names[pid].startswith(NAME_PREFIX):
             out.append(pid)
         todo.extend(kids.get(pid, []))
     return sorted(out)
@@ -189,15 +195,7 @@ def worker_pids(root: int) -> list[int]:
 
 def process_group(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group `pgid`."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
+    return [pid for pid, _, _, pgrp in _live_processes() if pgrp == pgid]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -388,12 +388,11 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
 
     def _extract(self, plan: Plan, by_id: dict[str, Sample], meta: dict, report: RunReport) -> None:
         fix_threading()  # inherited by the workers before torch loads (there, or in the server they fork from)
-        if self.standby is not None:
-            ctx = self.standby.ctx
+        if self.standby is not None:  # its workers hold the run's flags since they were started
+            ctx, flags = self.standby.ctx, self.standby.flags
         else:  # (Ray's workers are actors: no fork server for them)
             ctx = mp.get_context("spawn") if self.pool is not None or self.opts.ray else worker_context()
-        # the standby workers hold the run's flags since they were spawned
-        flags = self.standby.flags if self.standby is not None else Flags(ctx)
+            flags = Flags(ctx)
         threads = self._threads()
         procs: dict[int, mp.process.BaseProcess] = {}
         conns: dict[int, Connection] = {}  # reports from each worker (read here)

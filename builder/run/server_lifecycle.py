@@ -15,7 +15,6 @@ time the server comes back. Each build stages into its own subfolder of the stag
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import signal
@@ -33,6 +32,7 @@ from builder.extract.backends.vllm import clear_staging, staging_usage
 from builder.extract.backends.vllm_server import EngineSpec, engine_spec, serve_command, serve_env
 from builder.layout import BuildLayout
 from builder.run.cgroup import PREFIX, ServerCgroup, reap_stale
+from builder.run.prctl import die_with_parent
 
 HEALTH_TIMEOUT = 1800.0  # a large checkpoint can take many minutes to load (the incident's: 680 s)
 
@@ -56,10 +56,7 @@ class EngineOptions:
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent(signal.SIGTERM)
     os.setpgrp()  # its own process group: stopped as a whole, untouched by a Ctrl-C meant for hsbuild
 
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import threading
 from multiprocessing.connection import Connection
 
 from builder.extract.threads import fix_threading
-from builder.run.worker_start import STOP_SIGNALS, child_setup, forked, worker_context
+from builder.run.worker_start import child_setup, forked, stop_signals_ignored, worker_context
 
 
 class Flags:
@@ -52,20 +51,17 @@ class Flags:
 
 
 def start_ignoring_stop_signals(p: mp.process.BaseProcess, forked: bool = False) -> None:
-    """Start a worker process (a forked one ignores them already: builder/run/worker_start.py) that ignores SIGINT and SIGTERM from its first instruction: an ignored signal
+    """Start a worker process that ignores SIGINT and SIGTERM from its first instruction: an ignored signal
     stays ignored across exec, so this process ignores them for the moment of the spawn. A Ctrl-C or a
     `kill -TERM -- -PGID` (systemd, `timeout`) then reaches the coordinator alone, which stops the workers at
     a safe point; none is killed with a sample in hand. (A signal arriving in those few milliseconds is
-    ignored by the coordinator too.)"""
+    ignored by the coordinator too.) A `forked` one inherits them ignored from its fork server
+    (builder/run/worker_start.py): started as it is, from any thread."""
     if forked:
         p.start()
         return
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
-    try:
+    with stop_signals_ignored():
         p.start()
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
 
 
 def worker_entry(settings, conn: Connection, flags: Flags, env: dict[str, str]) -> None:  # pragma: no cover

@@ -9,7 +9,6 @@ SIGINT/SIGTERM: the coordinator decides when it stops.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing.util as mp_util
 import os
 import signal
@@ -48,17 +47,10 @@ from builder.run.messages import (
     WorkerSettings,  # noqa: F401 - (re-exported)
     Written,
 )
+from builder.run.prctl import die_with_parent
 from builder.run.standby import Flags
 from builder.run.worker_start import server_pid
 from builder.store.segment import Location, SegmentWriter, StagedGroup, is_disk_full, new_segment_name
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def worker_main(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma: no cover - subprocess
@@ -107,7 +99,7 @@ def run_hosted(settings: WorkerSettings, conn, flags) -> None:
 def _worker_loop(settings: WorkerSettings, conn, flags: Flags, hosted: bool = False) -> None:  # pragma: no cover
     conn = _SendLocked(conn)
     if not hosted:
-        _die_with_parent()  # the coordinator, or the fork server (which exits with the coordinator)
+        die_with_parent(signal.SIGKILL)  # the coordinator, or the fork server (which exits with the coordinator)
         if os.getppid() != (server_pid() or settings.coordinator_pid):  # that parent died while this one started
             os._exit(1)
         # The coordinator decides when to stop: a Ctrl-C or SIGTERM to the whole process group must not kill a

@@ -29,12 +29,16 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver as mp_forkserver
 import os
 import signal
+import sys
 import threading
+from collections.abc import Iterator
+
+from builder.run.prctl import set_process_name
 
 START_ENV = "HSBUILD_WORKER_START"
 ZYGOTE = "builder.run.zygote"
@@ -76,12 +80,8 @@ def worker_context() -> mp.context.BaseContext:
             _retire(fs)  # its imports saw other settings: a new one, for this run and those after it
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([ZYGOTE])
-        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
-        try:
+        with stop_signals_ignored():  # (inherited by the server, and by its children from it)
             mp_forkserver.ensure_running()  # (re)starts it if it is not up: spawns it, does not wait for its imports
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
         if _server is None or _server[0] != fs._forkserver_pid:
             _server = (fs._forkserver_pid, env)
         return ctx
@@ -105,6 +105,18 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, 0)
     except ChildProcessError:
         pass
+
+
+@contextlib.contextmanager
+def stop_signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored by this process while a process is started (an ignored signal stays ignored
+    across fork and exec), their handlers given back after. Main thread only."""
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def running_server() -> int | None:
@@ -148,19 +160,8 @@ def child_setup(env: dict[str, str], worker: int) -> None:  # pragma: no cover -
     set_process_name(f"{NAME_PREFIX}{worker}")
 
 
-def set_process_name(name: str) -> None:
-    """Name this process (Linux's PR_SET_NAME, 15 bytes at most) as ps and top show it. Best effort."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-
-
 def server_pid() -> int | None:
     """In a worker: the pid of the server it was forked from (its expected parent); None if it was spawned."""
-    import sys  # noqa: PLC0415
-
     zygote = sys.modules.get(ZYGOTE)
     pid = getattr(zygote, "SERVER_PID", None)
     return pid if pid is not None and pid != os.getpid() else None

@@ -11,16 +11,13 @@ guarantee where that signal does not come (the coordinator died before it was se
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 
-SERVER_PID = os.getpid()  # a forked worker's expected parent
+from builder.run.prctl import die_with_parent
 
-try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-except OSError:
-    pass
+SERVER_PID = os.getpid()  # a forked worker's expected parent
+die_with_parent(signal.SIGKILL)
 
 import numcodecs  # noqa: E402, F401
 import numpy  # noqa: E402, F401
