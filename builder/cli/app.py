@@ -177,9 +177,8 @@ def _standby_for(args: argparse.Namespace):
         return None
     from builder.config import load_config  # noqa: PLC0415
     from builder.extract.backends.registry import of_config  # noqa: PLC0415
-    from builder.extract.spec import is_builtin  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
-    from builder.run.standby import Standby  # noqa: PLC0415
+    from builder.run.standby import Standby, loads_hf_model  # noqa: PLC0415
 
     try:
         cfg = load_config(layout(args.build).require())
@@ -191,9 +190,8 @@ def _standby_for(args: argparse.Namespace):
         from builder.run.sizing import workers_for  # noqa: PLC0415
 
         workers = workers_for(cfg, args.device).workers
-    # a Hugging Face model: the workers import transformers while they wait (about 3 s of a run's start-up)
-    hf = backend.loads_model and isinstance(cfg.model, str) and not is_builtin(cfg.model)
-    return Standby(workers, preload_hf=hf) if isinstance(workers, int) and 0 < workers <= 256 else None
+    # a Hugging Face model: transformers is imported while the workers wait (about 3 s of a run's start-up)
+    return Standby(workers, preload_hf=loads_hf_model(cfg, backend)) if isinstance(workers, int) and 0 < workers <= 256 else None
 
 
 def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:

@@ -64,7 +64,7 @@ from builder.run.plan import Plan, make_plan
 from builder.run.preparation import PreparationMixin, tokenizer_for
 from builder.run.sizing import workers_for
 from builder.run.spawning import RAY_CPUS_PER_WORKER, SpawningMixin
-from builder.run.standby import Flags, Standby
+from builder.run.standby import Flags, Standby, loads_hf_model
 from builder.run.supervision import HUNG_SECONDS, SupervisionMixin
 from builder.run.worker_start import worker_context
 from builder.space.capacity import measured_bytes_per_token, project, stored_tokens
@@ -391,7 +391,8 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
         if self.standby is not None:  # its workers hold the run's flags since they were started
             ctx, flags = self.standby.ctx, self.standby.flags
         else:  # (Ray's workers are actors: no fork server for them)
-            ctx = mp.get_context("spawn") if self.pool is not None or self.opts.ray else worker_context()
+            ctx = (mp.get_context("spawn") if self.pool is not None or self.opts.ray
+                   else worker_context(hf=loads_hf_model(self.cfg, self.backend)))
             flags = Flags(ctx)
         threads = self._threads()
         procs: dict[int, mp.process.BaseProcess] = {}

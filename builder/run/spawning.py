@@ -12,7 +12,7 @@ from builder.errors import UsageError
 from builder.log.events import Event, detail
 from builder.run.messages import WorkerSettings
 from builder.run.sizing import usable_cpus
-from builder.run.standby import Flags, Standby, start_ignoring_stop_signals, worker_entry
+from builder.run.standby import Flags, Standby, loads_hf_model, start_ignoring_stop_signals, worker_entry
 from builder.run.worker_start import forked
 
 RAY_CPUS_PER_WORKER = float(os.environ.get("HSBUILD_RAY_CPUS", "1"))  # CPUs a Ray worker's actor reserves
@@ -30,7 +30,7 @@ class SpawningMixin:
             given = None
         if given is not None or self.opts.ray:
             return given
-        return Standby(self.workers)
+        return Standby(self.workers, preload_hf=loads_hf_model(self.cfg, self.backend))
 
     def _size_on_cluster(self) -> None:
         """`--workers auto` with --ray: one worker a live node of the cluster (connecting to it now; the nodes'

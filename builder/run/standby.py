@@ -75,7 +75,7 @@ def worker_entry(settings, conn: Connection, flags: Flags, env: dict[str, str]) 
 def standby_main(conn: Connection, flags: Flags, preload_hf: bool, env: dict[str, str],
                  worker: int) -> None:  # pragma: no cover - subprocess
     """A standby worker: import extraction's code now (and transformers' model classes for a Hugging Face
-    model), then wait for the settings (None or EOF: not needed)."""
+    model, unless the server it forked from did), then wait for the settings (None or EOF: not needed)."""
     child_setup(env, worker)
     from builder.run.worker import worker_main  # noqa: PLC0415 - torch and the model code, while the coordinator starts
 
@@ -96,12 +96,22 @@ def standby_main(conn: Connection, flags: Flags, preload_hf: bool, env: dict[str
     worker_main(settings, conn, flags)
 
 
+def loads_hf_model(cfg, backend) -> bool:  # noqa: ANN001 - a BuildConfig and its BackendSpec
+    """Whether a build's workers load a Hugging Face model directory (their start then imports transformers'
+    model classes: about 3 CPU-seconds)."""
+    from builder.extract.spec import is_builtin  # noqa: PLC0415
+
+    return backend.loads_model and isinstance(cfg.model, str) and not is_builtin(cfg.model)
+
+
 class Standby:
-    """`workers` processes started now, waiting for their settings."""
+    """`workers` processes started now, waiting for their settings. `preload_hf`: their model is a Hugging Face
+    directory (`loads_hf_model`): transformers' model classes are imported before the settings come (once, in
+    the server they fork from, or in each spawned worker)."""
 
     def __init__(self, workers: int, preload_hf: bool = False):
         fix_threading()  # inherited by the workers: read when torch loads there (or in the server they fork from)
-        self.ctx = worker_context()
+        self.ctx = worker_context(hf=preload_hf)
         self.flags = Flags(self.ctx)
         self.workers = workers
         self._slots: dict[int, tuple[mp.process.BaseProcess, Connection]] = {}

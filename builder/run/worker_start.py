@@ -19,6 +19,10 @@ handed over explicitly, and the server is only used while it is the same:
 - Stop signals: the server is started with SIGINT and SIGTERM ignored, which its children inherit, so a Ctrl-C
   or `kill -TERM -- -PGID` reaches the coordinator alone (as `start_ignoring_stop_signals` does for a spawned
   worker). Setting a signal's handler needs the main thread: from any other thread, workers are spawned.
+- A run whose model is a Hugging Face directory asks for a server that also imported transformers' model
+  classes (builder/run/zygote_hf.py: about 3 CPU-seconds, once, instead of in every worker). A server without
+  them is let go for one with them; a server with them serves every later run (a superset). For such a server
+  the variables transformers and huggingface_hub read at import (HF_IMPORT_TIME) are compared too.
 - HSBUILD_WORKER_START=spawn spawns every worker (the behaviour before the server; for comparing the two).
 
 A forked worker's parent is the server, which exits when this process does (the EOF of its liveness pipe, whose
@@ -37,31 +41,50 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from builder.run.prctl import set_process_name
 
 START_ENV = "HSBUILD_WORKER_START"
 ZYGOTE = "builder.run.zygote"
+ZYGOTE_HF = "builder.run.zygote_hf"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Variables read by the preloaded libraries (or their OpenMP, MKL, BLAS and CUDA runtimes) when they are imported
 IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO", "BLIS_", "NUMEXPR_", "TORCH", "PYTORCH",
                "CUDA", "NVIDIA_", "NPY_", "NUMPY_", "ZARR_", "NUMCODECS", "BLOSC", "LD_", "PYTHON")
+# ... and by transformers, huggingface_hub, tokenizers and safetensors (a server that preloaded ZYGOTE_HF)
+HF_IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "XDG_CACHE_HOME", "USE_TORCH",
+                  "USE_TF", "USE_FLAX", "USE_JAX")
 NAME_PREFIX = "hsbuild-w"  # a worker's process name (ps, top, /proc/PID/comm): hsbuild-w0, hsbuild-w1, ...
 
+
+@dataclass(frozen=True)
+class _Server:
+    """The fork server this module started: its pid, whether it preloaded ZYGOTE_HF, and the import-time
+    variables it started under."""
+
+    pid: int
+    hf: bool
+    env: dict[str, str]
+
+
 _lock = threading.Lock()
-_server: tuple[int, dict[str, str]] | None = None  # (pid, import-time variables) of the server this module started
+_server: _Server | None = None
 
 
-def import_time_env(env: dict[str, str] | os._Environ | None = None) -> dict[str, str]:
-    """The variables of `env` (default: this process's) that the preloaded libraries read when imported."""
+def import_time_env(env: dict[str, str] | os._Environ | None = None, hf: bool = False) -> dict[str, str]:
+    """The variables of `env` (default: this process's) that the preloaded libraries read when imported (with
+    `hf`: transformers' too)."""
     src = os.environ if env is None else env
-    return {k: v for k, v in src.items() if k.startswith(IMPORT_TIME)}
+    prefixes = IMPORT_TIME + HF_IMPORT_TIME if hf else IMPORT_TIME
+    return {k: v for k, v in src.items() if k.startswith(prefixes)}
 
 
-def worker_context() -> mp.context.BaseContext:
-    """The context to start this run's workers from: the fork server with the libraries preloaded, started now
-    if it is not running (it imports them while the caller goes on), or `spawn` where that server would not give
-    a worker what a fresh interpreter would (the module's docstring)."""
+def worker_context(hf: bool = False) -> mp.context.BaseContext:
+    """The context to start this run's workers from: the fork server with the libraries preloaded (with `hf`,
+    transformers' model classes too), started now if it is not running (it imports them while the caller goes
+    on), or `spawn` where that server would not give a worker what a fresh interpreter would (the module's
+    docstring)."""
     spawn = mp.get_context("spawn")
     if os.environ.get(START_ENV, "") == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return spawn
@@ -71,19 +94,20 @@ def worker_context() -> mp.context.BaseContext:
     fs = getattr(mp_forkserver, "_forkserver", None)
     if fs is None or not all(hasattr(fs, a) for a in ("_forkserver_pid", "_forkserver_alive_fd")):
         return spawn  # another Python's multiprocessing: not ours to drive (child_setup needs both)
-    env = import_time_env()
     with _lock:
         pid = fs._forkserver_pid
-        if pid is not None and (_server is None or _server[0] != pid):
+        if pid is not None and (_server is None or _server.pid != pid):
             return spawn  # started by other code in this process
-        if pid is not None and _server[1] != env:
-            _retire(fs)  # its imports saw other settings: a new one, for this run and those after it
+        if pid is not None and (_server.env != import_time_env(hf=_server.hf) or (hf and not _server.hf)):
+            _retire(fs)  # its imports saw other settings, or lack ones this run needs: a new one, for this run and
+            pid = None  # those after it
+        hf = hf or (pid is not None and _server.hf)  # (what a server that ensure_running restarts preloads)
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([ZYGOTE])
+        ctx.set_forkserver_preload([ZYGOTE, ZYGOTE_HF] if hf else [ZYGOTE])
         with stop_signals_ignored():  # (inherited by the server, and by its children from it)
             mp_forkserver.ensure_running()  # (re)starts it if it is not up: spawns it, does not wait for its imports
-        if _server is None or _server[0] != fs._forkserver_pid:
-            _server = (fs._forkserver_pid, env)
+        if _server is None or _server.pid != fs._forkserver_pid:
+            _server = _Server(fs._forkserver_pid, hf, import_time_env(hf=hf))
         return ctx
 
 
@@ -123,13 +147,13 @@ def running_server() -> int | None:
     """The pid of the fork server this module started, while it runs; None otherwise."""
     fs = getattr(mp_forkserver, "_forkserver", None)
     with _lock:
-        if _server is None or fs is None or getattr(fs, "_forkserver_pid", None) != _server[0]:
+        if _server is None or fs is None or getattr(fs, "_forkserver_pid", None) != _server.pid:
             return None
     try:
-        os.kill(_server[0], 0)
+        os.kill(_server.pid, 0)
     except OSError:
         return None
-    return _server[0]
+    return _server.pid
 
 
 def forked(ctx: mp.context.BaseContext) -> bool:

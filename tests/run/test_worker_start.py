@@ -128,3 +128,39 @@ def test_workers_are_spawned_where_the_server_is_not_ours_to_use(case):
     cp = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert cp.returncode == 0, cp.stderr
     assert cp.stdout.split() == ["spawn", "None"]
+
+
+def _maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_hugging_face_run_gets_a_server_that_imported_transformers_and_later_runs_keep_it(tmp_path, make_build,
+                                                                                            hold, monkeypatch):
+    """transformers' model classes are imported once, in the server, not in each worker: a server without them
+    is replaced for a run of a Hugging Face model; the builtin runs after it fork from that one (a superset);
+    a variable transformers' libraries read at import, changed, gets another server."""
+    transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    import torch  # noqa: PLC0415
+
+    run_build(make_build(2, name="builtin"), RunOptions(workers=1), echo=lambda m: None)
+    plain = running_server()
+    assert plain is not None and "_safetensors_rust" not in _maps(plain)  # torch's server: no transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    h = hold(1)
+    monkeypatch.setenv(testhook.ENV, h.spec)
+    written, seen = _held_run(make_build(3, name="hf", model=str(tmp_path / "llama"), aux_layers=[1]), h)
+    monkeypatch.delenv(testhook.ENV)
+    hf = running_server()
+    assert written == 3 and hf not in (None, plain)
+    assert "_safetensors_rust" in _maps(hf) and "tokenizers.abi3" in _maps(hf)  # transformers imported there
+    assert int(seen["ppid"]) == hf and seen["comm"] == f"{NAME_PREFIX}0", seen
+
+    run_build(make_build(2, name="builtin-after", seed=4), RunOptions(workers=1), echo=lambda m: None)
+    assert running_server() == hf  # kept: it has what a builtin run needs
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # huggingface_hub read it when the server imported it
+    assert worker_context().get_start_method() == "forkserver" and running_server() not in (None, hf)
