@@ -24,7 +24,7 @@ from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, needs_vllm
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.log.query import run_query
-from builder.run import testhook
+from builder.run import dispatch, testhook
 from builder.run.coordinator import RunOptions, run_build
 from builder.run.create import init_build
 
@@ -46,7 +46,11 @@ def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_l
     # Deterministic (the test hook, builder/run/testhook.py; the run passes HSBUILD_* on to its actors): a worker
     # holds at its 5th task while the head node's server is killed, and the other node's worker holds again at
     # its 15th, after the run resumed, while its node is removed. So both happen mid-run, whatever the speed.
-    n = 120
+    # A worker is handed its window (in flight + 1) and no deeper queue of small samples (dispatch.QUEUE_SAMPLES,
+    # up to 64 of them, 8192 tokens, to whichever worker asks first): the head node's worker, held at its 15th,
+    # then holds at most 19 samples, so the other node's certainly gets its 15 of the 40.
+    n = 40
+    monkeypatch.setattr(dispatch, "QUEUE_SAMPLES", 0)
     first, second = hold(5), hold(15)
     monkeypatch.setenv(testhook.ENV, Hold.together(first, second)[testhook.ENV])
     monkeypatch.setenv("HSBUILD_GROUP_SAMPLES", "1")
