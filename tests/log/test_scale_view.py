@@ -13,6 +13,7 @@ import itertools
 import json
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -200,3 +201,21 @@ def test_the_live_replica_answers_as_the_file_across_checkpoints(tmp_path):
             log.checkpoint_fold()
             assert sorted(replica.query("SELECT * FROM samples")[1]) == _rows(log, "samples_reference")
         assert replica.query("SELECT count(*) FROM fold_checkpoint")[1][0][0] > 0
+
+
+@pytest.mark.parametrize("view", ["sample_fold", "samples", "progress", "runs", "gpu_stats", "doctor_checks", "nodes"])
+def test_a_live_query_gets_every_view_it_reads_and_answers_as_the_owners_log(tmp_path, view):
+    """A live query's throwaway instance gets only the views its SQL names and the views those read
+    (log/sandbox.py): each view, read directly, through a CTE, or by name in a string, answers as the owner's
+    own log does."""
+    from builder.log.sandbox import LiveReplica
+
+    raw = [(k, sid, i % 5, i % 4) for i, (k, sid) in enumerate(itertools.product(KINDS, SAMPLE_IDS[:3] + ["x"]))]
+    with EventLog(tmp_path / "events.duckdb") as log:
+        log.register_samples(_registry())
+        log.append(_events(raw))
+        replica = LiveReplica(log)
+        want = sorted(map(str, log.query(f"SELECT * FROM {view}")[1]))
+        for sql in (f"SELECT * FROM {view}", f"WITH v AS (SELECT * FROM {view.upper()}) SELECT * FROM v",
+                    f"SELECT * FROM query_table('{view}')"):
+            assert sorted(map(str, replica.query(sql)[1])) == want, sql
