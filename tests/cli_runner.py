@@ -28,7 +28,6 @@ to the real process anyway where the in-process run could not be the same:
   at import (HF_ENDPOINT by huggingface_hub, HSBUILD_COMMIT_WAIT by builder.log.events, ...) or unknown here
   (variables libraries set in this process as they are imported, SET_BY_LIBRARIES, are not the test's);
 - keywords other than the ones above;
-- tests under PROCESS_DIRS (owned elsewhere: they keep the real process until converted);
 - HSBUILD_TEST_CLI=process in the environment: every call a real process (to compare, or to debug).
 """
 
@@ -61,7 +60,6 @@ SET_BY_LIBRARIES = {"LD_LIBRARY_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_DUP
                     "TOKENIZERS_PARALLELISM", "HF_HUB_DISABLE_PROGRESS_BARS", "PYTHONBREAKPOINT"}  # (Ray's driver)
 SET_BY_LIBRARIES_PREFIXES = ("TORCHINDUCTOR_", "TRITON_", "TILELANG_", "AITER_")
 KNOWN_KW = {"cwd", "env", "input"}
-PROCESS_DIRS = ("tests/engines/",)  # whose tests keep the real process (see the module's docstring)
 MAIN_PATH = str(Path(builder.cli.__file__).with_name("__main__.py"))  # sys.argv[0] of `python -m builder.cli`
 WATCHDOG = "hsbuild-test-timeout"  # the thread that sends a call its SIGINT at its timeout
 _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
@@ -98,9 +96,6 @@ def _routed_to_process(kw: dict) -> str | None:
         return "HSBUILD_TEST_CLI=process"
     if set(kw) - KNOWN_KW:
         return f"keywords {sorted(set(kw) - KNOWN_KW)}"
-    current = os.environ.get("PYTEST_CURRENT_TEST", "")
-    if any(current.startswith(d) for d in PROCESS_DIRS):
-        return "a test in " + next(d for d in PROCESS_DIRS if current.startswith(d))
     env = kw.get("env")
     env = os.environ if env is None else env
     start = _ENV_AT_START if _ENV_AT_START is not None else os.environ

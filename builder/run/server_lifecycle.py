@@ -226,12 +226,13 @@ class Engine:
         if getattr(self, "_watching", False):
             return
         self._watching = True
+        stop = self._unwatched = threading.Event()
 
-        def loop() -> None:
-            while self._watching:
+        def loop() -> None:  # (ends as soon as `unwatch` is called: a library caller's process goes on)
+            while not stop.is_set():
                 if healthy(self.spec.server, timeout=timeout):
                     self._last_ok = time.monotonic()
-                time.sleep(every)
+                stop.wait(every)
 
         threading.Thread(target=loop, name="hsbuild-health", daemon=True).start()
 
@@ -241,6 +242,8 @@ class Engine:
 
     def unwatch(self) -> None:
         self._watching = False
+        if getattr(self, "_unwatched", None) is not None:
+            self._unwatched.set()
 
     def kill_hung(self) -> None:
         """Launch mode: a server that is alive but does not answer /health is killed (then restarted)."""
