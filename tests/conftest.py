@@ -41,6 +41,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 fix_threading()
 note_environment()  # calls whose environment changes more than CALL_TIME_ENV get a real CLI process
 
+# between two questions to a live run's owner (wait_written, polls): each one costs that process ~25 ms of CPU
+# (a throwaway locked-down DuckDB instance, builder/log/sandbox.py), taken from the run the test watches
+POLL_OWNER_S = 0.2
 ROOMY = Watermarks(low=0.997, high=0.998, flood=0.999, min_free=0)
 
 
@@ -140,7 +143,7 @@ def wait_written(build: Path, k: int, proc: subprocess.Popen | None = None, time
         assert time.monotonic() < deadline, f"{n} of {k} samples written after {timeout} s"
         n = written_count(build)
         if n < k:
-            time.sleep(0.05)
+            time.sleep(POLL_OWNER_S)
     return n
 
 

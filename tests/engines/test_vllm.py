@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import hsbuild, random_rows, write_jsonl, written_count
+from conftest import POLL_OWNER_S, hsbuild, random_rows, write_jsonl, written_count
 from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm
 
 from builder.extract.backends.base import Failure, Request
@@ -142,7 +142,7 @@ def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server, hold
         else:  # once this run is writing, a random moment later
             deadline = time.monotonic() + 120
             while p.poll() is None and time.monotonic() < deadline and written_count(build) <= max(before, 0):
-                time.sleep(0.05)
+                time.sleep(POLL_OWNER_S)
             time.sleep(rng.uniform(0.0, 0.8))
         assert p.poll() is None, f"resume {i} ended (exit {p.returncode}) before its kill"
         during = written_count(build)

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import hsbuild, live_count
+from conftest import POLL_OWNER_S, hsbuild, live_count
 from test_run import assert_bit_exact
 
 from builder.layout import layout
@@ -55,7 +55,7 @@ def test_sigkill_at_random_moments_then_resume(make_build, hold):
         else:  # the rest once this run is writing, a random moment later
             deadline = time.monotonic() + 120
             while p.poll() is None and time.monotonic() < deadline and _written_count(build) <= max(before, 0):
-                time.sleep(0.05)
+                time.sleep(POLL_OWNER_S)
             time.sleep(rng.uniform(0.0, 0.5))
         assert p.poll() is None, f"resume {i} ended (exit {p.returncode}) before its kill: {p.stderr.read()}"
         during = _written_count(build)
