@@ -364,11 +364,17 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
         os.killpg(first.proc.pid, signal.SIGKILL)  # the whole server, as a machine's crash would
         first.proc.wait()
         held.release()
-        time.sleep(8)
+
+        def met_it() -> dict | bool:  # the run met the dead server: paused, what it had in flight back to pending
+            if run.poll() is not None:
+                return True
+            s = _status(build)
+            return bool(s.get("paused") and s.get("requeued", 0) >= 1) and s
+
+        st = _wait_for(met_it, 120, "the run to pause on the dead server")
         if run.poll() is not None:
             out, err = run.communicate()
             pytest.fail(f"the run ended (rc {run.returncode}) while the server was gone: {err[-2000:]}")
-        st = _status(build)
         assert st["paused"] and st["pause_reason"] == "server_unavailable" and st["server_healthy"] is False, st
         # the samples in flight when it died went back to pending (requeued), never counted as failed; no ETA
         assert st["failed"] == 0 and st["requeued"] >= 1 and st["eta_seconds"] is None, st
