@@ -191,7 +191,9 @@ def _standby_for(args: argparse.Namespace):
 
         workers = workers_for(cfg, args.device).workers
     # a Hugging Face model: transformers is imported while the workers wait (about 3 s of a run's start-up)
-    return Standby(workers, preload_hf=loads_hf_model(cfg, backend)) if isinstance(workers, int) and 0 < workers <= 256 else None
+    if not (isinstance(workers, int) and 0 < workers <= 256):
+        return None
+    return Standby(workers, preload_hf=loads_hf_model(cfg, backend))
 
 
 def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:

@@ -223,10 +223,9 @@ class Engine:
     # -- the health watch: a thread, so a slow /health never stalls the run loop ------------------------------
     def watch(self, every: float = 5.0, timeout: float = 10.0) -> None:
         self._last_ok = time.monotonic()
-        if getattr(self, "_watching", False):
+        if self._watching():
             return
-        self._watching = True
-        stop = self._unwatched = threading.Event()
+        stop = self._health_stop = threading.Event()
 
         def loop() -> None:  # (ends as soon as `unwatch` is called: a library caller's process goes on)
             while not stop.is_set():
@@ -238,12 +237,16 @@ class Engine:
 
     def unresponsive_for(self) -> float:
         """Seconds since /health last answered (0 when the watch is off)."""
-        return time.monotonic() - self._last_ok if getattr(self, "_watching", False) else 0.0
+        return time.monotonic() - self._last_ok if self._watching() else 0.0
+
+    def _watching(self) -> bool:
+        stop = getattr(self, "_health_stop", None)
+        return stop is not None and not stop.is_set()
 
     def unwatch(self) -> None:
-        self._watching = False
-        if getattr(self, "_unwatched", None) is not None:
-            self._unwatched.set()
+        stop = getattr(self, "_health_stop", None)
+        if stop is not None:
+            stop.set()
 
     def kill_hung(self) -> None:
         """Launch mode: a server that is alive but does not answer /health is killed (then restarted)."""

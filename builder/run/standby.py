@@ -79,13 +79,8 @@ def standby_main(conn: Connection, flags: Flags, preload_hf: bool, env: dict[str
     child_setup(env, worker)
     from builder.run.worker import worker_main  # noqa: PLC0415 - torch and the model code, while the coordinator starts
 
-    if preload_hf:
-        try:
-            import transformers  # noqa: PLC0415
-
-            transformers.AutoModelForCausalLM  # noqa: B018 - a lazy module: this imports the model classes
-        except Exception:  # noqa: BLE001 - the worker reports a broken install itself when it loads the model
-            pass
+    if preload_hf:  # (a no-op where the server it forked from imported it)
+        import builder.run.zygote_hf  # noqa: F401, PLC0415
 
     try:
         settings = conn.recv()
