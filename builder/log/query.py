@@ -29,6 +29,9 @@ from builder.log.sandbox import MAX_TIMEOUT_S, QUERY_TIMEOUT_S, QueryInterrupted
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 OWNER_WAIT_S = 10.0  # how long a client waits for an owner that holds the lock but does not answer yet
+# how long `status` waits for an owner that answers but is still starting (no log open yet: reading a big source
+# takes minutes) before it shows that owner's phase instead of its progress
+STATUS_START_WAIT_S = 2.0
 
 
 _parser_lock = threading.Lock()
@@ -136,12 +139,17 @@ def _sockets(lay: BuildLayout, st: LockState) -> list[Path]:
     return out
 
 
-def request(lay: BuildLayout, req: dict, wait: float = OWNER_WAIT_S, timeout: float = 2.0) -> dict | None:
-    """Ask the live owner, if any. Returns None when no process owns the build.
+def request(lay: BuildLayout, req: dict, wait: float = OWNER_WAIT_S, timeout: float = 2.0,
+            start_wait: float | None = None) -> dict | None:
+    """Ask the live owner, if any. Returns None when no process owns the build. An owner that does not answer is
+    waited for `wait` s; one that answers it is still starting, `start_wait` s (default: `wait`), then its
+    answer is returned as it is.
 
     A reply reached although the lock file is missing (or not held) carries `lock_file_missing` /
     `lock_not_held`: something deleted or replaced hsbuild.lock under a live owner."""
-    deadline = time.monotonic() + wait
+    t0 = time.monotonic()
+    deadline = t0 + wait
+    start_deadline = t0 + (wait if start_wait is None else start_wait)
     while True:
         st = inspect_lock(lay)
         for sock in _sockets(lay, st):
@@ -153,7 +161,7 @@ def request(lay: BuildLayout, req: dict, wait: float = OWNER_WAIT_S, timeout: fl
                 continue  # a stale socket file, or not listening yet
             except (TimeoutError, OSError):
                 continue
-            if reply.get("starting") and time.monotonic() < deadline:  # no log open yet: ask again shortly
+            if reply.get("starting") and time.monotonic() < start_deadline:  # no log open yet: ask again shortly
                 break
             if not st.held and not inspect_lock(lay).held:  # (not an owner that took the lock just now)
                 reply["lock_file_missing" if st.missing else "lock_not_held"] = True
@@ -175,12 +183,12 @@ def _raise_reply(reply: dict) -> None:
 
 
 def _ask_or_read(lay: BuildLayout, req: dict, offline: Callable[[], object], timeout: float = 10.0,
-                 ask_timeout: float = 2.0, wait: float = OWNER_WAIT_S) -> dict:
+                 ask_timeout: float = 2.0, wait: float = OWNER_WAIT_S, start_wait: float | None = None) -> dict:
     """Ask the live owner; with none, read the file. Handles a run that starts between the two, or during
     the read (the read gives way and the owner is asked)."""
     deadline = time.monotonic() + timeout
     while True:
-        reply = request(lay, req, wait=wait, timeout=ask_timeout)
+        reply = request(lay, req, wait=wait, timeout=ask_timeout, start_wait=start_wait)
         if reply is not None:
             _raise_reply(reply)
             return reply
@@ -230,7 +238,7 @@ def status_snapshot(lay: BuildLayout, offline_extra: Callable[[EventLog, dict], 
             prog = log.progress()
             return {**prog, **(offline_extra(log, prog) if offline_extra is not None else {})}
 
-    reply = _ask_or_read(lay, {"op": "status"}, offline)
+    reply = _ask_or_read(lay, {"op": "status"}, offline, start_wait=STATUS_START_WAIT_S)
     if "offline" in reply:
         return {"running": False, **{k: jsonable(v) for k, v in reply["offline"].items()}}
     st = dict(reply["status"])

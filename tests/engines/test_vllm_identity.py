@@ -381,7 +381,9 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
         text = subprocess.run(hsbuild_cmd("status", build), capture_output=True, text=True).stdout
         assert "engine:  vllm" in text and not re.search(r"ETA \d", text), text
         assert any(ln.startswith("PAUSED:") and "server_unavailable" in ln for ln in text.splitlines()), text
-        assert f"({st['requeued']} of the pending went back to pending" in text, text
+        # (more of what was in flight may fail while the server stays gone: the count only grows meanwhile)
+        said = re.search(r"\((\d+) of the pending went back to pending", text)
+        assert said and st["requeued"] <= int(said.group(1)) <= _status(build)["requeued"], text
         # bring a server back on the same address (the user restarting it)
         # (the server at the module's address from now on)
         printed.started.append(start_server(root, tiny_llama, staging, port=int(first.url.rsplit(":", 1)[1])))
