@@ -107,7 +107,7 @@ def start_server(root: Path, model: Path, staging: Path, timeout: float = 900, p
             stop_server(proc)
             pytest.fail(f"the vLLM server did not start (exit {proc.returncode}); its log:\n"
                         + log.read_text()[-4000:])
-        time.sleep(1)
+        time.sleep(0.25)
     return Server(url, model, staging, proc, log)
 
 

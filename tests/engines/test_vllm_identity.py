@@ -271,7 +271,7 @@ def printed(tmp_path_factory, tiny_llama) -> Printed:
             if proc.poll() is not None or time.monotonic() - t0 > 900:
                 stop_server(proc)
                 pytest.fail(f"the printed command did not serve (exit {proc.returncode}):\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+            time.sleep(0.25)
         shared = Printed(root, build, [Server(url, tiny_llama, staging, proc, log)])
         try:
             yield shared

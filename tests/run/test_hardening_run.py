@@ -38,8 +38,11 @@ def test_a_worker_that_finishes_while_the_coordinator_is_busy_is_not_reported_de
 
     def send_then_stall(outbox, obj):
         real_send(outbox, obj)
-        if isinstance(obj, Stop):
-            time.sleep(3.0)  # the worker seals its segment and exits meanwhile
+        if isinstance(obj, Stop):  # stalled until a worker has sealed its segment and exited (10 s at most)
+            alive = len(worker_pids(os.getpid()))
+            deadline = time.monotonic() + 10
+            while len(worker_pids(os.getpid())) >= alive and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     monkeypatch.setattr(coordinator_mod._Outbox, "send", send_then_stall)
     echoed: list[str] = []
