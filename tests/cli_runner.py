@@ -83,10 +83,13 @@ def _raise_if(check: bool, cp: subprocess.CompletedProcess) -> subprocess.Comple
 
 
 def hsbuild_proc(*args, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess (`python -m builder.cli ARGS`)."""
+    """Run the real CLI in a subprocess (`python -m builder.cli ARGS`; forked from the test zygote where it can
+    be: tests/forked.py)."""
+    import forked  # noqa: PLC0415 - (it imports this module)
+
     env = {**(kw.pop("env", None) or os.environ), "PYTHONUNBUFFERED": "1"}
-    cp = subprocess.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
-                        timeout=timeout, env=env, **kw)
+    cp = forked.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
+                    timeout=timeout, env=env, **kw)
     return _raise_if(check, cp)
 
 

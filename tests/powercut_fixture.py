@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]  # this file lives in <repo>/tests/
@@ -243,8 +244,8 @@ class PowerCutFS:
         kw.setdefault("stderr", subprocess.PIPE)
         kw.setdefault("text", True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
-        p = subprocess.Popen([*program, *map(str, args)], cwd=str(cwd or self.mnt), env=env,
-                             start_new_session=True, **kw)
+        p = forked.Popen([*program, *map(str, args)], cwd=str(cwd or self.mnt), env=env, start_new_session=True,
+                         **kw)  # (forked from the test zygote where it can be: tests/forked.py)
         self.pgids.append(p.pid)
         self.procs.append(p)
         return p

@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import worker_pids
 
@@ -96,8 +97,8 @@ def test_double_ctrl_c_then_resume_says_interrupted(make_build, cli, hold):
     # them after releasing its lock, and test nothing)
     h = hold(3)
     env = dict(h.env, HSBUILD_GROUP_SAMPLES="1")
-    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--workers", "1", "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--workers", "1", "--no-progress"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
     reader.start()

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from fake_nvml import FakeGpu, FakeNVML, GiB, seed_gpus, unit_cgroup
 
@@ -412,9 +413,9 @@ def test_stale_lock_from_a_sigkilled_run_is_reported_and_taken_over(make_build, 
     fake_gpu_env(monkeypatch, None, cuda=False)
     lay = layout(make_build(n=12))
     h = hold(5)  # the run is still going at the kill, for certain: its worker holds with its 5th sample started
-    run = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(lay.root), "--no-progress"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
+    run = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(lay.root), "--no-progress"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
     try:
         h.wait(proc=run)
         deadline = time.monotonic() + 30

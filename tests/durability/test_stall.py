@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+import forked
 import pytest
 from conftest import Hold, hsbuild
 
@@ -34,8 +35,8 @@ N = 30  # after the thaw the run goes on long enough for the stall watch to see 
 def hs(*args, timeout=300) -> subprocess.CompletedProcess:
     """The CLI as a real process (`hsbuild` runs it in this one): for a command that could hang on the stalled
     volume, which only a process can be timed out of."""
-    return subprocess.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+    return forked.run([sys.executable, "-m", "builder.cli", *map(str, args)], capture_output=True, text=True,
+                      timeout=timeout)
 
 
 def _written(build) -> int:

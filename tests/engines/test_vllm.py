@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -134,9 +135,9 @@ def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server, hold
     for i in range(8):
         before = written_count(build)
         held = hold(rng.randint(10, 20))
-        p = subprocess.Popen(hsbuild_cmd("resume", build, "--no-progress", "--inflight", "8"),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**held.env, "HSBUILD_GROUP_SAMPLES": "1"})
+        p = forked.Popen(hsbuild_cmd("resume", build, "--no-progress", "--inflight", "8"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**held.env, "HSBUILD_GROUP_SAMPLES": "1"})
         if i % 3 == 0:  # any moment, start-up and probe included
             time.sleep(rng.uniform(0.5, 4.0))
         else:  # once this run is writing, a random moment later

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from conftest import hsbuild, mounted_tmpfs, random_rows, set_config, write_jsonl, written_count
@@ -208,8 +209,8 @@ def test_two_builds_share_one_server_and_staging_folder(tmp_path, vllm_server, h
     builds = [_init(tmp_path, f"b{i}", n, vllm_server.model, vllm_server.url, vllm_server.staging, seed=20 + i,
                     inflight=4) for i in range(2)]
     holds = [hold(3), hold(3)]
-    runs = [subprocess.Popen(hsbuild_cmd("run", b, "--no-progress"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=h.env) for b, h in zip(builds, holds, strict=True)]
+    runs = [forked.Popen(hsbuild_cmd("run", b, "--no-progress"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=h.env) for b, h in zip(builds, holds, strict=True)]
     try:
         for h, r in zip(holds, runs, strict=True):
             h.wait(1, r)
@@ -291,7 +292,7 @@ def _kill_engines_of(pgid: int) -> None:
 
 
 def _status(build: Path) -> dict:
-    cp = subprocess.run(hsbuild_cmd("status", build, "--json"), capture_output=True, text=True)
+    cp = forked.run(hsbuild_cmd("status", build, "--json"), capture_output=True, text=True)
     return json.loads(cp.stdout) if cp.returncode == 0 else {}
 
 
@@ -314,8 +315,8 @@ def test_a_full_staging_volume_pauses_the_run_naming_enospc_then_it_finishes(pri
         f.write(b"\0" * max(0, free - 40_000))
     err_path = root / "run-a.err"
     with open(err_path, "w") as err:
-        run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress", "--inflight", "4"), stdout=subprocess.PIPE,
-                               stderr=err, text=True)
+        run = forked.Popen(hsbuild_cmd("run", build, "--no-progress", "--inflight", "4"), stdout=subprocess.PIPE,
+                           stderr=err, text=True)
     try:
         _wait_for(lambda: "ENOSPC" in err_path.read_text() or run.poll() is not None, 300, "the run to name ENOSPC")
         assert run.poll() is None, err_path.read_text()
@@ -357,8 +358,8 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
     build = init_build(root / "conn", src, model=str(tiny_llama), backend="vllm", server=first.url,
                        staging=str(staging), inflight=4).root
     held = hold(6)
-    run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=held.env)
+    run = forked.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, env=held.env)
     try:
         held.wait(1, run, timeout=600)
         os.killpg(first.proc.pid, signal.SIGKILL)  # the whole server, as a machine's crash would
@@ -378,7 +379,7 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
         assert st["paused"] and st["pause_reason"] == "server_unavailable" and st["server_healthy"] is False, st
         # the samples in flight when it died went back to pending (requeued), never counted as failed; no ETA
         assert st["failed"] == 0 and st["requeued"] >= 1 and st["eta_seconds"] is None, st
-        text = subprocess.run(hsbuild_cmd("status", build), capture_output=True, text=True).stdout
+        text = forked.run(hsbuild_cmd("status", build), capture_output=True, text=True).stdout
         assert "engine:  vllm" in text and not re.search(r"ETA \d", text), text
         assert any(ln.startswith("PAUSED:") and "server_unavailable" in ln for ln in text.splitlines()), text
         # (more of what was in flight may fail while the server stays gone: the count only grows meanwhile)
@@ -404,8 +405,8 @@ def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_ba
 
 
 def _count_live(build: Path) -> int:
-    cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT count(*) FROM events WHERE kind = 'failed'", "--csv"),
-                        capture_output=True, text=True)
+    cp = forked.run(hsbuild_cmd("sql", build, "SELECT count(*) FROM events WHERE kind = 'failed'", "--csv"),
+                    capture_output=True, text=True)
     last = cp.stdout.strip().splitlines()[-1:]
     return int(last[0]) if last and last[0].isdigit() else -1
 
@@ -420,8 +421,8 @@ def test_kill_9_of_the_api_server_then_another_model_on_the_same_address_is_refu
     held = hold(6)
     err_path = root / "run-c.err"
     with open(err_path, "w") as err:
-        run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE, stderr=err,
-                               text=True, env={**held.env, "HSBUILD_GROUP_SAMPLES": "1"})
+        run = forked.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE, stderr=err,
+                           text=True, env={**held.env, "HSBUILD_GROUP_SAMPLES": "1"})
     second = None
     try:
         held.wait(1, run, timeout=300)

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import Hold, live_count, random_rows, set_config, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
@@ -44,7 +45,7 @@ def _server_pids(port: int) -> list[int]:
 
 def _why(build: Path, out: str, err: str) -> str:
     """What a user would look at when the run did not end 0: its summary, its messages, the failures logged."""
-    cp = subprocess.run(hsbuild_cmd("sql", build, "SELECT sample_id, attempt, reason, detail FROM events "
+    cp = forked.run(hsbuild_cmd("sql", build, "SELECT sample_id, attempt, reason, detail FROM events "
                                     "WHERE kind = 'failed' ORDER BY seq", "--csv"), capture_output=True, text=True)
     return f"stdout: {out[-2000:]}\nstderr: {err[-3000:]}\nfailed events: {cp.stdout[-3000:]}{cp.stderr[-500:]}"
 
@@ -83,9 +84,9 @@ def test_a_launched_server_that_hangs_then_crashes_is_restarted_each_time_and_th
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     hang, crash = hold(6), hold(14)
-    run = subprocess.Popen(hsbuild_cmd("run", build, "--no-progress", "--launch"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True,
-                           env={**Hold.together(hang, crash), "HSBUILD_SERVER_HUNG": "15"})
+    run = forked.Popen(hsbuild_cmd("run", build, "--no-progress", "--launch"), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True,
+                       env={**Hold.together(hang, crash), "HSBUILD_SERVER_HUNG": "15"})
     old: list[tuple[int, str]] = []
     api = 0
     try:

@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 from urllib.parse import unquote
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -382,7 +383,7 @@ def _export_json(build: Path, out: Path, *flags: str) -> dict:
 def test_export_killed_midway_finishes_on_rerun(post, tmp_path):
     out = tmp_path / "out"
     n = len(HiddenStateDataset(post))
-    proc = subprocess.Popen([sys.executable, "-m", "builder.cli", "export", str(post), str(out), "--format",
+    proc = forked.Popen([sys.executable, "-m", "builder.cli", "export", str(post), str(out), "--format",
                              "specforge", "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
@@ -552,7 +553,7 @@ def test_export_respects_the_target_watermarks(post, tmpfs):
     filler.unlink()
     filler = _fill_to(tmpfs, 0.65)
     out = tmpfs / "out2"
-    proc = subprocess.Popen([sys.executable, "-m", "builder.cli", "export", str(post), str(out), "--format",
+    proc = forked.Popen([sys.executable, "-m", "builder.cli", "export", str(post), str(out), "--format",
                              "specforge", "--no-progress", "--json", "--allow-overcommit", *wm],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -22,6 +22,7 @@ import time
 import warnings
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from conftest import hsbuild, mounted_tmpfs, random_rows, write_jsonl
@@ -279,7 +280,7 @@ def _run_and_kill(build: Path, out: Path, delay: float | None) -> tuple[int | No
     kill -9 it (None: let it finish). Returns (its exit code, or None if killed; seconds from that journal write
     to the journal saying finished)."""
     before = _inode(out / JOURNAL)
-    proc = subprocess.Popen([sys.executable, "-m", "builder.cli", "export", str(build), str(out), "--format",
+    proc = forked.Popen([sys.executable, "-m", "builder.cli", "export", str(build), str(out), "--format",
                              "speculators", "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
@@ -310,7 +311,7 @@ def _rerun(build: Path, out: Path) -> int:
 
 
 def _kill_at_rename(build: Path, out: Path, k: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", KILL_AT_RENAME, str(k), "export", str(build), str(out),
+    return forked.run([sys.executable, "-c", KILL_AT_RENAME, str(k), "export", str(build), str(out),
                            "--format", "speculators", "--no-progress"], capture_output=True, text=True, timeout=300)
 
 

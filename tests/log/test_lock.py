@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 
 from builder.cli.app import main
@@ -163,8 +164,8 @@ def test_a_long_idle_query_gives_way_to_an_owner(make_build, cli):
     build = make_build(5)
     lay = layout(build)
     long_sql = "SELECT count(*) FROM range(100000000000) t(i) WHERE hash(i) % 1000003 = 7"  # minutes
-    reader = subprocess.Popen([sys.executable, "-m", "builder.cli", "sql", str(build), long_sql],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reader = forked.Popen([sys.executable, "-m", "builder.cli", "sql", str(build), long_sql],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not _has_open(reader.pid, lay.events):

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import forked
 import pytest
 
 import builder.log.query as query_mod
@@ -123,9 +124,9 @@ def test_live_run_log_cannot_be_changed_by_any_statement(make_build, tmp_path, c
     # still going after the attacks, for certain: its worker holds with its 5th sample started (the test hook) until
     # the Ctrl-C that stops it; the 4 before it written one a group
     h = hold(5)
-    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
     try:
         h.wait(proc=p)
         deadline = time.monotonic() + 120

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import forked
 import pytest
 from conftest import random_rows, write_jsonl
 
@@ -57,8 +58,8 @@ def test_ctrl_c_while_waiting_for_the_server_exits_130(tmp_path):
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(4, vocab=VOCAB))
     build = init_build(tmp_path / "b", src, model=str(model), backend="vllm",
                        server=f"http://127.0.0.1:{_closed_port()}", staging=str(staging)).root
-    run = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         seen = ""

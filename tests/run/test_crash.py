@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 from conftest import POLL_OWNER_S, hsbuild, live_count
 from test_run import assert_bit_exact
 
@@ -47,7 +48,7 @@ def test_sigkill_at_random_moments_then_resume(make_build, hold):
     for i in range(KILLS):
         before = _written_count(build)
         held = hold(rng.randint(HOLD_MIN, HOLD_MAX))
-        p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
+        p = forked.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
                               "--workers", str(WORKERS)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, env={**held.env, "HSBUILD_GROUP_SAMPLES": str(GROUP)})
         if i % 3 == 0:  # a third of the kills at any moment, startup included

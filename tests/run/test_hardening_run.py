@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -102,8 +103,8 @@ def full_data_volume(make_build, tmp_path):
 
 def test_enospc_while_creating_a_segment_pauses_and_retries_without_counting(full_data_volume, cli):
     build, filler = full_data_volume
-    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--flood", "1.0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--flood", "1.0"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and p.poll() is None:
@@ -308,7 +309,7 @@ def test_sigterm_to_the_process_group_stops_cleanly_and_charges_nobody(make_buil
         # hook), the 3 before it staged in a group (made durable every 0.3 s, or at the stop), until the stop
         # is under way; three runs leave work to resume
         h = hold(4)
-        p = subprocess.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
+        p = forked.Popen([sys.executable, "-m", "builder.cli", "resume", str(build), "--no-progress",
                               "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True, env={**h.env, "HSBUILD_GROUP_SECONDS": "0.3"})
         w = Watched(p)
@@ -340,9 +341,9 @@ def test_ctrl_c_with_a_stopped_worker_gives_up_on_it_names_it_and_resume_finishe
     n = 100
     build = make_build(n, seed=28)
     h = hold(4)
-    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**h.env, "HSBUILD_STOP_GRACE": "3", "HSBUILD_GROUP_SAMPLES": "1"})
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                     env={**h.env, "HSBUILD_STOP_GRACE": "3", "HSBUILD_GROUP_SAMPLES": "1"})
     try:
         held = h.wait(workers=2, proc=p)
         wait_written(build, 3, p)

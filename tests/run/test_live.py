@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import forked
 from conftest import Hold, wait_written
 
 from builder.layout import layout
@@ -28,9 +29,9 @@ def test_live_status_and_sql_during_a_run(make_build, cli, hold):
     build = make_build(N, seed=5)
     lay = layout(build)
     holds = [hold(4 + 3 * i) for i in range(QUESTIONS)]
-    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**Hold.together(*holds), "HSBUILD_GROUP_SAMPLES": "1"})
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "1"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env={**Hold.together(*holds), "HSBUILD_GROUP_SAMPLES": "1"})
     try:
         holds[0].wait(proc=p)
         st = status_snapshot(lay)

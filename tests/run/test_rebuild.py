@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import forked
 import torch
 from conftest import wait_written
 from test_run import assert_bit_exact
@@ -70,9 +71,9 @@ def test_resume_adopts_what_a_lost_wal_forgot(make_build, cli, hold):
     # the run must still be going when killed, for certain: its worker holds with its 21st sample started (the
     # test hook), the 20 before it made durable in groups of 4 and committed
     h = hold(21)
-    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "4"})
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                     env={**h.env, "HSBUILD_GROUP_SAMPLES": "4"})
     # killed once its WAL holds commits, and before the run's end (whose closing checkpoint folds the WAL away)
     h.wait(proc=p)
     wait_written(build, 20, p)

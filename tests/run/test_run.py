@@ -9,6 +9,7 @@ import subprocess
 import sys
 import warnings
 
+import forked
 import torch
 from conftest import Watched, random_rows, same_states, wait_written, worker_pids, write_jsonl
 from torch.utils.data import DataLoader
@@ -159,9 +160,9 @@ def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli, hold)
     # still going at the Ctrl-C, for certain: the worker holds with its 13th sample started (the test hook), the
     # 10 before it written (groups of 5) and two more staged in its next group
     h = hold(13)
-    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "5"})
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env={**h.env, "HSBUILD_GROUP_SAMPLES": "5"})
     w = Watched(p)
     h.wait(proc=p)
     wait_written(build, 10, p)  # samples are being written
@@ -189,9 +190,9 @@ def test_a_worker_killed_mid_run_stops_the_run_safely(make_build, cli, hold):
     n = 100
     build = make_build(n, seed=4)
     h = hold(6)
-    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "2"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
     w = Watched(p)
     victim = h.wait(workers=2, proc=p)[0]
     wait_written(build, 5, p)  # samples are being written

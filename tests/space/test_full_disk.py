@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import ROOMY, random_rows, wait_written, write_jsonl
 
@@ -165,7 +166,7 @@ def test_a_run_whose_log_cannot_commit_stops_safely_and_resumes(tmp_path, tmpfs,
     h = hold(11)
     env = {**h.env, "HSBUILD_COMMIT_WAIT": "8", "PYTHONUNBUFFERED": "1", "HSBUILD_GROUP_SAMPLES": "1"}
     # watermarks off: only real ENOSPC stops the writes
-    p = subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--high", "1.0",
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--high", "1.0",
                           "--low", "0.9", "--flood", "1.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)
     hog = Hog(tmpfs / "hog.bin")

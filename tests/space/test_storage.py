@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import random_rows, write_jsonl
 
@@ -37,8 +38,8 @@ def usage(mnt: Path) -> float:
 
 
 def start_run(build: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", *flags],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def live_status(cli, build: Path) -> dict:

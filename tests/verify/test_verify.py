@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import forked
 import numpy as np
 import pytest
 from conftest import same_states
@@ -222,8 +223,8 @@ def _wait_verified(lay, at_least: int, proc: subprocess.Popen, timeout: float = 
 
 
 def _start_cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "builder.cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return forked.Popen([sys.executable, "-m", "builder.cli", *map(str, args)], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def test_continue_after_sigint_and_sigkill(build):
