@@ -43,7 +43,8 @@ FORKABLE_KW = {"stdin", "stdout", "stderr", "text", "universal_newlines", "encod
                "start_new_session", "bufsize"}
 
 # The zygote: serves fork requests on the socket whose fd is argv[1]; each request brings the child's stdin,
-# stdout, stderr and a status socket (SCM_RIGHTS), on which it writes the child's pid, then its exit code.
+# stdout, stderr and a status socket (SCM_RIGHTS), on which the child writes `pid N` once it is set up, and the
+# zygote `exit CODE` once it has reaped it.
 ZYGOTE = r"""
 import atexit, io, json, os, runpy, selectors, signal, socket, sys, threading, types
 ctl = socket.socket(fileno=int(sys.argv[1]))
