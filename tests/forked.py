@@ -20,7 +20,8 @@ Where the fork could differ from an exec, an exec it is:
 - an environment whose variables read at import (anything outside cli_runner's CALL_TIME_ENV, or set by
   libraries) differ from the zygote's: the zygote's modules read theirs when it started;
 - `preexec_fn`, `pass_fds`, `close_fds=False`, `shell`, a non-list command, or other unusual keywords;
-- no `os.pidfd_open` (Linux < 5.3), or HSBUILD_TEST_FORK=0 in the environment (to compare, or to debug).
+- no `os.pidfd_open` (Linux < 5.3: the zygote exits at once), a zygote that died, or HSBUILD_TEST_FORK=0 in the
+  environment (to compare, or to debug).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ FORKABLE_KW = {"stdin", "stdout", "stderr", "text", "universal_newlines", "encod
 ZYGOTE = r"""
 import atexit, io, json, os, runpy, selectors, signal, socket, sys, threading, types
 ctl = socket.socket(fileno=int(sys.argv[1]))
+os.close(os.pidfd_open(os.getpid()))  # (a kernel without pidfds, < 5.3: this raises, the zygote is gone, all exec)
 import builder.cli.app, builder.run.coordinator, duckdb, numcodecs, numpy, pyarrow, torch, zarr  # noqa
 
 def serve():
@@ -178,9 +180,11 @@ def _zygote_for(env: dict[str, str]) -> socket.socket | None:
     test started with: cli_runner.note_environment)."""
     global _zygote  # noqa: PLW0603
     with _lock:
-        if _zygote is None or _zygote[0].poll() is not None:
+        if _zygote is None:
             _zygote = _start(dict(cli_runner._ENV_AT_START or os.environ))  # noqa: SLF001
         proc, ctl, started = _zygote
+    if proc.poll() is not None:  # it failed (never started again: every process is exec'd)
+        return None
     return ctl if _at_import(started) == _at_import(env) else None
 
 
@@ -256,7 +260,7 @@ def Popen(cmd, **kw) -> subprocess.Popen:  # noqa: N802 - subprocess.Popen's dro
     if ctl is not None:
         try:
             return ForkedPopen(cmd, request, ctl, **kw)
-        except OSError:  # the zygote is gone (it failed to import?): an exec'd process says what is wrong, if anything
+        except OSError:  # the zygote is gone (no pidfds, a failed import): an exec'd process says what is wrong, if any
             pass
     return subprocess.Popen(cmd, **kw)
 
