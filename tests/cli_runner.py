@@ -100,13 +100,18 @@ def _routed_to_process(kw: dict) -> str | None:
     if set(kw) - KNOWN_KW:
         return f"keywords {sorted(set(kw) - KNOWN_KW)}"
     env = kw.get("env")
-    env = os.environ if env is None else env
-    start = _ENV_AT_START if _ENV_AT_START is not None else os.environ
-    changed = {k for k in set(env) | set(start) if env.get(k) != start.get(k) and not k.startswith("PYTEST_")}
-    at_import = {k for k in changed - CALL_TIME_ENV - SET_BY_LIBRARIES if not k.startswith(SET_BY_LIBRARIES_PREFIXES)}
+    at_import = import_time_changes(os.environ if env is None else env,
+                                    _ENV_AT_START if _ENV_AT_START is not None else os.environ)
     if at_import:
         return f"environment changes {sorted(at_import)}"
     return None
+
+
+def import_time_changes(env, start) -> set[str]:  # noqa: ANN001 - mappings of str
+    """The variables that differ between the environments `env` and `start` and may be read when a module is
+    imported: neither CALL_TIME_ENV nor set by libraries (nor pytest's own)."""
+    changed = {k for k in set(env) | set(start) if env.get(k) != start.get(k) and not k.startswith("PYTEST_")}
+    return {k for k in changed - CALL_TIME_ENV - SET_BY_LIBRARIES if not k.startswith(SET_BY_LIBRARIES_PREFIXES)}
 
 
 def hsbuild(*args, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:

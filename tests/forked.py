@@ -36,7 +36,6 @@ import sys
 import threading
 
 import cli_runner
-from cli_runner import CALL_TIME_ENV, SET_BY_LIBRARIES, SET_BY_LIBRARIES_PREFIXES
 
 PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
 CompletedProcess, TimeoutExpired = subprocess.CompletedProcess, subprocess.TimeoutExpired
@@ -154,11 +153,6 @@ def _start(env: dict[str, str]) -> tuple[subprocess.Popen, socket.socket, dict[s
     return proc, mine, env
 
 
-def _at_import(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in CALL_TIME_ENV and k not in SET_BY_LIBRARIES
-            and not k.startswith(SET_BY_LIBRARIES_PREFIXES) and not k.startswith("PYTEST_")}
-
-
 def _request(cmd, kw: dict) -> dict | None:
     """The zygote's request for `cmd`, or None when it must be exec'd."""
     if os.environ.get("HSBUILD_TEST_FORK") == "0" or not hasattr(os, "pidfd_open") or not isinstance(cmd, list):
@@ -185,7 +179,7 @@ def _zygote_for(env: dict[str, str]) -> socket.socket | None:
         proc, ctl, started = _zygote
     if proc.poll() is not None:  # it failed (never started again: every process is exec'd)
         return None
-    return ctl if _at_import(started) == _at_import(env) else None
+    return None if cli_runner.import_time_changes(env, started) else ctl
 
 
 class ForkedPopen(subprocess.Popen):

@@ -101,14 +101,19 @@ def start_server(root: Path, model: Path, staging: Path, timeout: float = 900, p
     with open(log, "ab") as out:
         proc = subprocess.Popen([*serve_command(spec), *extra], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=server_env(spec), preexec_fn=_die_with_parent)
+    wait_healthy(url, proc, log, timeout, "the vLLM server did not start")
+    return Server(url, model, staging, proc, log)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float, what: str) -> None:
+    """Until the server at `url` answers /health; fails the test (`what`, its exit code and log) if `proc` exits
+    first or `timeout` s pass (the server is then stopped)."""
     t0 = time.monotonic()
     while not healthy(url):
         if proc.poll() is not None or time.monotonic() - t0 > timeout:
             stop_server(proc)
-            pytest.fail(f"the vLLM server did not start (exit {proc.returncode}); its log:\n"
-                        + log.read_text()[-4000:])
+            pytest.fail(f"{what} (exit {proc.returncode}); its log:\n{log.read_text()[-4000:]}")
         time.sleep(0.25)
-    return Server(url, model, staging, proc, log)
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -75,6 +75,8 @@ class Engine:
         self.launched_at = 0.0
         self.model_name: str | None = None
         self.restarts = 0
+        self._health_stop: threading.Event | None = None  # the health watch's (`watch`): set when it is to end
+        self._last_ok = 0.0  # when /health last answered (while watched)
         t = opts.health_timeout if opts.health_timeout is not None else float(
             os.environ.get("HSBUILD_SERVER_TIMEOUT", HEALTH_TIMEOUT))
         self.health_timeout = t
@@ -240,13 +242,11 @@ class Engine:
         return time.monotonic() - self._last_ok if self._watching() else 0.0
 
     def _watching(self) -> bool:
-        stop = getattr(self, "_health_stop", None)
-        return stop is not None and not stop.is_set()
+        return self._health_stop is not None and not self._health_stop.is_set()
 
     def unwatch(self) -> None:
-        stop = getattr(self, "_health_stop", None)
-        if stop is not None:
-            stop.set()
+        if self._health_stop is not None:
+            self._health_stop.set()
 
     def kill_hung(self) -> None:
         """Launch mode: a server that is alive but does not answer /health is killed (then restarted)."""

@@ -48,6 +48,7 @@ from vllm_fixture import (
     needs_vllm,
     start_server,
     stop_server,
+    wait_healthy,
 )
 
 from builder.config import Watermarks
@@ -267,12 +268,7 @@ def printed(tmp_path_factory, tiny_llama) -> Printed:
         with open(log, "ab") as out:
             proc = subprocess.Popen(["bash", "-c", line], stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, cwd=root, preexec_fn=_die_with_parent)
-        t0 = time.monotonic()
-        while not healthy(url):
-            if proc.poll() is not None or time.monotonic() - t0 > 900:
-                stop_server(proc)
-                pytest.fail(f"the printed command did not serve (exit {proc.returncode}):\n{log.read_text()[-4000:]}")
-            time.sleep(0.25)
+        wait_healthy(url, proc, log, 900, "the printed command did not serve")
         shared = Printed(root, build, [Server(url, tiny_llama, staging, proc, log)])
         try:
             yield shared
