@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import claims
 import numpy as np
 import pytest
 import torch
@@ -222,6 +223,37 @@ def random_rows(n: int, seed: int = 0, vocab: int = 1024, lo: int = 5, hi: int =
 XDIST_GROUPS = {"engines": "vllm", "test_ray.py": "ray", "test_node_preflight.py": "ray", "test_vllm_ray.py": "ray"}
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    claims.set_current(item)  # its claim markers, and what mounted_tmpfs / powercut say during it
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    claims.set_current(None)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "claim(kind): the test exercises a crash, power-cut or full-disk claim "
+                                       "(tests/claims.py)")
+
+
+def pytest_runtest_logreport(report):
+    claims.TALLY.add(report)  # in the xdist controller: every worker's reports
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller prints the whole run's
+        return
+    lines = claims.TALLY.lines()
+    terminalreporter.section("claims exercised (tests/claims.py)")
+    for line in lines:
+        terminalreporter.write_line(line)
+    out = os.environ.get("HSBUILD_CLAIMS_REPORT")
+    if out:
+        Path(out).write_text("claims exercised by this test run:\n" + "\n".join(lines) + "\n")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it names them into the node ids)
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -303,16 +335,20 @@ def fake_nvml_module():
 
 
 @contextlib.contextmanager
-def mounted_tmpfs(mnt: Path, size: str):
-    """A real tmpfs of `size` (e.g. "24m") mounted at `mnt` (created), unmounted after; the test is skipped with
-    the reason where it cannot mount (not root, no permission)."""
+def mounted_tmpfs(mnt: Path, size: str, options: str = ""):
+    """A real tmpfs of `size` (e.g. "24m") mounted at `mnt` (created), unmounted after. The test is about the
+    full-disk claim (tests/claims.py): where it cannot mount (not root, no permission) it is skipped with the
+    reason, or fails where $HSBUILD_REQUIRE_TMPFS=1 (CI)."""
+    claims.touch("full-disk")
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root; tests on a small volume skipped")
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
-                       text=True)
+        claims.unavailable("full-disk", "mounting a tmpfs needs root (or a user namespace: unshare -Urm, as .ci/run "
+                                        "does); tests on a small volume skipped")
+    mnt.mkdir(exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}{',' + options if options else ''}", "tmpfs",
+                        str(mnt)], capture_output=True, text=True)
     if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); tests on a small volume skipped")
+        claims.unavailable("full-disk", f"cannot mount a tmpfs here ({r.stderr.strip()}); tests on a small volume "
+                                        "skipped")
     try:
         yield mnt
     finally:

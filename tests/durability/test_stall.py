@@ -109,6 +109,7 @@ def test_a_stalled_volume_is_named_and_the_run_lives_through_it(powercut, tmp_pa
     assert v.returncode == 0, v.stdout + v.stderr
 
 
+@pytest.mark.claim("crash")
 def test_kill_9_during_a_stall_then_a_power_cut_loses_nothing_committed(powercut, tmp_path):
     fs = powercut(threads=True)
     p, build, acked = _start(fs, tmp_path)  # (stalled)

@@ -124,6 +124,7 @@ def test_resume_against_another_layer_set_is_refused(tmp_path, vllm_server):
         assert log.count("written") == 0
 
 
+@pytest.mark.claim("crash")
 def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server, hold):
     # Each resume is held by the test hook at a random task (10 to 20) of its worker and never let go: it is
     # killed at a random moment before it gets there, or held there, never after its end, whatever its speed. (By

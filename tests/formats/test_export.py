@@ -380,6 +380,7 @@ def _export_json(build: Path, out: Path, *flags: str) -> dict:
     return json.loads(cp.stdout)
 
 
+@pytest.mark.claim("crash")
 def test_export_killed_midway_finishes_on_rerun(post, tmp_path):
     out = tmp_path / "out"
     n = len(HiddenStateDataset(post))

@@ -315,6 +315,7 @@ def _kill_at_rename(build: Path, out: Path, k: int) -> subprocess.CompletedProce
                            "--format", "speculators", "--no-progress"], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.claim("crash")
 def test_kill_9_mid_reconcile_then_rerun_gives_a_fresh_exports_files(make_build, tmp_path):
     rows = random_rows(80, seed=8, lo=5, hi=40)
     build = make_build(rows=rows, final_state="pre_norm")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import forked
+import pytest
 from conftest import POLL_OWNER_S, hsbuild, live_count
 from test_run import assert_bit_exact
 
@@ -38,6 +39,7 @@ def _written_count(build: Path) -> int:
                              "(SELECT run_id FROM events WHERE kind = 'run_started')")
 
 
+@pytest.mark.claim("crash")
 def test_sigkill_at_random_moments_then_resume(make_build, hold):
     # Each resume is held by the test hook (each worker at a random task HOLD_MIN to HOLD_MAX) and never let go:
     # it is killed at a random moment before it gets there or while it holds, never after its end. By its held

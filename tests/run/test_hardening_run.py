@@ -14,7 +14,7 @@ import forked
 import numpy as np
 import pytest
 import torch
-from conftest import Watched, random_rows, wait_written, worker_pids, write_jsonl
+from conftest import Watched, mounted_tmpfs, random_rows, wait_written, worker_pids, write_jsonl
 
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
@@ -58,15 +58,6 @@ def test_a_worker_that_finishes_while_the_coordinator_is_busy_is_not_reported_de
     assert {r["segment"] for r in sealed} == written_segments and all(r["reason"] is None for r in sealed)
 
 
-def _mount_tmpfs(path: Path, size: str) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root; test skipped")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                       text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); test skipped")
-
-
 def _fill(path: Path) -> None:
     """Fill the volume holding `path` to the last byte (ENOSPC), as another process would."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
@@ -91,14 +82,11 @@ def full_data_volume(make_build, tmp_path):
     data = layout(build).data
     group = (data / "zarr.json").read_bytes()
     (data / "zarr.json").unlink()
-    _mount_tmpfs(data, "4m")
-    try:
+    with mounted_tmpfs(data, "4m"):
         (data / "zarr.json").write_bytes(group)
         filler = data / "filler.bin"
         _fill(filler)
         yield build, filler
-    finally:
-        subprocess.run(["umount", "-l", str(data)], capture_output=True)
 
 
 def test_enospc_while_creating_a_segment_pauses_and_retries_without_counting(full_data_volume, cli):
@@ -133,10 +121,7 @@ def test_enospc_while_creating_a_segment_pauses_and_retries_without_counting(ful
 def test_a_sample_too_big_for_the_volume_fails_and_the_run_goes_on(tmp_path, cli):
     """One sample needs more than the whole volume allows below `flood`: it can never be written. It fails
     with a reason saying so (instead of pausing the run forever), the user is told, the others are written."""
-    mnt = tmp_path / "vol"
-    mnt.mkdir()
-    _mount_tmpfs(mnt, "16m")
-    try:
+    with mounted_tmpfs(tmp_path / "vol", "16m") as mnt:
         rows = random_rows(5, seed=23, lo=20, hi=40)
         rows.append({"id": "big", "input_ids": [7] * 2100})  # 2100 tokens x ~8 KB/token: ~17 MB > 95% of 16 MB
         src = write_jsonl(tmp_path / "src.jsonl", rows)
@@ -155,8 +140,6 @@ def test_a_sample_too_big_for_the_volume_fails_and_the_run_goes_on(tmp_path, cli
         message = json.loads(rows["big"]["error_detail"])["message"]
         assert "bytes" in message and "flood" in message
         assert all(r["state"] == "written" for sid, r in rows.items() if sid != "big")
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_sample_interrupted_too_often_is_not_retried_and_is_reported(make_build, cli):

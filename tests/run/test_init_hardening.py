@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import random_rows, write_jsonl
+from conftest import mounted_tmpfs, random_rows, write_jsonl
 
 from builder.errors import SampleError
 from builder.extract.model import Extractor
@@ -154,15 +154,8 @@ def test_force_overrides_other_preflight_problems_only(tmp_path, make_build, cli
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    cp = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True)
-    if cp.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {cp.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "64m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_read_only_build_is_refused_in_one_line(tmp_path, small_tmpfs, cli):

@@ -199,6 +199,7 @@ def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle
     assert assert_bit_exact(build) == n
 
 
+@pytest.mark.claim("crash")
 def test_the_driver_killed_then_resumed_on_the_same_cluster(cluster, make_build, cli, hold):
     c, _ = cluster
     build = make_build(rows=random_rows(30, seed=8, lo=200, hi=400), workers="auto")

@@ -10,6 +10,7 @@ import sys
 import warnings
 
 import forked
+import pytest
 import torch
 from conftest import Watched, random_rows, same_states, wait_written, worker_pids, write_jsonl
 from torch.utils.data import DataLoader
@@ -183,6 +184,7 @@ def test_ctrl_c_stops_at_a_safe_point_and_resume_finishes(make_build, cli, hold)
     assert os.path.exists(layout(build).lock)
 
 
+@pytest.mark.claim("crash")
 def test_a_worker_killed_mid_run_stops_the_run_safely(make_build, cli, hold):
     # still going when a worker is killed, for certain: each worker holds with its 6th sample started (the test
     # hook). Enough samples that both get 6, although a worker may queue 64 small ones (QUEUE_SAMPLES) before

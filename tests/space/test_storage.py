@@ -92,9 +92,10 @@ def test_pauses_at_high_and_resumes_when_the_volume_grows(tmp_path, tmpfs, cli):
             return st if st.get("paused") else None
 
         st = wait_for(paused, 180, "the pause", p)
-        # paused on reaching high; while paused the log's checkpoint (WAL folded into the database file) may give
+        # paused on reaching high (the usage it paused at is the `paused` event's, checked below: >= high); the
+        # usage now may be lower (seen: 0.877), as the log's checkpoint (WAL folded into the database file) gives
         # back a little, and the pause holds until usage falls below low
-        assert st["running"] and st["pause_reason"] == "high_watermark" and st["usage"] >= 0.88
+        assert st["running"] and st["pause_reason"] == "high_watermark"
         time.sleep(1.0)  # a group whose barrier began before the pause still completes (never a torn write)
         done_at_pause = live_status(cli, build)["done"]
         assert 0 < done_at_pause < 120

@@ -227,6 +227,7 @@ def _start_cli(*args: str) -> subprocess.Popen:
                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.claim("crash")
 def test_continue_after_sigint_and_sigkill(build):
     lay = layout(build)
     total = sum(r["nbytes"] for r in live(build).values())
