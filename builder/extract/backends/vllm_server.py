@@ -15,7 +15,8 @@ import numpy as np
 
 from builder.errors import UsageError
 from builder.extract.backends.http_client import complete, served_model
-from builder.extract.backends.vllm import engine_layer_ids, read_and_remove
+from builder.extract.backends.vllm import engine_layer_ids
+from builder.extract.backends.vllm_staging import read_and_remove
 from builder.extract.spec import is_builtin
 
 if TYPE_CHECKING:
