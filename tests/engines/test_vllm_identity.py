@@ -62,8 +62,8 @@ from builder.run.create import init_build
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 
-# a small CPU server: no compilation warm-up, a short context
-ENGINE_ARGS = ["--max-model-len", "2048", "-O0"]
+# a short context (no compilation warm-up on CPUs: serve-command's own default, -O0)
+ENGINE_ARGS = ["--max-model-len", "2048"]
 
 
 def _init(tmp_path: Path, name: str, n: int, model: Path, server: str, staging: Path, seed: int = 0, **kw) -> Path:
@@ -273,6 +273,7 @@ def printed(tmp_path_factory, tiny_llama) -> Printed:
         line = cp.stdout.strip()
         assert "\n" not in line and "VLLM_HOST_IP=127.0.0.1" in line and "--kv-cache-memory-bytes" in line, line
         assert "builder.extract.backends.vllm_connector" in line and "PYTHONPATH" not in line, line
+        assert " -O0 " in line, line  # on CPUs: no torch.compile warm-up at the server's start, unasked
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHONPATH"))}
         log = root / "server.log"
         with open(log, "ab") as out:
@@ -374,6 +375,12 @@ def test_a_staging_volume_smaller_than_one_samples_file_stops_the_run_in_one_lin
     build = init_build(root / "small", src, model=str(server.model), backend="vllm", server=server.url,
                        staging=str(server.staging), inflight=2,
                        watermarks=Watermarks(low=0.9998, high=0.9999, flood=0.99995)).root  # (as `printed`'s)
+    with _resized(server.staging, "16k", "24m"):  # not even the probe's file (16 tokens, 16520 bytes): no sample sent
+        cp = hsbuild("run", build, "--no-progress", timeout=600)
+        assert cp.returncode == 3 and "Traceback" not in cp.stderr, (cp.returncode, cp.stderr)
+        assert re.search(r"^hsbuild run: error: the staging folder .* on a volume of 16384 bytes .*, smaller than one "
+                         r"16-token staging file \(at least 16520 bytes", cp.stderr, re.M), cp.stderr
+        assert _count(build, "started") == 0 and not list(server.staging.iterdir())
     with _resized(server.staging, "64k", "24m"):
         cp = hsbuild("run", build, "--no-progress", timeout=600)
         assert cp.returncode == 3, (cp.returncode, cp.stdout, cp.stderr)
@@ -389,7 +396,8 @@ def test_a_staging_volume_smaller_than_one_samples_file_stops_the_run_in_one_lin
             # nothing written, nothing failed for good (what was tried went back to pending: server_unavailable)
             assert log.query("SELECT count(*) FROM samples WHERE state IN ('written', 'verified') OR (state = "
                              "'failed' AND error <> 'server_unavailable')")[1][0][0] == 0
-            assert log.query("SELECT reason FROM events WHERE kind = 'run_finished'")[1] == [("staging_too_small",)]
+            assert log.query("SELECT reason FROM events WHERE kind = 'run_finished' ORDER BY seq DESC LIMIT 1")[1] == [
+                ("staging_too_small",)]
         assert not list(server.staging.iterdir()), list(server.staging.iterdir())  # nothing left behind
     # 2 MiB holds these files, not twice a file and 1 MiB to spare: filled by someone else's file (100 KB left), the
     # run pauses (staging_full); once that file is gone it goes on: it waits for as much room as the volume can
