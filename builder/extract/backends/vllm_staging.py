@@ -16,7 +16,6 @@ from pathlib import Path
 
 from builder.extract.backends.http_client import EngineUnavailable
 from builder.humanize import human_bytes
-from builder.store.dtypes import itemsize
 
 STAGING_SUFFIX = ".safetensors"
 STAGING_PREFIX = "build-"  # a build's own subfolder of the server's staging folder: build-<id>
@@ -101,6 +100,8 @@ def staged_file_bytes(tokens: int, slots: int, hidden: int, dtype: str) -> int:
     """The least a staging file of `tokens` tokens takes: its tensors' bytes (token ids int64, hidden states
     [tokens, slots, hidden] of `dtype`) and the 8 bytes of its header's length; the header and the filesystem's
     blocks only add to it."""
+    from builder.store.dtypes import itemsize  # noqa: PLC0415 - (numpy: not when the backends' specs are read)
+
     return 8 + tokens * 8 + tokens * slots * hidden * itemsize(dtype)
 
 
