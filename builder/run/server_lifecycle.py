@@ -60,8 +60,9 @@ class EngineRefused(EngineError):
     --trust-server): the run is refused (`engine_refused` event)."""
 
 
-class StagingTooSmall(HsbuildError, OSError):
-    """The staging volume cannot hold the probe's file even when empty: no sample could be staged there."""
+class StagingTooSmall(EngineError):
+    """The staging volume cannot hold the probe's file even when empty: no sample could be staged there (exit 3;
+    a node's on Ray is reported as its server's error)."""
 
     exit_code = EXIT_WONT_FIT
 
