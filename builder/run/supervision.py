@@ -25,6 +25,7 @@ HUNG_SECONDS = float(os.environ.get("HSBUILD_SERVER_HUNG", "60"))  # an engine's
 class SupervisionMixin:
     """The Coordinator's supervision of its engine (`self.engine`; None for a backend without a server).
     (Mixed into Coordinator: uses its events, echo, options and stop requests.)"""
+
     def _engine_status(self) -> dict:
         if self.engine is None:
             return {}
