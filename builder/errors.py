@@ -9,7 +9,8 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_SAMPLES_FAILED = 1  # finished, but some samples failed (run) / damage found (verify)
 EXIT_USAGE = 2  # usage error or bad input; nothing committed changed
-EXIT_WONT_FIT = 3  # projected build size does not fit below the high watermark, or the volume is full
+EXIT_WONT_FIT = 3  # projected build size does not fit below the high watermark, or the volume is full, or the
+# staging volume is smaller than one sample's staging file
 EXIT_PREFLIGHT = 4  # a blocking preflight (doctor) problem; a server or dump that is not the build's; no cluster
 EXIT_BUSY = 5  # another live process owns the build (a run, a verify sweep, an export): try again when it ends
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM; everything committed is safe

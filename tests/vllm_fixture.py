@@ -69,9 +69,9 @@ def server_env(spec: EngineSpec) -> dict:
     return {**os.environ, **serve_env(spec)}
 
 
-# -O0: no torch.compile warm-up (the CPU server is healthy in ~48 s instead of ~88 s here); a tiny model gains
-# nothing from compilation
-ENGINE_ARGS = ("--max-model-len", "2048", "-O0")
+# a short context; on CPUs serve_command adds -O0 itself (no torch.compile warm-up: builder/extract/backends/
+# vllm_server.py, CPU_OPTIMIZATION)
+ENGINE_ARGS = ("--max-model-len", "2048")
 
 
 def engine_spec(model: Path, url: str, staging: Path, layer_ids: list[int] | None = None) -> EngineSpec:

@@ -225,6 +225,8 @@ def _run(args: argparse.Namespace, resume: bool, standby) -> int:
         print(f"interrupted at a safe point; continue with: hsbuild resume {args.build}")
     if report.outcome == "refused":
         print(f"refused: {'; '.join(report.messages)}")
+    if report.outcome == "staging_too_small":  # (nothing committed is lost: a bigger staging volume, then resume)
+        print(f"hsbuild {args.cmd}: error: {'; '.join(report.messages)}", file=sys.stderr)
     if report.outcome == "worker_died":
         print(f"{'; '.join(report.messages)}: stopped at a safe point; continue with: hsbuild resume {args.build}")
     return report.exit_code

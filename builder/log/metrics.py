@@ -86,9 +86,10 @@ class StatusCollector:
             yield by_label("tokens", "tokens of the build: done (written), todo and total", "state",
                            [("done", st.get("tokens_done")), ("todo", st.get("remaining_tokens")),
                             ("total", st.get("tokens_total"))])
-            yield from gauge("written_bytes", "bytes of the written samples' states (uncompressed)",
-                             st.get("bytes_done"))
-            yield from gauge("written_disk_bytes", "bytes the written samples take on disk", st.get("disk_bytes_done"))
+            yield from gauge("written_bytes", "bytes of the written samples as stored: their encoded (compressed) "
+                             "chunks, the sum of their written events' nbytes", st.get("bytes_done"))
+            yield from gauge("written_disk_bytes", "bytes the written samples take on disk (allocated blocks, with "
+                             "their share of the groups' manifests)", st.get("disk_bytes_done"))
             yield from gauge("samples_per_second", "recent throughput (samples written a second)",
                              st.get("recent_samples_per_s"))
             yield from gauge("tokens_per_second", "recent throughput (tokens written a second)",
@@ -137,7 +138,8 @@ class StatusCollector:
                                            ("workers_lost", "workers_lost", "the node's workers lost"),
                                            ("written", "samples_written", "samples the node's workers wrote"),
                                            ("tokens", "tokens_written", "tokens the node's workers wrote"),
-                                           ("nbytes", "written_bytes", "bytes the node's workers wrote"),
+                                           ("nbytes", "written_bytes", "bytes the node's workers wrote "
+                                            "(encoded, compressed: their written events' nbytes)"),
                                            ("samples_per_s", "samples_per_second", "the node's throughput"))}
             for n in nodes:
                 for key, fam in fams.items():

@@ -30,7 +30,6 @@ from builder.doctor.report import preflight_for_run, warning_lines
 from builder.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_PREFLIGHT,
     EXIT_SAMPLES_FAILED,
     Interrupted,
     UsageError,
@@ -215,6 +214,7 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
         self.engine_message: str | None = None  # why the engine paused the run (said by status)
         self.staging_need = 0  # bytes the staging volume must have free again (staging_full)
         self.refused: str | None = None  # the server that came back mid-run is not the build's: the run stops
+        self.staging_too_small: str | None = None  # the staging volume can never hold a sample's file: it stops
         self.engine_checked = 0.0
 
     # -- the owner session: lock, log, commits, queries, signals, stalls (builder/log/session.py) ----------------
@@ -365,9 +365,8 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
         report.failed_in_build = self.log.query("SELECT count(*) FROM samples WHERE state = 'failed'")[1][0][0]
         if report.dump is not None:
             self._record_import(report)
-        if self.refused:
-            report.outcome, report.exit_code = "refused", EXIT_PREFLIGHT
-            report.messages.append(self.refused)
+        if self.refused or self.staging_too_small:  # the engine's side stopped the run (supervision.py)
+            self._engine_outcome(report)
         elif self.stop_requested:
             report.outcome, report.exit_code = "interrupted", EXIT_INTERRUPTED
         elif self.aborted:
@@ -382,7 +381,8 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
         self.emit(Event("run_finished", reason=report.outcome, detail=detail(
             written=report.written, failed=report.failed, pauses=report.pauses,
             failed_in_build=report.failed_in_build,
-            **({"check_errors": report.check_errors} if report.check_errors else {}))))
+            **({"check_errors": report.check_errors} if report.check_errors else {}),
+            **({"message": self.staging_too_small} if self.staging_too_small else {}))))
         self.flush(force=True)
         return report
 
@@ -439,7 +439,7 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
         try:
             while st.alive:
                 self._announce_stop()
-                stopping = bool(self.stop_requested or self.aborted or self.refused)
+                stopping = bool(self.stop_requested or self.aborted or self.refused or self.staging_too_small)
                 flags.stop = stopping
                 # fresh figures as soon as samples landed: a fast writer crosses `high` between two timed polls
                 pause = self.space.poll(force=self._landed)

@@ -65,13 +65,15 @@ class HandlingMixin:
             case Staged(sample_id=sid):
                 st.stage(wid, sid)
             case Unreachable(sample_id=sid, attempt=attempt, fingerprint=fp, message=message, refused=refused,
-                             need_bytes=need):
+                             need_bytes=need, too_small=too_small):
                 # the engine's failure, not the sample's: back to pending, not counted against --max-attempts
                 self.emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                                 reason="server_unavailable", detail=detail(message=message)))
                 st.done(wid, sid, requeue=True)
                 if refused:
                     self._server_refused(message)
+                elif too_small:
+                    self._staging_too_small(message)
                 else:
                     self._engine_unavailable(message, report, need)
             case ServerChecked(found=found):

@@ -127,6 +127,7 @@ class Unreachable:
     message: str
     refused: bool = False  # the server that came back is not the build's (another model, other layers): stop
     need_bytes: int = 0  # > 0: the staging volume is full (ENOSPC); the run pauses until it has this much free
+    too_small: bool = False  # the staging volume cannot hold the sample's file even when empty: the run stops
 
 
 @dataclass(frozen=True)

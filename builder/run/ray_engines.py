@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 from builder.config import BuildConfig
 from builder.doctor.server_identity import staging_name
 from builder.errors import UsageError
-from builder.extract.backends.vllm import clear_staging
+from builder.extract.backends.vllm_staging import clear_staging
 from builder.run.server_lifecycle import Engine, EngineError, EngineOptions, EngineRefused, engine_spec
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

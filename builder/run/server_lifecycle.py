@@ -26,10 +26,22 @@ from pathlib import Path
 
 from builder.config import BuildConfig
 from builder.doctor.server_identity import Expected, ServerCheck, check_server, staging_name
-from builder.errors import EXIT_PREFLIGHT, HsbuildError, Interrupted, UsageError
+from builder.errors import EXIT_PREFLIGHT, EXIT_WONT_FIT, HsbuildError, Interrupted, UsageError
 from builder.extract.backends.http_client import EngineUnavailable, ServerRefused, healthy
-from builder.extract.backends.vllm import clear_staging, staging_usage
-from builder.extract.backends.vllm_server import EngineSpec, engine_spec, serve_command, serve_env
+from builder.extract.backends.vllm_server import (
+    PROBE_TOKENS,
+    EngineSpec,
+    engine_spec,
+    serve_command,
+    serve_env,
+)
+from builder.extract.backends.vllm_staging import (
+    clear_staging,
+    never_fits,
+    remove_build_folder,
+    staged_file_bytes,
+    staging_usage,
+)
 from builder.layout import BuildLayout
 from builder.run.cgroup import PREFIX, ServerCgroup, reap_stale
 from builder.run.prctl import die_with_parent
@@ -46,6 +58,13 @@ class EngineError(HsbuildError, ConnectionError):
 class EngineRefused(EngineError):
     """The server is not the build's (another model, other layers, another staging folder, unreadable without
     --trust-server): the run is refused (`engine_refused` event)."""
+
+
+class StagingTooSmall(EngineError):
+    """The staging volume cannot hold the probe's file even when empty: no sample could be staged there (exit 3;
+    a node's on Ray is reported as its server's error)."""
+
+    exit_code = EXIT_WONT_FIT
 
 
 @dataclass
@@ -149,9 +168,11 @@ class Engine:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        """At the run's end: what killed runs' requests finished writing after this run began is removed (nothing
+        trusts it), and the build's subfolder with it once empty; then the launched server is stopped."""
         self.unwatch()
-        try:  # what killed runs' requests finished writing after this run began: nothing trusts it
-            clear_staging(self.staging_dir)
+        try:
+            remove_build_folder(self.staging_dir)
         except OSError:
             pass
         if self.proc is None:
@@ -282,6 +303,11 @@ class Engine:
         except ServerRefused as e:
             raise EngineRefused(str(e)) from None
         except EngineUnavailable as e:
+            least = staged_file_bytes(PROBE_TOKENS, len(self.spec.layer_ids), int(self.meta["hidden_size"]),
+                                      self.cfg.dtype)
+            too_small = never_fits(self.staging_dir, PROBE_TOKENS, least)
+            if too_small is not None:  # (the probe's file is the smallest a run stages)
+                raise StagingTooSmall(too_small) from None
             raise EngineError(f"{self.spec.server}: the probe request failed ({e})") from None
         self.model_name = found["model_id"]
         self.server_check = dataclasses.replace(sc, reference=sc.reference or found["signature"],

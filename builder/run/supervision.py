@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from builder.errors import EXIT_PREFLIGHT, EXIT_WONT_FIT
 from builder.log.events import Event, detail
 
 if TYPE_CHECKING:
@@ -125,9 +126,30 @@ class SupervisionMixin:
         self.flush(force=True)
         self.echo(f"\nREFUSED: {message}; no more samples go to it; stopping at a safe point")
 
+    def _staging_too_small(self, message: str) -> None:
+        """The staging volume cannot hold a sample's file even when empty: waiting for room would wait forever.
+        The run stops at a safe point (exit 3); what was written stays; the sample went back to pending."""
+        if self.staging_too_small is not None:
+            return
+        self.staging_too_small = message
+        self.echo("\nSTOPPING (staging_too_small): the staging volume can never hold a sample's staging file "
+                  "(below); stopping at a safe point")
+
+    def _engine_outcome(self, report: RunReport) -> None:
+        """The outcome of a run that the engine's side stopped: refused (exit 4), or a staging volume too small for
+        a sample's file (exit 3); the message is the one line the CLI prints."""
+        if self.refused:
+            report.outcome, report.exit_code = "refused", EXIT_PREFLIGHT
+        else:
+            report.outcome, report.exit_code = "staging_too_small", EXIT_WONT_FIT
+        report.messages.append(self.refused or self.staging_too_small or "")
+
     def _engine_unavailable(self, message: str, report: RunReport, need_bytes: int = 0) -> None:
         """Pause dispatch: the server is gone (server_unavailable) or its staging volume is full (staging_full:
-        `need_bytes` free again resumes it). Neither is the samples' fault."""
+        `need_bytes` free again resumes it). Neither is the samples' fault. Not while the run stops because of
+        its engine (refused, staging too small): the requests it abandons are no pause."""
+        if self.refused or self.staging_too_small:
+            return
         if need_bytes:
             self.staging_need = max(self.staging_need, need_bytes)
         if self.engine_down is not None:
@@ -145,7 +167,7 @@ class SupervisionMixin:
                      "restarting the server" if self.opts.launch else "waiting for the server to be healthy"))
 
     def _staging_has_room(self) -> bool:
-        from builder.extract.backends.vllm import volume_room  # noqa: PLC0415
+        from builder.extract.backends.vllm_staging import volume_room  # noqa: PLC0415
 
         if not self.staging_need:
             return True

@@ -268,9 +268,9 @@ class _Group:
                 self.stage(task, ids, mask, aux, final, t0)
             case Failure(reason=reason, message=message):
                 self._fail(task, reason, message)
-            case Unavailable(message=message, refused=refused, need_bytes=need):
+            case Unavailable(message=message, refused=refused, need_bytes=need, too_small=too_small):
                 self.conn.send(Unreachable(self.wid, task.sample_id, task.attempt, task.fingerprint, message,
-                                           refused, need))
+                                           refused, need, too_small))
 
     def stage(self, task: Task, ids, mask, aux, final, t0: float) -> None:
         s, wid = self.settings, self.wid

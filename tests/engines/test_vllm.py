@@ -20,6 +20,7 @@ import torch
 from conftest import POLL_OWNER_S, hsbuild, random_rows, write_jsonl, written_count
 from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm
 
+from builder.doctor.server_identity import staging_name
 from builder.extract.backends.base import Failure, Request
 from builder.extract.backends.http_client import complete, served_model
 from builder.extract.backends.vllm import VllmBackend, VllmSettings, read_and_remove
@@ -158,6 +159,9 @@ def test_sigkill_of_hsbuild_then_resume_through_vllm(tmp_path, vllm_server, hold
     _one_written_each(build, n)
     assert hsbuild("verify", build).returncode == 0
     assert len(list(vllm_server.staging.rglob("*.safetensors"))) == 0
+    # the killed runs' subfolder of the staging folder: removed by the run that finished the build
+    with EventLog(layout(build).events, read_only=True) as log:
+        assert not (vllm_server.staging / staging_name(log.meta())).exists(), os.listdir(vllm_server.staging)
 
 
 def test_a_response_for_other_tokens_fails_token_mismatch(tmp_path, vllm_server):

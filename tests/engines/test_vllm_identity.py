@@ -21,6 +21,7 @@ layers' states, whatever server it is pointed at, on its first run or after the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -53,6 +54,7 @@ from vllm_fixture import (
 
 from builder.config import Watermarks
 from builder.doctor.procinfo import listening_pids, scan_processes
+from builder.doctor.server_identity import staging_name
 from builder.extract.backends.http_client import healthy, served_model
 from builder.layout import layout
 from builder.log.events import EventLog
@@ -60,14 +62,20 @@ from builder.run.create import init_build
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 
-# a small CPU server: no compilation warm-up, a short context
-ENGINE_ARGS = ["--max-model-len", "2048", "-O0"]
+# a short context (no compilation warm-up on CPUs: serve-command's own default, -O0)
+ENGINE_ARGS = ["--max-model-len", "2048"]
 
 
 def _init(tmp_path: Path, name: str, n: int, model: Path, server: str, staging: Path, seed: int = 0, **kw) -> Path:
     src = write_jsonl(tmp_path / f"{name}.jsonl", random_rows(n, seed, vocab=VOCAB, hi=kw.pop("hi", 120)))
     return init_build(tmp_path / name, src, model=str(model), backend="vllm", server=server, staging=str(staging),
                       **kw).root
+
+
+def _own_staging(build: Path, staging: Path) -> Path:
+    """The build's own subfolder of the staging folder."""
+    with EventLog(layout(build).events, read_only=True) as log:
+        return staging / staging_name(log.meta())
 
 
 def _events(build: Path, sql: str) -> list[tuple]:
@@ -225,6 +233,8 @@ def test_two_builds_share_one_server_and_staging_folder(tmp_path, vllm_server, h
         assert sentinel.read_bytes() == b"not ours" and (other / "x.safetensors.lock").exists()
         left = sorted(p.relative_to(vllm_server.staging) for p in vllm_server.staging.rglob("*") if p.is_file())
         assert left == [Path("build-someone-else/x.safetensors"), Path("build-someone-else/x.safetensors.lock")], left
+        # each run removed its own subfolder at its end (it made it), and nothing else
+        assert [b for b in builds if _own_staging(b, vllm_server.staging).exists()] == [], os.listdir(vllm_server.staging)
     finally:
         for r in runs:
             if r.poll() is None:
@@ -263,6 +273,7 @@ def printed(tmp_path_factory, tiny_llama) -> Printed:
         line = cp.stdout.strip()
         assert "\n" not in line and "VLLM_HOST_IP=127.0.0.1" in line and "--kv-cache-memory-bytes" in line, line
         assert "builder.extract.backends.vllm_connector" in line and "PYTHONPATH" not in line, line
+        assert " -O0 " in line, line  # on CPUs: no torch.compile warm-up at the server's start, unasked
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHONPATH"))}
         log = root / "server.log"
         with open(log, "ab") as out:
@@ -339,6 +350,79 @@ def test_a_full_staging_volume_pauses_the_run_naming_enospc_then_it_finishes(pri
     assert ("staging_full",) in paused, paused
     assert not [p for p in staging.rglob("*") if p.is_file()], "staging files or locks left behind"
     assert _check_against_transformers(build, server.model, "pre_norm") == 40
+
+
+@contextlib.contextmanager
+def _resized(mnt: Path, size: str, back: str):
+    """The tmpfs at `mnt` remounted to `size` (its files kept), and back to `back` after."""
+    r = subprocess.run(["mount", "-o", f"remount,size={size}", str(mnt)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["mount", "-o", f"remount,size={back}", str(mnt)], capture_output=True, check=True)
+
+
+def test_a_staging_volume_smaller_than_one_samples_file_stops_the_run_in_one_line(printed):
+    """The server's staging volume (its real tmpfs) shrunk to 64 KiB: room for the probe's 16-token file, none for
+    a file of these samples (150-300 tokens: 150 * 4 slots * 128 * 2 bytes alone is 150 KiB), even with the volume
+    empty. The run does not pause for room that can never come: it stops in one line naming both sizes and
+    `--staging`, exit 3, nothing failed for good, and leaves nothing in the staging folder. On a volume that holds
+    a file, a rerun writes every sample (below)."""
+    root, server = printed.root, printed.server
+    assert healthy(server.url), "the module's server is down: a test before this one left it so"
+    src = write_jsonl(root / "small.jsonl", random_rows(6, 51, vocab=VOCAB, lo=150, hi=300))
+    build = init_build(root / "small", src, model=str(server.model), backend="vllm", server=server.url,
+                       staging=str(server.staging), inflight=2,
+                       watermarks=Watermarks(low=0.9998, high=0.9999, flood=0.99995)).root  # (as `printed`'s)
+    with _resized(server.staging, "16k", "24m"):  # not even the probe's file (16 tokens, 16520 bytes): no sample sent
+        cp = hsbuild("run", build, "--no-progress", timeout=600)
+        assert cp.returncode == 3 and "Traceback" not in cp.stderr, (cp.returncode, cp.stderr)
+        assert re.search(r"^hsbuild run: error: the staging folder .* on a volume of 16384 bytes .*, smaller than one "
+                         r"16-token staging file \(at least 16520 bytes", cp.stderr, re.M), cp.stderr
+        assert _count(build, "started") == 0 and not list(server.staging.iterdir())
+    with _resized(server.staging, "64k", "24m"):
+        cp = hsbuild("run", build, "--no-progress", timeout=600)
+        assert cp.returncode == 3, (cp.returncode, cp.stdout, cp.stderr)
+        assert "Traceback" not in cp.stderr and "PAUSED" not in cp.stderr, cp.stderr
+        line = cp.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"hsbuild run: error: the staging folder {server.staging} is on a volume of "), cp.stderr
+        capacity = shutil.disk_usage(server.staging).total
+        assert f"a volume of {capacity} bytes" in line and "--staging" in line and "serve-command" in line, line
+        need = int(re.search(r"at least (\d+) bytes", line).group(1))
+        tokens = int(re.search(r"than one (\d+)-token staging file", line).group(1))
+        assert need == 8 + tokens * 8 + tokens * 4 * 128 * 2 > capacity == 64 << 10, line
+        with EventLog(layout(build).events, read_only=True) as log:
+            # nothing written, nothing failed for good (what was tried went back to pending: server_unavailable)
+            assert log.query("SELECT count(*) FROM samples WHERE state IN ('written', 'verified') OR (state = "
+                             "'failed' AND error <> 'server_unavailable')")[1][0][0] == 0
+            assert log.query("SELECT reason FROM events WHERE kind = 'run_finished' ORDER BY seq DESC LIMIT 1")[1] == [
+                ("staging_too_small",)]
+        assert not list(server.staging.iterdir()), list(server.staging.iterdir())  # nothing left behind
+    # 2 MiB holds these files, not twice a file and 1 MiB to spare: filled by someone else's file (100 KB left), the
+    # run pauses (staging_full); once that file is gone it goes on: it waits for as much room as the volume can
+    # have (nearly all of it), not for more, and writes every sample
+    with _resized(server.staging, "2m", "24m"):
+        filler = server.staging / "filler.bin"
+        filler.write_bytes(b"\0" * (shutil.disk_usage(server.staging).free - 100_000))
+        err_path = root / "run-small.err"
+        with open(err_path, "w") as err:
+            run = forked.Popen(hsbuild_cmd("run", build, "--no-progress"), stdout=subprocess.PIPE, stderr=err,
+                               text=True)
+        try:
+            _wait_for(lambda: "PAUSED (staging_full)" in err_path.read_text() or run.poll() is not None, 300,
+                      "the run to pause for room")
+            assert run.poll() is None, err_path.read_text()
+            filler.unlink()
+            run.communicate(timeout=300)
+        finally:
+            if run.poll() is None:
+                run.kill()
+            filler.unlink(missing_ok=True)
+    assert run.returncode == 0, err_path.read_text()
+    assert "resumed: the staging volume has room again" in err_path.read_text()
+    _one_written_each(build, 6)
+    assert not list(server.staging.iterdir()), list(server.staging.iterdir())
 
 
 def test_connect_mode_pauses_while_the_server_is_gone_and_finishes_when_it_is_back(printed, hold):

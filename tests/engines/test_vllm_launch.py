@@ -20,7 +20,7 @@ from conftest import Hold, live_count, random_rows, set_config, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
 from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm
 
-from builder.extract.backends.vllm import staging_usage
+from builder.extract.backends.vllm_staging import staging_usage
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.cgroup import ServerCgroup
@@ -70,7 +70,7 @@ def test_a_launched_server_that_hangs_then_crashes_is_restarted_each_time_and_th
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 21, vocab=VOCAB, hi=300))
     build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm", server=f"http://127.0.0.1:{port}",
                        staging=str(staging), inflight=inflight).root
-    set_config(build, engine_args=list(ENGINE_ARGS))  # no torch.compile warm-up for the tiny model
+    set_config(build, engine_args=list(ENGINE_ARGS))  # a short context for the tiny model
 
     peak = {"files": 0, "bytes": 0}
     done = threading.Event()

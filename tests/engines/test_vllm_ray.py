@@ -62,7 +62,7 @@ def test_one_server_per_node_a_server_killed_and_a_node_removed(tmp_path, tiny_l
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(n, 33, vocab=VOCAB, hi=200))
     build = init_build(tmp_path / "b", src, model=str(tiny_llama), backend="vllm",
                        server=f"http://127.0.0.1:{free_port()}", staging=str(staging), inflight=4).root
-    set_config(build, engine_args=list(ENGINE_ARGS))  # no torch.compile warm-up for the tiny model
+    set_config(build, engine_args=list(ENGINE_ARGS))  # a short context for the tiny model
     lay = layout(build)
 
     assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"  # tests/conftest.py: loopback only

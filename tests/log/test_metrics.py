@@ -33,6 +33,12 @@ def _scrape(url: str) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def _help(url: str) -> dict[str, str]:
+    """{family name: its HELP text} of one scrape: what Prometheus shows a user for each series."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return {fam.name: fam.documentation for fam in text_string_to_metric_families(r.read().decode())}
+
+
 def _status(build) -> dict:
     cp = hsbuild("status", build, "--json", timeout=60)
     assert cp.returncode == 0, cp.stderr
@@ -136,6 +142,14 @@ def test_a_writing_runs_metrics_equal_its_status(make_build, hold):
         assert m[("hsbuild_tokens", (("state", "done"),))] == st["tokens_done"]
         assert m[("hsbuild_written_bytes", ())] == st["bytes_done"]
         assert m[("hsbuild_paused", (("reason", ""),))] == 0
+        # hsbuild_written_bytes is what the log says was written: the written events' nbytes, the encoded
+        # (compressed) chunk bytes, and its HELP says so; the states uncompressed are another figure
+        cp = hsbuild("sql", build, "SELECT sum(nbytes), sum(num_tokens) FROM events WHERE kind = 'written'", "--csv",
+                     timeout=60)
+        nbytes, tokens = map(int, cp.stdout.strip().splitlines()[-1].split(","))
+        assert m[("hsbuild_written_bytes", ())] == nbytes and tokens == st["tokens_done"]
+        doc = _help(url)["hsbuild_written_bytes"]
+        assert "compressed" in doc and "uncompressed" not in doc, doc
     finally:
         h.release()
         out = p.communicate(timeout=300)[0]

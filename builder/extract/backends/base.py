@@ -45,6 +45,7 @@ class Unavailable:
     message: str  # why the engine could not serve it (connection refused, timeout, server died)
     refused: bool = False  # the server is not the build's (another model, other layers): the run must stop
     need_bytes: int = 0  # > 0: the staging volume is full; requests wait until it has this many bytes free
+    too_small: bool = False  # the staging volume cannot hold this sample's file even when empty: the run must stop
 
 
 Outcome = States | Failure | Unavailable

@@ -17,7 +17,11 @@ Ingestion: a watchdog observer on the staging folder wakes the requests waiting 
 ready when its lock can be taken shared (a file without its lock is never read: nothing says it is complete). It is read, validated (token ids equal the request's, shape, dtype,
 finite), its final slot put in the build's convention, and deleted with its lock at once: the states live in
 the worker's group until they are durable, so at most `capacity` staging files exist and none outlives a
-crash as something a later run would trust (each run clears what earlier ones left).
+crash as something a later run would trust (each run clears what earlier ones left). The staging folder's files,
+its room and the least a file takes: builder/extract/backends/vllm_staging.py.
+
+A staging volume that fills up pauses the run until it has room again (`staging_full`); one smaller than a
+sample's file even when empty can never hold it: that request is answered `too_small`, and the run stops.
 
 Layer ids: engine id k < L is Hugging Face `hidden_states[k]`; id L is the last decoder layer's output BEFORE
 the final norm (Hugging Face's `hidden_states[L]` is after it).
@@ -25,7 +29,6 @@ the final norm (Hugging Face's `hidden_states[L]` is after it).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import queue
 import threading
@@ -53,6 +56,15 @@ from builder.extract.backends.http_client import (
     healthy,
 )
 from builder.extract.backends.registry import BackendSpec, RunContext, register
+from builder.extract.backends.vllm_staging import (
+    STAGING_SUFFIX,
+    never_fits,
+    read_and_remove,
+    remove_staged,
+    staged_file_bytes,
+    volume_capacity,
+    volume_room,
+)
 
 if TYPE_CHECKING:  # (torch: imported once a worker opens the backend)
     import torch
@@ -60,11 +72,13 @@ if TYPE_CHECKING:  # (torch: imported once a worker opens the backend)
     from builder.config import BuildConfig
     from builder.extract.final_norm import FinalNorm
 
-STAGING_SUFFIX = ".safetensors"
 DEFAULT_INFLIGHT = 16  # requests in flight to the server (hsbuild.toml `inflight`, run --inflight)
 # the longest wait between two checks of a server that is still away (the waits double from 0.5 s up to this): how
 # late, at most, a run notices that its server is back
 RETRY_MAX_S = max(0.5, float(os.environ.get("HSBUILD_SERVER_RETRY_MAX", "30")))
+# room allowed beside a staging file's tensors when staging fills up (its header, the filesystem's blocks, the files
+# of other requests written meanwhile): a volume with less free than twice (file + this) is full
+FILE_SLACK = 1 << 20
 
 
 def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
@@ -123,116 +137,6 @@ class _Wakeup:
         if self.observer is not None:
             self.observer.stop()
             self.observer.join(timeout=5)
-
-
-def remove_staged(path: Path | str) -> None:
-    """Delete a staging file and its lock (either may be gone already)."""
-    for q in (Path(path), Path(str(path) + ".lock")):
-        q.unlink(missing_ok=True)
-
-
-def staging_usage(staging: Path) -> tuple[int, int]:
-    """(files, bytes) in the staging folder now."""
-    files = size = 0
-    for p in staging.glob("*" + STAGING_SUFFIX):
-        try:
-            size += p.stat().st_size
-            files += 1
-        except FileNotFoundError:
-            pass
-    return files, size
-
-
-def clear_staging(staging: Path) -> int:
-    """Remove staging files (and lone lock files) no server is writing (their lock can be taken): what crashed
-    runs left in this folder, a build's own. Returns how many files were removed. Files whose lock is held belong
-    to a request still being written; left alone."""
-    removed = 0
-    if not staging.is_dir():
-        return 0
-    names = {p.name.removesuffix(".lock") for p in staging.glob("*" + STAGING_SUFFIX + ".lock")}
-    names |= {p.name for p in staging.glob("*" + STAGING_SUFFIX)}
-    for name in sorted(names):
-        p = staging / name
-        lock = Path(str(p) + ".lock")
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except OSError:
-            fd = None
-        try:
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-            removed += p.exists()
-            remove_staged(p)
-        finally:
-            if fd is not None:
-                os.close(fd)
-    return removed
-
-
-def volume_room(path: Path) -> tuple[int, int]:
-    """(free bytes an unprivileged writer gets, total bytes) of the volume holding `path`."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-
-
-def read_when_ready(path: Path | str, timeout: float, wait=lambda s: time.sleep(min(s, 0.05))) -> dict:
-    """Wait until the server released the staging file's lock (`wait(seconds)` sleeps until something may
-    have changed: the backend's watchdog wakeup), then read it. A file is read only under its lock, held shared:
-    one without a lock file is never taken as complete. EngineUnavailable when the server died before the file
-    was complete, never wrote it, or writes without locks."""
-    from safetensors.torch import load  # noqa: PLC0415
-
-    path = Path(path)
-    lock = Path(str(path) + ".lock")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                if path.exists():
-                    raise EngineUnavailable(f"{path}: there is no lock file beside it after {timeout:g} s, so "
-                                            "nothing says it is complete (does the server run with "
-                                            "use_synchronization_lock off?); hsbuild never reads such a file") \
-                        from None
-                raise EngineUnavailable(f"{path}: never appeared in the staging folder within {timeout:g} s "
-                                        "(did the server die?)") from None
-            wait(0.2)
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise EngineUnavailable(f"{path}: still locked by the server after {timeout:g} s") from None
-                wait(0.2)
-                continue
-            if not path.exists():  # lock released but no file: the writer died, or its write failed
-                raise EngineUnavailable(f"{path}: the server released its lock without writing the file (it "
-                                        "died, or its write failed)")
-            try:
-                raw = path.read_bytes()
-            except OSError as e:  # gone between the check and the read, or unreadable: the engine's side failed
-                raise EngineUnavailable(f"{path}: could not be read ({type(e).__name__}: {e})") from None
-        finally:
-            os.close(fd)
-        try:
-            return load(raw)
-        except Exception as e:  # noqa: BLE001 - a torn file (writer killed mid-write, or out of space)
-            raise EngineUnavailable(f"{path}: unreadable ({type(e).__name__}: {e}); the server's write was cut "
-                                    "short") from None
-
-
-def read_and_remove(path: Path | str, timeout: float, wait=lambda s: time.sleep(min(s, 0.05))) -> dict:
-    """`read_when_ready`, then the staging file and its lock are deleted (also when reading failed)."""
-    try:
-        return read_when_ready(path, timeout, wait)
-    finally:
-        remove_staged(path)
 
 
 class VllmBackend:
@@ -402,26 +306,35 @@ class VllmBackend:
         except EngineUnavailable as e:
             full = self._staging_full(len(ids))
             if full is not None:
+                message, never = full
                 self._up.clear()
-                return Unavailable(r.key, full, need_bytes=self._need_bytes)
+                return Unavailable(r.key, message, need_bytes=self._need_bytes, too_small=never)
             return self._unavailable(r, str(e))
         return self._validate(r, ids, data)
 
-    def _staging_full(self, tokens: int) -> str | None:
-        """When the staging volume has no room for a file of `tokens` tokens: the message that names it (the
-        server's write failed with ENOSPC, which only its own log shows), and requests wait for room."""
-        need = tokens * len(self.layer_ids) * self.s.hidden_size * 4 + (1 << 20)
+    def _staging_full(self, tokens: int) -> tuple[str, bool] | None:
+        """When the staging volume has no room for a file of `tokens` tokens (the server's write failed with ENOSPC,
+        which only its own log shows): the message that names it, and whether the file can never fit there (the
+        volume is smaller than the file even when empty: the run must stop). Else requests wait until the volume
+        has room for the file twice over (with FILE_SLACK each), or, on a volume too small for that, as much room
+        as it can have (nearly all of it). None: the volume has room (the write failed for another reason)."""
+        least = staged_file_bytes(tokens, len(self.layer_ids), self.s.hidden_size, self.s.dtype)
         try:
             free, total = volume_room(self.staging)
+            capacity = volume_capacity(self.staging)
         except OSError:
             return None
-        if free >= 2 * need:
+        never = never_fits(self.staging, tokens, least)
+        if never is not None:
+            return never, True
+        room = max(least, min(2 * (least + FILE_SLACK), capacity * 31 // 32))  # (what an empty volume has, nearly)
+        if free >= room:
             return None
-        self._need_bytes = max(self._need_bytes, 2 * need)
+        self._need_bytes = max(self._need_bytes, room)
         used = 1 - free / total if total else 1.0
         return (f"the staging volume is full (ENOSPC): the server could not write a {tokens}-token file into "
                 f"{self.staging}, whose volume has {free} bytes free of {total} ({used:.1%} used); requests wait "
-                "until it has room (free space there, or give staging a bigger volume)")
+                "until it has room (free space there, or give staging a bigger volume)"), False
 
     def _validate(self, r: Request, ids: list[int], data: dict[str, torch.Tensor]) -> Outcome:
         hs, tok = data.get("hidden_states"), data.get("token_ids")

