@@ -37,7 +37,7 @@ from test_export import (
 
 from builder.config import BuildConfig, Watermarks
 from builder.errors import DiskFullError, UsageError
-from builder.exchange import export as export_mod
+from builder.exchange import export_space
 from builder.exchange.export import JOURNAL, STAGING, TMP_SUFFIX, ExportOptions, export_build
 from builder.formats.modelopt import ModelOpt
 from builder.layout import layout
@@ -487,7 +487,7 @@ def test_volume_filling_between_the_check_and_the_write(make_build, tmp_path, mo
         st = os.statvfs(vol)
         filler = vol / "filler.bin"
         filler.write_bytes(b"\xff" * (st.f_bavail * st.f_frsize - 12 * per_file))  # room for a dozen files
-        monkeypatch.setattr(export_mod, "_wait_for_space", lambda *a, **k: 0)
+        monkeypatch.setattr(export_space, "wait_for_space", lambda *a, **k: 0)
         with pytest.raises(DiskFullError, match="volume is full") as e:
             export_build(build, out, ExportOptions(format="speculators", allow_overcommit=True, watermarks=roomy))
         assert len(str(e.value).splitlines()) == 1
