@@ -98,8 +98,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"export {report.export_id[:8]} ({report.format}) into {report.out}: {report.rows} sample(s) in it; "
               f"{len(report.added)} added, {len(report.rewritten)} rewritten, {len(report.removed)} removed, "
               f"{report.renumbered} renumbered, {report.already} kept ({human_bytes(report.bytes_written)} written)"
+              + (f", {len(report.repaired)} repaired (their files in OUT did not match their checksums)"
+                 if report.repaired else "")
               + (f", paused {report.pauses}x for space" if report.pauses else ""))
-        for what in ("added", "rewritten", "removed"):
+        for what in ("added", "rewritten", "repaired", "removed"):
             ids = getattr(report, what)
             if ids:
                 print(f"{what}: " + ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else ""))

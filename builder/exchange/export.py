@@ -11,13 +11,14 @@ invariants").
   file renumbers it: the file is moved, never rewritten (a file's bytes never depend on its number).
 - The journal `OUT/hsbuild-export.json` vouches, per sample, for one file: its path, the sample's fingerprint
   (its source fingerprint and where and what its stored states are: segment, offset, length, CRC-32Cs), and the
-  file's blake2b and size. A re-run keeps a file whose sample's fingerprint is unchanged (not read again),
-  rewrites the files of changed samples, removes those of samples no longer selected or live, and removes any
-  sample file the journal does not vouch for.
+  file's blake2b and size. A re-run keeps a file whose sample's fingerprint is unchanged (its states not read
+  again) and whose bytes still match that blake2b (the file is read once), rewrites the files of changed samples
+  (and, named `repaired`, of unchanged ones whose file is not whole), removes those of samples no longer selected
+  or live, and removes any sample file the journal does not vouch for.
 
 Write order, each step safe against `kill -9` (a re-run gives the same files as one uninterrupted export):
-1. survey: each vouched file must exist with its size; a file whose move was under way is found by its blake2b
-   among the paths it could be at. Temp files are removed, and the journal is rewritten (not finished; vouching
+1. survey: each vouched file must exist with its size and blake2b; a file whose move was under way is found by
+   its blake2b among the paths it could be at. Temp files are removed, and the journal is rewritten (not finished; vouching
    for what the survey found, no more) before anything else is written.
 2. the kept samples' tokens and masks are read (checked: a damaged one leaves the export) for the dataset-wide
    files; then each new or changed sample is read through its checksums and its file written (temp, fsync,
@@ -90,10 +91,11 @@ class ExportReport:
     format: str
     selected: int = 0  # the samples this export covers: the build's, retired ones aside, in --subset/--limit
     rows: int = 0  # samples in the export now (row i = file i)
-    exported: int = 0  # sample files written by this call (added + rewritten)
+    exported: int = 0  # sample files written by this call (added + rewritten + repaired)
     already: int = 0  # samples whose file was kept (not rewritten; maybe renumbered)
     added: list[str] = field(default_factory=list)  # samples new to the export
     rewritten: list[str] = field(default_factory=list)  # samples whose stored states or tokens changed
+    repaired: list[str] = field(default_factory=list)  # samples whose file in OUT was not whole (checksum): rewritten
     removed: list[str] = field(default_factory=list)  # samples whose file was removed (no longer selected/live)
     renumbered: int = 0  # kept files moved to another row's path
     not_exported: list[dict] = field(default_factory=list)  # {sample_id, state, reason, message}: selected, left out
@@ -159,7 +161,8 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
         log.append([Event("export", run_id=export_id, detail=detail(
             out=str(out), format=fmt.name, options=opts.recorded(), selected=report.selected, rows=report.rows,
             exported=report.exported, already=report.already, added=len(report.added),
-            rewritten=len(report.rewritten), removed=len(report.removed), renumbered=report.renumbered,
+            rewritten=len(report.rewritten), repaired=len(report.repaired), removed=len(report.removed),
+            renumbered=report.renumbered,
             not_exported=len(left_out), not_exported_ids=left_out[:100], bytes=report.bytes_written,
             damaged=[d["sample_id"] for d in report.damaged], complete=report.complete,
             layer_ids=report.layer_ids, final_state=fmt.final_state, pid=os.getpid()))])

@@ -7,9 +7,11 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
 LIVE = ("written", "verified")
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 SAVE_EVERY_S = 2.0  # the journal vouches for new files at least this often (and at most 10% of the time)
+HASH_THREADS = min(8, os.cpu_count() or 1)  # kept files checked side by side on a re-run
 TOKEN_CACHE = 1 << 24  # tokens (ids and mask) kept from the first read for the dataset-wide files; beyond: read again
 
 
@@ -89,6 +92,7 @@ class Reconcile:
         self.lossy: Callable[[list[str]], dict | None] = lambda ids: None  # writes hsbuild-lossy.json (fp8 builds)
         self.tokens: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # sample id -> (ids, mask), up to TOKEN_CACHE
         self.cached = 0
+        self.unproven: dict[str, str] = {}  # sample id -> fingerprint: vouched for, but its file is not whole
 
     # -- the journal ---------------------------------------------------------------------------------------------
 
@@ -107,33 +111,39 @@ class Reconcile:
         self.save_cost = time.monotonic() - t
         self.next_save = time.monotonic() + max(SAVE_EVERY_S, 10 * self.save_cost)
 
-    def _holds(self, rel: str, size: int) -> bool:
+    def _holds(self, rel: str, size: int, checksum: object) -> bool:
+        """The file at `rel` is the one vouched for: a regular file of `size` bytes whose blake2b is `checksum`
+        (read whole: a re-run reads each file it keeps once)."""
+        path = self.out / rel
         try:
-            st = os.stat(self.out / rel)
+            st = os.stat(path)
+            return stat.S_ISREG(st.st_mode) and st.st_size == size and file_digest(path) == checksum
         except OSError:
             return False
-        return st.st_size == size and os.path.isfile(self.out / rel)
 
     def survey(self, j: dict) -> None:
-        """The journal's entries whose files are where it says (exist, with their size; a file in doubt found by
-        its blake2b among the paths it may be at)."""
+        """The journal's entries whose files are where it says, whole: a regular file of its size and blake2b
+        (a file in doubt: at one of the paths it may be at). The others are written again (`unproven`)."""
         files = j.get("files") if j.get("hsbuild_export") == JOURNAL_VERSION else None
         raw = files if isinstance(files, dict) else {}
         loaded = {sid: Entry.load(v) for sid, v in raw.items()}
+        plain = [(sid, en) for sid, en in loaded.items() if en is not None and en.at is None]
+        with ThreadPoolExecutor(HASH_THREADS) as pool:  # hashlib lets go of the GIL: files hashed side by side
+            whole = list(pool.map(lambda item: self._holds(item[1].path, item[1].size, item[1].sum), plain))
         claimed: set[str] = set()
-        for sid, en in loaded.items():
-            if en is not None and en.at is None:
-                if en.path not in claimed and self._holds(en.path, en.size):
-                    self.entries[sid] = en
-                    claimed.add(en.path)
+        for (sid, en), ok in zip(plain, whole, strict=True):
+            if ok and en.path not in claimed:
+                self.entries[sid] = en
+                claimed.add(en.path)
         for sid, en in loaded.items():
             if en is None or en.at is None:
                 continue
             for cand in en.at:
-                if cand not in claimed and self._holds(cand, en.size) and file_digest(self.out / cand) == en.sum:
+                if cand not in claimed and self._holds(cand, en.size, en.sum):
                     self.entries[sid] = Entry(cand, en.fp, en.sum, en.size)
                     claimed.add(cand)
                     break
+        self.unproven = {sid: en.fp for sid, en in loaded.items() if en is not None and sid not in self.entries}
         self.on_disk = {p for en in loaded.values() if en is not None for p in (en.at or [en.path])}
         fin = j.get("finish") if isinstance(j.get("finish"), dict) else {}
         files_ok = isinstance(fin.get("files"), dict) and all(
@@ -226,7 +236,10 @@ class Reconcile:
             self.dirty_dirs.add((out / rel).parent)
             occupied.add(rel)
             self.entries[sid] = Entry(rel, fps[sid], digest(data), len(data))
-            (rep.rewritten if sid in prior else rep.added).append(sid)
+            if self.unproven.get(sid) == fps[sid]:  # the same sample: its file in OUT was damaged or lost
+                rep.repaired.append(sid)
+            else:
+                (rep.rewritten if sid in prior else rep.added).append(sid)
             rep.exported += 1
             rep.bytes_written += len(data)
             self._keep(sid, s.input_ids.numpy(), s.loss_mask.numpy(), freq)
@@ -343,7 +356,7 @@ class Reconcile:
         fps = {e["sample_id"]: self.entries[e["sample_id"]].fp for e in rows}
         key = self._finish_key(rows, fps)
         rec = self.finish_rec
-        if rec.get("key") == key and all(self._holds(rel, v[1]) for rel, v in rec["files"].items()):
+        if rec.get("key") == key and all(self._holds(rel, v[1], v[0]) for rel, v in rec["files"].items()):
             self.report.files = sorted(rec["files"])
             return
 
