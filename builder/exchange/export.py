@@ -27,7 +27,8 @@ Write order, each step safe against `kill -9` (a re-run gives the same files as 
    Before each file the target volume's watermarks are checked.
 3. layout: the journal first drops the samples leaving and marks each file about to move as in doubt; then the
    leaving and unvouched files are removed, the moving ones renamed through `.hsbuild-staging/` to their rows'
-   paths, the directories fsynced and the journal rewritten.
+   paths, the directories fsynced and the journal rewritten; then every empty folder under OUT is removed
+   (those this run emptied, and those a killed run left).
 4. the dataset-wide files (token frequencies, the vocab mapping, speculators' Arrow index), when the rows
    changed, written the same way; the journal marked finished (and complete when no selected sample is left
    out); an `export` event committed to the build's log.

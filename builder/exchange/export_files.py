@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder.errors import UsageError
-from builder.fsutil import fsync_path
+from builder.fsutil import fsync_path, fsync_paths
 
 JOURNAL = "hsbuild-export.json"
 JOURNAL_VERSION = 2
@@ -129,6 +129,21 @@ def remove_temp_files(out: Path) -> None:
     for p in out.rglob("*"):
         if is_temp(p.name) and p.is_file():
             p.unlink(missing_ok=True)
+
+
+def remove_empty_folders(out: Path) -> None:
+    """Remove every empty folder under OUT, deepest first (OUT stays), and make that durable: a fresh export
+    has none, and one left by a killed run (the staging folder, a `rows_*` folder emptied by a renumbering) goes
+    on the next run."""
+    gone: set[str] = set()
+    for d, _subdirs, files in os.walk(out, topdown=False):
+        if d != str(out) and not files:
+            try:
+                os.rmdir(d)
+            except OSError:  # not empty (a folder under it stayed): kept
+                continue
+            gone.add(os.path.dirname(d))
+    fsync_paths(Path(p) for p in sorted(gone) if os.path.isdir(p))
 
 
 def staged_path(sid: str, fp: str) -> str:

@@ -29,6 +29,7 @@ from builder.exchange.export_files import (
     atomic_json,
     digest,
     file_digest,
+    remove_empty_folders,
     remove_temp_files,
     safe_rel,
     staged_path,
@@ -254,6 +255,7 @@ class Reconcile:
         rows = [e for e in live if e["sample_id"] in self.entries and e["sample_id"] not in damaged
                 and self.entries[e["sample_id"]].fp == fps[e["sample_id"]]]
         self._layout(rows, kept)
+        remove_empty_folders(out)  # those this run emptied, and those a killed one left: a fresh export has none
         if self.opts.stop():
             raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
 
@@ -336,13 +338,6 @@ class Reconcile:
                 rep.renumbered += 1
         self.dirty_dirs |= {d for d in touched | {out / STAGING} if d.is_dir()}
         self.save()
-        for d in sorted(touched | {out / STAGING}, key=lambda p: -len(p.parts)):  # empty folders of ours go
-            while d != out and out in d.parents:
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
-                d = d.parent
 
     def _finish_key(self, rows: list[dict], fps: dict[str, str]) -> str:
         return digest(json.dumps([[e["sample_id"], fps[e["sample_id"]]] for e in rows]
