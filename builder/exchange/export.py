@@ -31,7 +31,8 @@ Write order, each step safe against `kill -9` (a re-run gives the same files as 
    (those this run emptied, and those a killed run left).
 4. the dataset-wide files (token frequencies, the vocab mapping, speculators' Arrow index), when the rows
    changed, written the same way; the journal marked finished (and complete when no selected sample is left
-   out); an `export` event committed to the build's log.
+   out); an `export` event committed to the build's log (not where the build cannot be written: a read-only
+   build is only read, `recorded` False in the report).
 A full target volume (ENOSPC/EDQUOT, where the watermarks could not see it coming) stops the export with one
 `DiskFullError` (exit 3) after the journal is saved if it can be; the same command continues once there is room.
 
@@ -46,14 +47,17 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from builder.config import Watermarks, load_config
-from builder.errors import FormatError, UsageError
+from builder.errors import BuildReadOnlyError, FormatError, UsageError
 from builder.exchange.build_info import BuildInfo
 from builder.exchange.export_files import JOURNAL, JOURNAL_VERSION, STAGING, TMP_SUFFIX, load_journal
+from builder.exchange.export_readonly import ReadOnlyBuild
 from builder.exchange.export_reconcile import LIVE, Reconcile
+from builder.exchange.export_space import check_target
 from builder.exchange.lossy import export_lossy
 from builder.formats import make_format
 from builder.layout import BuildLayout, layout
@@ -79,6 +83,7 @@ class ExportOptions:
     take_over: bool = False
     progress: Progress | None = None
     stop: Callable[[], bool] = lambda: False  # polled between files (Ctrl-C): raises Interrupted, resumable
+    echo: Callable[[str], None] = lambda _m: None  # what the export says as it goes (a pause for space, its end)
 
     def recorded(self) -> dict:
         return {"format": self.format, "subset": self.subset, "limit": self.limit, "max_len": self.max_len,
@@ -110,11 +115,10 @@ class ExportReport:
     complete: bool = False  # every selected sample is in the export
     layer_flag: str | None = None  # what the trainer must be told to take these aux layers (None: its default)
     lossy: dict | None = None  # an fp8 build: its scheme and measured error (hsbuild-lossy.json), else None
+    recorded: bool = True  # an `export` event is in the build's log; False: the build cannot be written (read-only)
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
 
 
 def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> ExportReport:
@@ -127,6 +131,7 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
         raise UsageError(f"{out}: inside the build; export to a directory outside {lay.root}")
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: exists and is not a directory; choose a directory for the export")
+    check_target(out)
     if opts.limit is not None and opts.limit < 1:
         raise UsageError(f"--limit {opts.limit}: must be at least 1")
     if opts.subset is not None:
@@ -139,9 +144,17 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
     report = ExportReport(export_id, str(out), fmt.name, final_state=fmt.final_state,
                           layer_ids=info.layer_ids()[fmt.layer_convention][:-1])
     t0 = time.monotonic()
-    # the owner session: lock, log, queries, stall watch and Ctrl-C (builder/log/session.py): the first SIGINT or
-    # SIGTERM stops the export at the next file boundary (Interrupted), a second exits at once (still resumable)
-    with OwnerSession(lay, "export", export_id, take_over=opts.take_over) as session:
+    with ExitStack() as stack:
+        # the owner session: lock, log, queries, stall watch and Ctrl-C (builder/log/session.py): the first SIGINT
+        # or SIGTERM stops the export at the next file boundary (Interrupted), a second exits at once (resumable).
+        # A build this process cannot write (read-only mount, no permission) is only read: no owner, the lock
+        # held shared, nothing recorded in its log (export_readonly.py)
+        session: OwnerSession | ReadOnlyBuild
+        try:
+            session = stack.enter_context(OwnerSession(lay, "export", export_id, take_over=opts.take_over))
+        except BuildReadOnlyError:
+            session = stack.enter_context(ReadOnlyBuild(lay, take_over=opts.take_over))
+            report.recorded = False
         log = session.open()
         asked = opts.stop
         opts = replace(opts, stop=lambda: asked() or session.stop_requested > 0)
@@ -159,6 +172,8 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
         job.run(sel, head, loaded)
         report.seconds = time.monotonic() - t0
         left_out = [d["sample_id"] for d in report.not_exported]
+        if not report.recorded:
+            return report
         log.append([Event("export", run_id=export_id, detail=detail(
             out=str(out), format=fmt.name, options=opts.recorded(), selected=report.selected, rows=report.rows,
             exported=report.exported, already=report.already, added=len(report.added),

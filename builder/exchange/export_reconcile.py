@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from builder.config import Watermarks
-from builder.errors import DamagedSampleError, DiskFullError, FormatError, Interrupted
+from builder.errors import DamagedSampleError, DiskFullError, FormatError, Interrupted, UsageError
 from builder.exchange import export_space
 from builder.exchange.build_info import BuildInfo
 from builder.exchange.export_files import (
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 LIVE = ("written", "verified")
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)  # OUT cannot be written: a usage error
 SAVE_EVERY_S = 2.0  # the journal vouches for new files at least this often (and at most 10% of the time)
 HASH_THREADS = min(8, os.cpu_count() or 1)  # kept files checked side by side on a re-run
 TOKEN_CACHE = 1 << 24  # tokens (ids and mask) kept from the first read for the dataset-wide files; beyond: read again
@@ -94,6 +95,8 @@ class Reconcile:
         self.tokens: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # sample id -> (ids, mask), up to TOKEN_CACHE
         self.cached = 0
         self.unproven: dict[str, str] = {}  # sample id -> fingerprint: vouched for, but its file is not whole
+        self.unsaved: list[str] = []  # sample ids whose files were written since the last save, in order
+        self.vouched = 0  # the files the journal on disk vouches for
 
     # -- the journal ---------------------------------------------------------------------------------------------
 
@@ -109,6 +112,7 @@ class Reconcile:
             "files": {sid: en.dump() for sid, en in self.entries.items()}, "finish": self.finish_rec,
             "report": self.report.as_dict() if finished else None})
         self.on_disk = {p for en in self.entries.values() for p in (en.at or [en.path])}
+        self.vouched, self.unsaved = len(self.entries), []
         self.save_cost = time.monotonic() - t
         self.next_save = time.monotonic() + max(SAVE_EVERY_S, 10 * self.save_cost)
 
@@ -145,6 +149,7 @@ class Reconcile:
                     claimed.add(cand)
                     break
         self.unproven = {sid: en.fp for sid, en in loaded.items() if en is not None and sid not in self.entries}
+        self.vouched = len(self.entries)
         self.on_disk = {p for en in loaded.values() if en is not None for p in (en.at or [en.path])}
         fin = j.get("finish") if isinstance(j.get("finish"), dict) else {}
         files_ok = isinstance(fin.get("files"), dict) and all(
@@ -157,17 +162,33 @@ class Reconcile:
         try:
             self._run(sel, head, j)
         except OSError as e:
-            if e.errno not in NO_SPACE or isinstance(e, DamagedSampleError):
+            if isinstance(e, DamagedSampleError):
+                raise
+            if e.errno in NO_WRITE:
+                raise UsageError(f"{self.out}: cannot write {e.filename or self.out} ({e.strerror}); make it "
+                                 "writable or export elsewhere (the same command continues from what its journal "
+                                 "kept)") from None
+            if e.errno not in NO_SPACE:
                 raise
             if self.head:
-                try:  # keep what is written (best effort: the journal needs room too)
-                    self.save()
-                except OSError:
-                    pass
-            written = self.report.exported
-            raise DiskFullError(f"{self.out}: its volume is full ({os.strerror(e.errno)}) after {written} sample "
-                                f"file(s) written; free space there and run the same command again: it continues "
-                                "from what its journal kept") from None
+                self._save_on_a_full_volume()
+            raise DiskFullError(f"{self.out}: its volume is full ({os.strerror(e.errno)}) after {self.report.exported} "
+                                f"sample file(s) written, {self.vouched} kept by its journal; free space there and "
+                                "run the same command again: it keeps those and continues") from None
+
+    def _save_on_a_full_volume(self) -> None:
+        """Save the journal on a full volume: where it has no room (a file, or an inode), give up the files
+        written since the last save, newest first, one at a time, until it has: the files the journal then
+        vouches for are kept by the next run, instead of none since the last save."""
+        while True:
+            try:
+                self.save()
+                return
+            except OSError as e:
+                if e.errno not in NO_SPACE or not self.unsaved:
+                    return  # (the journal on disk still vouches for what it did)
+            en = self.entries.pop(self.unsaved.pop())
+            (self.out / en.path).unlink(missing_ok=True)
 
     def _run(self, sel: list[dict], head: dict, j: dict | None) -> None:
         out, fmt, rep = self.out, self.fmt, self.report
@@ -237,6 +258,7 @@ class Reconcile:
             self.dirty_dirs.add((out / rel).parent)
             occupied.add(rel)
             self.entries[sid] = Entry(rel, fps[sid], digest(data), len(data))
+            self.unsaved.append(sid)
             if self.unproven.get(sid) == fps[sid]:  # the same sample: its file in OUT was damaged or lost
                 rep.repaired.append(sid)
             else:
