@@ -1,12 +1,14 @@
 """`hsbuild export` and `hsbuild import`: a build in the files trainers read, and trainers' dumps into a build.
 
 Exit codes: export 0 every selected sample is in the export; 1 some are not (damaged, failed or not yet written:
-listed; repair them and run the same export again, which adds them); 2 usage error; 3 the export does not fit
-below the target's high watermark, or its volume filled up (free space, run it again: it continues); 130
-interrupted (the same command continues). Import: 0 every matched file imported; 1 some files were unusable
-(listed: their samples are left for `hsbuild resume`); 2 also when the dump's layers are unknown (no metadata,
-no --dump-layers); 4 the dump is not the build's (other layers, or states of another width), nothing imported;
-otherwise as `run`.
+listed; repair them and run the same export again, which adds them); 2 usage error (also an OUT that cannot hold
+an export: under a file, on a kernel filesystem such as /proc or /sys, not writable); 3 the export does not fit
+below the target's high watermark, or its volume filled up (free space, run it again: it continues); 5 busy
+(another process owns the build); 130 interrupted (the same command continues). A build that cannot be written
+(a read-only mount) is exported all the same, and the export is not recorded in its log (said on stderr).
+Import: 0 every matched file imported; 1 some files were unusable (listed: their samples are left for `hsbuild
+resume`); 2 also when the dump's layers are unknown (no metadata, no --dump-layers); 4 the dump is not the
+build's (other layers, or states of another width), nothing imported; otherwise as `run`.
 """
 
 from __future__ import annotations
@@ -88,18 +90,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     for k in ("low", "high", "flood"):
         if getattr(args, k) is not None:
             setattr(wm, k, getattr(args, k))
+    bar = progress_for(args)
+
+    def echo(msg: str) -> None:  # a line of its own, below the bar where one is drawn
+        print(("\n" if bar.enabled else "") + msg, file=sys.stderr, flush=True)
+
     report = export_build(args.build, args.out, ExportOptions(
         format=args.format, subset=args.subset, limit=args.limit, compress=args.compress,
         draft_vocab_size=args.draft_vocab_size, allow_overcommit=args.allow_overcommit, watermarks=wm,
-        take_over=args.take_over, progress=progress_for(args)))
+        take_over=args.take_over, progress=bar, echo=echo))
+    if not report.recorded:
+        print(f"note: {args.build} cannot be written here (read-only mount, or no permission): exported without "
+              "writing to it, so this export is not recorded in its log", file=sys.stderr)
     if _fmt(args) == "json":
         print_json(report.as_dict())
     else:
         print(f"export {report.export_id[:8]} ({report.format}) into {report.out}: {report.rows} sample(s) in it; "
               f"{len(report.added)} added, {len(report.rewritten)} rewritten, {len(report.removed)} removed, "
               f"{report.renumbered} renumbered, {report.already} kept ({human_bytes(report.bytes_written)} written)"
+              + (f", {len(report.repaired)} repaired (their files in OUT did not match their checksums)"
+                 if report.repaired else "")
               + (f", paused {report.pauses}x for space" if report.pauses else ""))
-        for what in ("added", "rewritten", "removed"):
+        for what in ("added", "rewritten", "repaired", "removed"):
             ids = getattr(report, what)
             if ids:
                 print(f"{what}: " + ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else ""))

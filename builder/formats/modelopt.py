@@ -3,8 +3,9 @@
 Checked against its code (examples/speculative_decoding/collect_hidden_states/compute_hidden_states_hf.py,
 modelopt/torch/speculative/eagle/utils.py OfflineSupervisedDataset, scripts/calibrate_draft_vocab.py):
 
-- `OUT/{conversation_id}.pt`, flat; the training script takes every `*.pt` under the folder (recursively) as a
-  sample, so nothing else in the folder may end in `.pt`;
+- `OUT/{conversation_id}.pt`, flat (hsbuild: the id URL-quoted, a long one shortened: `ModelOpt.file_name`);
+  the training script takes every `*.pt` under the folder (recursively) as a sample, so nothing else in the
+  folder may end in `.pt`;
 - a file holds `input_ids` int64 [n], `hidden_states` [n, H] (AFTER the final norm: Hugging Face
   hidden_states[-1]; `hidden_states_prenorm: True` marks a state before it, which training normalizes),
   `aux_hidden_states` [n, k*H] (decoder-layer ids: id k = hidden_states[k+1]), `loss_mask` int64 [n] and
@@ -19,6 +20,7 @@ modelopt/torch/speculative/eagle/utils.py OfflineSupervisedDataset, scripts/cali
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable
@@ -30,6 +32,8 @@ import torch
 from builder.formats.base import Exported, Loaded, Rejected, Sample
 from builder.formats.torchfile import int_1d, load_dict, save_bytes
 from builder.formats.vocab import vocab_mapping
+
+NAME_BYTES = 200  # a longer file name is shortened (file_name): NAME_MAX is 255 bytes, the export's temp name longer
 
 
 class ModelOpt:
@@ -46,8 +50,20 @@ class ModelOpt:
 
     @staticmethod
     def file_name(sample_id: str) -> str:
-        return quote(sample_id, safe="-_.~") + ".pt" if not sample_id.startswith(".") else \
-            "%2E" + quote(sample_id[1:], safe="-_.~") + ".pt"
+        """`{id}.pt`, the id URL-quoted (a leading dot too: no file is hidden). An id whose name would be longer
+        than NAME_BYTES keeps a readable prefix and ends in `+` and a blake2b-128 of the whole id: quoting never
+        writes `+`, so such a name is no other id's, and it fits the usual 255-byte limit (NAME_MAX) with the
+        export's temp suffix. The file's `conversation_id` is the whole id."""
+        name = quote(sample_id, safe="-_.~")
+        if name.startswith("."):
+            name = "%2E" + name[1:]
+        if len(name) + len(".pt") <= NAME_BYTES:
+            return name + ".pt"
+        h = hashlib.blake2b(sample_id.encode(), digest_size=16).hexdigest()
+        cut = NAME_BYTES - len(".pt") - 1 - len(h)
+        if "%" in name[cut - 2: cut]:  # never split a %XX escape
+            cut = name.rindex("%", 0, cut)
+        return f"{name[:cut]}+{h}.pt"
 
     def sample_paths(self, index: int, sample_id: str) -> list[str]:  # noqa: ARG002
         return [self.file_name(sample_id)]

@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import forked
+import pyarrow as pa
 import pytest
 import torch
 from conftest import hsbuild, mounted_tmpfs, random_rows, write_jsonl
@@ -37,9 +38,10 @@ from test_export import (
 
 from builder.config import BuildConfig, Watermarks
 from builder.errors import DiskFullError, UsageError
-from builder.exchange import export as export_mod
+from builder.exchange import export_space
 from builder.exchange.export import JOURNAL, STAGING, TMP_SUFFIX, ExportOptions, export_build
 from builder.formats.modelopt import ModelOpt
+from builder.formats.speculators import ARROW
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.reader import HiddenStateDataset
@@ -106,10 +108,20 @@ def assert_rows_match_files(build: Path, out: Path, fmt: str) -> None:
             got = d["input_ids"]
         assert torch.equal(got, toks[sid]), f"{fmt} row {i} ({sid}): the file's tokens are not the sample's"
     if fmt == "speculators":
-        from datasets import load_from_disk
+        assert [toks[s].tolist() for s in sel] == arrow_input_ids(out), "Arrow row i is not sample i"
 
-        arrow = load_from_disk(str(out)).with_format(None)["input_ids"]
-        assert [toks[s].tolist() for s in sel] == arrow, "Arrow row i is not sample i"
+
+def arrow_input_ids(out: Path) -> list[list[int]]:
+    """The `input_ids` column of speculators' Arrow dataset, row by row: read with pyarrow (a core dependency),
+    and where `datasets` is installed (the trainers extra: pip install -e '.[trainers]') as the trainer loads
+    it too, which must agree."""
+    with pa.OSFile(str(out / ARROW)) as f:
+        rows = pa.ipc.open_stream(f).read_all().column("input_ids").to_pylist()
+    if trainer_available("datasets"):
+        from datasets import load_from_disk  # noqa: PLC0415
+
+        assert load_from_disk(str(out)).with_format(None)["input_ids"] == rows, "datasets reads other rows"
+    return rows
 
 
 def assert_trainer_reads(build: Path, out: Path, fmt: str, what: str) -> None:
@@ -488,7 +500,7 @@ def test_volume_filling_between_the_check_and_the_write(make_build, tmp_path, mo
         st = os.statvfs(vol)
         filler = vol / "filler.bin"
         filler.write_bytes(b"\xff" * (st.f_bavail * st.f_frsize - 12 * per_file))  # room for a dozen files
-        monkeypatch.setattr(export_mod, "_wait_for_space", lambda *a, **k: 0)
+        monkeypatch.setattr(export_space, "wait_for_space", lambda *a, **k: 0)
         with pytest.raises(DiskFullError, match="volume is full") as e:
             export_build(build, out, ExportOptions(format="speculators", allow_overcommit=True, watermarks=roomy))
         assert len(str(e.value).splitlines()) == 1
