@@ -343,24 +343,22 @@ class EventLog:
         import pyarrow as pa  # noqa: PLC0415
         if not events:
             return
-        now = utcnow()
-        cols: dict[str, list] = {c: [] for c in COLUMNS}
-        seq = self._seq
-        for ev in events:
-            seq += 1
-            ev.seq = seq
-            if ev.ts is None:
-                ev.ts = now
-            for c in COLUMNS:
-                cols[c].append(getattr(ev, c))
-        batch = pa.Table.from_pydict(cols, schema=arrow_schema())
+        cols: dict[str, list] = {c: [getattr(ev, c) for ev in events] for c in COLUMNS if c not in ("seq", "ts")}
+        seqs = list(range(self._seq + 1, self._seq + 1 + len(events)))
         cur = self.con.cursor()
+        registered = False
         try:
-            cur.register("_batch", batch)
             cur.execute("BEGIN TRANSACTION")
-            top = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            top = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchall()[0][0]
             if top != self._seq:
                 raise self._conflict(top)
+            # `ts`: this transaction's time, taken at this attempt (a batch retried after a full disk gets the time
+            # of the commit that made it durable, not of its first try); an event given its own `ts` keeps it
+            now = utcnow()
+            stamps = [ev.ts if ev.ts is not None else now for ev in events]
+            batch = pa.Table.from_pydict({"seq": seqs, "ts": stamps, **cols}, schema=arrow_schema())
+            cur.register("_batch", batch)
+            registered = True
             cur.execute("INSERT INTO events SELECT * FROM _batch")
             cur.execute("COMMIT")
         except BaseException as e:
@@ -374,10 +372,13 @@ class EventLog:
                 raise DiskFullError(f"{self.path}: cannot commit to the event log: the volume is full") from e
             raise
         finally:
-            cur.unregister("_batch")
+            if registered:
+                cur.unregister("_batch")
             cur.close()
+        for ev, seq, ts in zip(events, seqs, stamps, strict=True):
+            ev.seq, ev.ts = seq, ts
         self._sync_dir()
-        self._seq = seq
+        self._seq = seqs[-1]
 
     def _conflict(self, top: int | None) -> LogConflictError:
         seen = f"its last seq is {top}, this owner's {self._seq}" if top is not None else "a seq number is taken"
