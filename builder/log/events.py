@@ -56,17 +56,19 @@ def temp_views_sql() -> str:
     return re.sub(r"CREATE\s+OR\s+REPLACE\s+VIEW", "CREATE OR REPLACE TEMP VIEW", views, flags=re.IGNORECASE)
 
 
-def read_with_current_views(con: duckdb.DuckDBPyConnection) -> None:
-    """On a read-only connection to a log whose schema an older hsbuild wrote (no owner has opened it since):
-    this version's views as TEMP views, which shadow the file's, over empty TEMP fold-checkpoint tables that
-    shadow the file's (whose columns may be an older version's; an empty checkpoint changes no answer, the
-    whole log is folded). Best effort: a log too old for them keeps its own views."""
+def read_with_current_views(con: duckdb.DuckDBPyConnection, path: Path | str) -> None:
+    """On a read-only connection to the log `path` whose schema an older hsbuild wrote (no owner has opened it
+    since): this version's views as TEMP views, which shadow the file's, over empty TEMP fold-checkpoint tables
+    that shadow the file's (whose columns may be an older version's; an empty checkpoint changes no answer, the
+    whole log is folded). All of them or none: a log they cannot be made over (no `meta`, a table missing, a
+    column of another type) raises LogDamagedError naming the file and the error; its own views would answer
+    with another version's rules, or fail later in words that name none of this."""
     try:
         row = con.execute("SELECT value FROM meta WHERE key = 'schema_digest'").fetchone()
         if row and json.loads(row[0]) == schema_digest():
             return
-    except duckdb.Error:
-        return
+    except (duckdb.Error, ValueError) as e:
+        raise views_failed(path, e) from e
     ddl = (schema_dir() / "events.sql").read_text()
     try:
         con.execute("BEGIN TRANSACTION")  # all of them or none
@@ -76,11 +78,21 @@ def read_with_current_views(con: duckdb.DuckDBPyConnection) -> None:
                 con.execute(f"CREATE TEMP TABLE {table} ({m.group(1)}\n)")
         con.execute(temp_views_sql())
         con.execute("COMMIT")
-    except duckdb.Error:
+    except duckdb.Error as e:
         try:
             con.execute("ROLLBACK")
         except duckdb.Error:
             pass
+        raise views_failed(path, e) from e
+
+
+def views_failed(path: Path | str, e: BaseException) -> LogDamagedError:
+    """This version's tables or views cannot be made over the log at `path`: one line, with the way out."""
+    path = Path(path)
+    return LogDamagedError(
+        f"{path}: this version's views cannot be made over the event log ({str(e).splitlines()[0][:160]}): it is "
+        f"damaged, or an hsbuild this one cannot read wrote it; rebuild it from the data with `hsbuild rebuild-log "
+        f"{path.parent}` (the damaged file is kept, renamed)")
 
 
 class RegisteredSample(Protocol):
@@ -197,7 +209,7 @@ class EventLog:
                 self.con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_BYTES}B'")
                 self._apply_schema()
             else:
-                read_with_current_views(self.con)
+                read_with_current_views(self.con, self.path)
             self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
             self._fold_upto = self._read_fold_upto()
         except duckdb.Error as e:
@@ -260,7 +272,7 @@ class EventLog:
             if is_no_space(e):
                 raise DiskFullError(f"{self.path}: cannot update the event log's schema: the volume is full; "
                                     "free space and try again") from e
-            raise
+            raise views_failed(self.path, e) from e
 
     def _read_fold_upto(self) -> int:
         try:

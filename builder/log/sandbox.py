@@ -123,8 +123,8 @@ def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
         raise _damaged(path, e) from e
     except duckdb.Error as e:
         raise _damaged(path, e) from e
-    read_with_current_views(con)
     try:
+        read_with_current_views(con, path)
         return run_guarded(con, sql, timeout, interrupt_if)
     finally:
         con.close()

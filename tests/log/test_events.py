@@ -119,3 +119,28 @@ def test_a_batch_committed_after_a_full_disk_bears_the_time_of_its_commit(tmp_pa
     log.close()
     assert len(stamps) == 3
     assert all(freed <= ts <= committed for ts in stamps), (freed, stamps, committed)
+
+
+def test_a_log_this_versions_views_cannot_be_made_over_is_refused_in_one_line(make_build, cli):
+    """A log an older hsbuild (or damage) left without a table this version's views read: `status` and `sql`
+    (read-only: TEMP views) and `resume` (an owner: the file's views) each say so in one line naming the file,
+    what failed and the way out (exit 2), instead of answering with the file's older views or failing later
+    with 'Table with name progress does not exist'. The file is left as it was."""
+    build = make_build(3)
+    cli("run", build, "--no-progress", check=True)
+    lay = layout(build)
+    con = duckdb.connect(str(lay.events))
+    for (view,) in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall():
+        con.execute(f"DROP VIEW IF EXISTS {view} CASCADE")
+    con.execute("DROP TABLE source_samples")
+    con.execute("UPDATE meta SET value = ? WHERE key = 'schema_digest'", [json.dumps("older")])
+    con.close()
+    before = lay.events.read_bytes()
+    for args in (("status", build), ("sql", build, "SELECT count(*) FROM samples"), ("resume", build, "--no-progress")):
+        cp = cli(*args)
+        assert cp.returncode == 2, (args, cp.stdout, cp.stderr)
+        errors = [line for line in cp.stderr.splitlines() if line.startswith(f"hsbuild {args[0]}: error:")]
+        assert len(errors) == 1 and "Traceback" not in cp.stderr, cp.stderr
+        assert str(lay.events) in errors[0] and "source_samples" in errors[0], errors[0]
+        assert f"hsbuild rebuild-log {build}" in errors[0], errors[0]
+        assert lay.events.read_bytes() == before
