@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 import duckdb
 
 from builder.errors import BuildLockedError, LogDamagedError, QueryError, ReadOnlyQueryError
-from builder.log.events import EventLog, read_with_current_views, temp_views_sql
+from builder.log.events import EventLog
+from builder.log.schema import read_with_current_views, temp_views_sql
 
 if TYPE_CHECKING:
     import pyarrow as pa
