@@ -91,8 +91,10 @@ LEFT JOIN tx ON tx.sample_id = t.sample_id;
 
 -- One row per source sample: the fold of its events.
 --   state: the kind of its last started/written/failed event ('pending' if none), except that a `written`
---   followed by a `verified` is 'verified'. A `verified` that does not follow the current `written` is stale
---   and ignored. Location columns are those of the last `written`, and only while it is live.
+--   followed by a `verified` is 'verified', and a `failed` for a transient reason (the environment's fault: the
+--   server down, a full volume, a lost node) is 'pending': the sample went back to be retried, uncounted
+--   (`error` and `error_detail` say why its last try ended). A `verified` that does not follow the current
+--   `written` is stale and ignored. Location columns are those of the last `written`, and only while it is live.
 --   Source changes (`hsbuild resume --accept-source-changes`, `hsbuild skip`): a `superseded` event (the row's
 --   tokens changed, or the sample came back) starts the sample over (state pending, attempts counted from
 --   there, its old data no longer live), a `retired` event (removed from the source, or skipped) makes it
@@ -108,6 +110,8 @@ SELECT
     CASE
         WHEN f.mkind IS NULL OR f.mkind = 'superseded' THEN 'pending'
         WHEN f.mkind = 'written' AND f.vseq > f.mseq THEN 'verified'
+        -- the transient reasons: exactly builder.log.fold.TRANSIENT_REASONS (tests/log/test_transient_reasons.py)
+        WHEN f.mkind = 'failed' AND coalesce(f.m_reason IN ('no_space', 'server_unavailable', 'worker_lost'), false) THEN 'pending'
         ELSE f.mkind
     END AS state,
     coalesce(f.attempts, 0) AS attempts,  -- starts since the restart, less those a transient failure ended
@@ -146,19 +150,18 @@ recent AS (
       AND NOT EXISTS (SELECT 1 FROM events WHERE kind = 'run_finished' AND seq > (SELECT wseq FROM last_write))
       AND epoch(now()) - epoch((SELECT wts FROM last_write)) < 600
 ),
--- requeued: failed for a transient reason (the environment's fault: the server down, a full volume, a lost
--- node): back to pending, retried without counting; counted as pending, not failed (the same list as sample_fold)
-st_r AS (SELECT *, state = 'failed' AND coalesce(error IN ('no_space', 'server_unavailable', 'worker_lost'), false)
-                   AS requeued FROM st),
+-- requeued: pending again after a transient failure (the environment's fault: the server down, a full volume, a
+-- lost node; the `samples` view's state rule): retried without counting
+st_r AS (SELECT *, state = 'pending' AND error IS NOT NULL AS requeued FROM st),
 counts AS (
     SELECT
         count(*) FILTER (WHERE state <> 'retired') AS total,
-        count(*) FILTER (WHERE state = 'pending' OR requeued) AS pending,
+        count(*) FILTER (WHERE state = 'pending') AS pending,
         count(*) FILTER (WHERE requeued) AS requeued,
         count(*) FILTER (WHERE state = 'started') AS started,
         count(*) FILTER (WHERE state = 'written') AS written,
         count(*) FILTER (WHERE state = 'verified') AS verified,
-        count(*) FILTER (WHERE state = 'failed' AND NOT requeued) AS failed,
+        count(*) FILTER (WHERE state = 'failed') AS failed,
         count(*) FILTER (WHERE state = 'retired') AS retired,
         coalesce(sum(num_tokens) FILTER (WHERE state IN ('written', 'verified')), 0) AS tokens_done,
         -- what will be stored: each sample cut to the build's --max-tokens (meta `format`)
@@ -176,7 +179,7 @@ counts AS (
                                                     FROM meta WHERE key = 'format'), source_tokens)))
                  FILTER (WHERE state NOT IN ('written', 'verified', 'retired')), 0) AS todo_tokens,
         -- failed samples per reason (a map; NULL when none failed)
-        histogram(coalesce(error, 'unknown')) FILTER (WHERE state = 'failed' AND NOT requeued) AS failed_by_reason
+        histogram(coalesce(error, 'unknown')) FILTER (WHERE state = 'failed') AS failed_by_reason
     FROM st_r
 )
 SELECT
@@ -204,7 +207,8 @@ per_run AS (
     SELECT run_id,
            count(*) FILTER (WHERE kind = 'written') AS written,
            count(*) FILTER (WHERE kind = 'verified') AS verified,
-           count(*) FILTER (WHERE kind = 'failed') AS failed,
+           -- (a transient failure sent its sample back to pending: not a failure of the run's, as it says)
+           count(*) FILTER (WHERE kind = 'failed' AND NOT coalesce(reason IN ('no_space', 'server_unavailable', 'worker_lost'), false)) AS failed,
            count(*) FILTER (WHERE kind = 'paused') AS pauses,
            coalesce(sum(num_tokens) FILTER (WHERE kind = 'written'), 0) AS tokens,
            coalesce(sum(nbytes) FILTER (WHERE kind = 'written'), 0) AS nbytes,

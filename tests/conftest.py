@@ -355,6 +355,22 @@ def mounted_tmpfs(mnt: Path, size: str, options: str = ""):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+def fill(path: Path) -> None:
+    """Another process takes every free byte of the volume `path` is on (a file it writes until ENOSPC)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for block in (1 << 20, 64 << 10, 4096, 512):
+            buf = b"\xff" * block
+            try:
+                while True:
+                    os.write(fd, buf)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    assert os.statvfs(path).f_bavail == 0
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """A real 24 MB tmpfs mounted at tmp_path/vol (root only; skipped with the reason where it cannot mount)."""

@@ -691,6 +691,9 @@ def check_interrupted(ctx: Context, last_owner: dict | None = None) -> Check:
     stopped = interrupted_how(last_owner)
     why = f"was interrupted ({stopped})" if stopped else "stopped abruptly (crash or kill)"
     data["interrupted_by_user"] = bool(stopped)
+    if ctx.for_run:  # this run's preflight: it is the one that extracts them again; nothing to tell the user to run
+        return Check("build.interrupted", WARN, f"{plural(n, 'sample')} left `started` by a run that {why} before "
+                     f"finishing {them}; this run extracts {them} again", None, data)
     return Check("build.interrupted", WARN, f"{plural(n, 'sample')} left `started` by a run that {why} before "
                  f"finishing {them}; {they} extracted again", f"hsbuild resume {ctx.lay.root}", data)
 

@@ -332,10 +332,13 @@ class Extractor:
         if max_tokens is not None and n > max_tokens:
             input_ids = input_ids[:max_tokens]
         if input_ids.shape[0] > self.max_positions:  # the limit is min(max_tokens, positions)
-            kept = f" (kept {input_ids.shape[0]} of them under --max-tokens)" if n != input_ids.shape[0] else ""
+            if n != input_ids.shape[0]:  # (init refuses a --max-tokens above the positions)
+                raise SampleError("too_long", f"{n} tokens, {input_ids.shape[0]} of them kept under --max-tokens, "
+                                              f"exceed the model's {self.max_positions} positions")
             raise SampleError(
-                "too_long", f"{n} tokens{kept} exceed the model's {self.max_positions} positions; set --max-tokens"
-            )
+                "too_long", f"{n} tokens exceed the model's {self.max_positions} positions, and this build cuts "
+                f"nothing (made without --max-tokens); a build made with --max-tokens {self.max_positions} or less "
+                "keeps such samples cut; or leave it out: hsbuild skip")
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi

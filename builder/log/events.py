@@ -14,14 +14,12 @@ from __future__ import annotations
 import datetime as dt
 import errno
 import functools
-import hashlib
 import json
 import os
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,55 +30,7 @@ if TYPE_CHECKING:
 
 from builder.errors import BuildLockedError, DiskFullError, LogConflictError, LogDamagedError, QueryError
 from builder.fsutil import fsync_path
-
-
-def schema_dir() -> Path:
-    """`schema/` beside the package in a checkout, or `builder/_schema` in an installed wheel."""
-    pkg = Path(__file__).resolve().parent.parent
-    for cand in (pkg.parent / "schema", pkg / "_schema"):
-        if (cand / "events.sql").is_file():
-            return cand
-    return Path(str(resources.files("builder") / "_schema"))
-
-
-def schema_digest() -> str:
-    """The digest of schema/*.sql an owner records in meta `schema_digest` once the log has that schema."""
-    d = schema_dir()
-    ddl = (d / "events.sql").read_text() + (d / "views.sql").read_text()
-    return hashlib.blake2b(ddl.encode(), digest_size=8).hexdigest()
-
-
-def temp_views_sql() -> str:
-    """schema/views.sql with every view a TEMP view (which shadows a view of the same name in the file)."""
-    views = (schema_dir() / "views.sql").read_text()
-    return re.sub(r"CREATE\s+OR\s+REPLACE\s+VIEW", "CREATE OR REPLACE TEMP VIEW", views, flags=re.IGNORECASE)
-
-
-def read_with_current_views(con: duckdb.DuckDBPyConnection) -> None:
-    """On a read-only connection to a log whose schema an older hsbuild wrote (no owner has opened it since):
-    this version's views as TEMP views, which shadow the file's, over empty TEMP fold-checkpoint tables that
-    shadow the file's (whose columns may be an older version's; an empty checkpoint changes no answer, the
-    whole log is folded). Best effort: a log too old for them keeps its own views."""
-    try:
-        row = con.execute("SELECT value FROM meta WHERE key = 'schema_digest'").fetchone()
-        if row and json.loads(row[0]) == schema_digest():
-            return
-    except duckdb.Error:
-        return
-    ddl = (schema_dir() / "events.sql").read_text()
-    try:
-        con.execute("BEGIN TRANSACTION")  # all of them or none
-        for table in ("fold_checkpoint", "fold_checkpoint_mark"):  # (an older checkpoint's columns may differ)
-            m = re.search(rf"CREATE TABLE IF NOT EXISTS {table} \((.*?)\n\);", ddl, re.S)
-            if m:
-                con.execute(f"CREATE TEMP TABLE {table} ({m.group(1)}\n)")
-        con.execute(temp_views_sql())
-        con.execute("COMMIT")
-    except duckdb.Error:
-        try:
-            con.execute("ROLLBACK")
-        except duckdb.Error:
-            pass
+from builder.log.schema import read_with_current_views, schema_digest, schema_dir, views_failed
 
 
 class RegisteredSample(Protocol):
@@ -197,7 +147,7 @@ class EventLog:
                 self.con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_BYTES}B'")
                 self._apply_schema()
             else:
-                read_with_current_views(self.con)
+                read_with_current_views(self.con, self.path)
             self._seq = self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
             self._fold_upto = self._read_fold_upto()
         except duckdb.Error as e:
@@ -260,7 +210,7 @@ class EventLog:
             if is_no_space(e):
                 raise DiskFullError(f"{self.path}: cannot update the event log's schema: the volume is full; "
                                     "free space and try again") from e
-            raise
+            raise views_failed(self.path, e) from e
 
     def _read_fold_upto(self) -> int:
         try:
@@ -343,24 +293,22 @@ class EventLog:
         import pyarrow as pa  # noqa: PLC0415
         if not events:
             return
-        now = utcnow()
-        cols: dict[str, list] = {c: [] for c in COLUMNS}
-        seq = self._seq
-        for ev in events:
-            seq += 1
-            ev.seq = seq
-            if ev.ts is None:
-                ev.ts = now
-            for c in COLUMNS:
-                cols[c].append(getattr(ev, c))
-        batch = pa.Table.from_pydict(cols, schema=arrow_schema())
+        cols: dict[str, list] = {c: [getattr(ev, c) for ev in events] for c in COLUMNS if c not in ("seq", "ts")}
+        seqs = list(range(self._seq + 1, self._seq + 1 + len(events)))
         cur = self.con.cursor()
+        registered = False
         try:
-            cur.register("_batch", batch)
             cur.execute("BEGIN TRANSACTION")
-            top = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            top = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchall()[0][0]
             if top != self._seq:
                 raise self._conflict(top)
+            # `ts`: this transaction's time, taken at this attempt (a batch retried after a full disk gets the time
+            # of the commit that made it durable, not of its first try); an event given its own `ts` keeps it
+            now = utcnow()
+            stamps = [ev.ts if ev.ts is not None else now for ev in events]
+            batch = pa.Table.from_pydict({"seq": seqs, "ts": stamps, **cols}, schema=arrow_schema())
+            cur.register("_batch", batch)
+            registered = True
             cur.execute("INSERT INTO events SELECT * FROM _batch")
             cur.execute("COMMIT")
         except BaseException as e:
@@ -374,10 +322,13 @@ class EventLog:
                 raise DiskFullError(f"{self.path}: cannot commit to the event log: the volume is full") from e
             raise
         finally:
-            cur.unregister("_batch")
+            if registered:
+                cur.unregister("_batch")
             cur.close()
+        for ev, seq, ts in zip(events, seqs, stamps, strict=True):
+            ev.seq, ev.ts = seq, ts
         self._sync_dir()
-        self._seq = seq
+        self._seq = seqs[-1]
 
     def _conflict(self, top: int | None) -> LogConflictError:
         seen = f"its last seq is {top}, this owner's {self._seq}" if top is not None else "a seq number is taken"

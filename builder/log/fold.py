@@ -45,7 +45,8 @@ class SampleState:
 def fold(events: Iterable[Event]) -> SampleState:
     """State of one sample from its events (in log order). `superseded` (its source row changed, or it came
     back) starts it over: pending, attempts counted from there; `retired` (removed from the source, skipped)
-    takes it out of the build until a `superseded`.
+    takes it out of the build until a `superseded`. A `failed` for a transient reason (TRANSIENT_REASONS) is
+    pending: the sample went back to be retried (`error` keeps the reason its last try ended with).
 
     `attempts`: its `started` events since the last `superseded`, less each extraction start (not an import's)
     that a transient failure ended (TRANSIENT_REASONS as the sample's next started/written/failed/superseded/
@@ -78,4 +79,6 @@ def fold(events: Iterable[Event]) -> SampleState:
             s.verified_seq = last_verified
     elif main.kind == "failed":
         s.error = main.reason
+        if main.reason in TRANSIENT_REASONS:  # the environment's fault: back to pending, retried uncounted
+            s.state = "pending"
     return s

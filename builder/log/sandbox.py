@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 import duckdb
 
 from builder.errors import BuildLockedError, LogDamagedError, QueryError, ReadOnlyQueryError
-from builder.log.events import EventLog, read_with_current_views, temp_views_sql
+from builder.log.events import EventLog
+from builder.log.schema import read_with_current_views, temp_views_sql
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -123,8 +124,8 @@ def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
         raise _damaged(path, e) from e
     except duckdb.Error as e:
         raise _damaged(path, e) from e
-    read_with_current_views(con)
     try:
+        read_with_current_views(con, path)
         return run_guarded(con, sql, timeout, interrupt_if)
     finally:
         con.close()

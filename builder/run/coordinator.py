@@ -43,6 +43,7 @@ from builder.log.events import Event, detail
 from builder.log.lock import BuildLock
 from builder.log.session import OwnerSession
 from builder.progress import NoProgress, Progress
+from builder.run import testhook
 from builder.run.create import code_fingerprint
 from builder.run.dispatch import (  # (the constants and the underscored names: re-exported, as they were)
     ABORT_GRACE_SECONDS,
@@ -135,6 +136,7 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
 
     def __init__(self, build: str | Path, opts: RunOptions | None = None, echo=print):
         self.standby: Standby | None = None
+        testhook.check_environment()  # (the test suite's hook: a malformed value is refused before anything starts)
         self.lay = layout(build).require()
         self.opts = opts or RunOptions()
         self.cfg = load_config(self.lay)

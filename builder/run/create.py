@@ -49,6 +49,22 @@ def code_fingerprint() -> str:
 MAX_CHUNK_TOKENS = 1 << 20
 
 
+
+def long_samples(samples, max_tokens: int | None, max_positions: int) -> dict | None:  # noqa: ANN001 - SourceSamples
+    """The source's samples longer than what a run keeps of a sample, and what happens to them (what `init` says
+    and records in its event): with --max-tokens, `cut` to it (their written events say how many tokens went,
+    `truncated`); without it nothing is cut, and those longer than the model's positions `fail` (`too_long`).
+    None when there are none."""
+    limit = max_tokens if max_tokens is not None else max_positions
+    lengths = np.asarray(samples.num_tokens)
+    over = np.flatnonzero(lengths > limit)
+    if not over.size:
+        return None
+    i = int(over[np.argmax(lengths[over])])
+    return {"count": int(over.size), "limit": int(limit), "then": "cut" if max_tokens is not None else "fail",
+            "longest": {"sample_id": samples[i].sample_id, "tokens": int(lengths[i])}}
+
+
 def init_build(
     path: str | Path,
     source: str | Path,
@@ -172,7 +188,9 @@ def init_build(
         with EventLog(lay.events) as log:
             log.set_meta(meta)
             log.register_samples(samples)
+            long = long_samples(samples, max_tokens, ex.max_positions)
             log.append([Event("init", detail=detail(samples=len(samples), tokens=samples.total_tokens,
+                                                     **({"long": long} if long else {}),
                                                      **{k: meta[k] for k in ("model", "model_fingerprint",
                                                                               "aux_layers", "config_fingerprint")}))])
         cfg.save(lay.config)  # last: a build "exists" once its config is there

@@ -19,8 +19,9 @@ from builder.log.fold import TRANSIENT_REASONS
 # Failure reasons that say the stored bytes were damaged (verify); such samples are always re-extracted.
 DAMAGE_REASONS = {"checksum_mismatch", "missing_data", "unreadable"}
 # TRANSIENT_REASONS (builder/log/fold.py): failures of the environment, not of the sample (worker_lost: a Ray
-# node or actor gone); retried, and the start they end counts neither against --max-attempts nor toward the
-# interrupted limit below (the fold leaves it out of `attempts`).
+# node or actor gone); such a sample is pending again (the `samples` view's state), and the start they end
+# counts neither against --max-attempts nor toward the interrupted limit below (the fold leaves it out of
+# `attempts`).
 # A dump file that could not be imported (`import_truncated`, ...): the sample is extracted by the next run.
 IMPORT_PREFIX = "import_"
 # A sample left `started` by runs that ended abruptly (crash, OOM kill, kill -9) is started again, until it
@@ -40,7 +41,7 @@ class Plan:
     interrupted_final: list[str] = field(default_factory=list)  # left `started` too often; given up now
     damaged: list[str] = field(default_factory=list)  # marked damaged by verify; re-extracted
     retired: int = 0  # removed from the source or skipped: not extracted
-    pending: list[str] = field(default_factory=list)  # never started
+    pending: list[str] = field(default_factory=list)  # never started, or sent back by a transient failure
     todo: list[Sample] = field(default_factory=list)
     # starts so far, every one (transient and import starts too), of each sample to extract (todo, before
     # --limit) or given up now: numbers its next attempt (`attempt` = this + 1, unique and increasing per
@@ -64,10 +65,12 @@ class Plan:
 # reads no event but the fold's tail. tests/run/test_scale_plan.py checks the plan
 # against a replay of the `samples` view and of the events.
 PENDING, DONE, RETIRED, STARTED, FAILED = range(5)
+TRANSIENT = "(" + ", ".join(f"'{r}'" for r in sorted(TRANSIENT_REASONS)) + ")"
 PLAN_SQL = f"""
 SELECT p.pos,
        CASE f.mkind WHEN 'written' THEN {DONE} WHEN 'retired' THEN {RETIRED} WHEN 'started' THEN {STARTED}
-                    WHEN 'failed' THEN {FAILED} ELSE {PENDING} END::TINYINT AS code,
+                    WHEN 'failed' THEN CASE WHEN f.m_reason IN {TRANSIENT} THEN {PENDING} ELSE {FAILED} END
+                    ELSE {PENDING} END::TINYINT AS code,
        coalesce(f.starts, 0)::BIGINT AS starts,
        (coalesce(f.attempts, 0) - coalesce(f.imports, 0))::BIGINT AS attempts,
        CASE WHEN f.mkind = 'failed' THEN f.m_reason END AS error
@@ -140,7 +143,7 @@ def _make_plan(log: EventLog, samples: list[Sample], max_attempts: int, limit: i
         for i, reason, n in zip(failed_at.tolist(), errors, attempts[failed_at].tolist(), strict=True):
             if reason in DAMAGE_REASONS:
                 damaged.append(i)
-            elif reason in TRANSIENT_REASONS or reason.startswith(IMPORT_PREFIX) or n < max_attempts:
+            elif reason.startswith(IMPORT_PREFIX) or n < max_attempts:
                 retry.append(i)
             else:
                 final.append(i)

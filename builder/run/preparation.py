@@ -139,7 +139,7 @@ class PreparationMixin:
                 + (f" (+{len(plan.interrupted_final)} interrupted too often: given up)"
                    if plan.interrupted_final else "")
                 + f", {len(plan.failed_retry) + len(plan.failed_final)} failed ({len(plan.failed_retry)} to retry), "
-                f"{len(plan.damaged)} damaged (re-extract), {len(plan.pending)} never started; "
+                f"{len(plan.damaged)} damaged (re-extract), {len(plan.pending)} pending; "
                 f"{len(plan.todo)} to do now" + (f" (+{added} new in source)" if added else "")
             )
 

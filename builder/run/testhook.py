@@ -13,6 +13,10 @@ Several holds, each with its own folder: "K1:DIR1;K2:DIR2" (a worker holds at it
 at its K2-th on DIR2).
 
 The test waits for a `reached-*` file, acts, then creates `gate` (tests/conftest.py: the `hold` fixture).
+
+Out of the product's way: a worker reads the variable once (its first task; a forked child reads it anew) and
+each task costs a look at that list. A malformed value is refused when a run starts (`check_environment`, the
+Coordinator), in one line naming the variable and its form, before any sample is taken.
 """
 
 from __future__ import annotations
@@ -21,31 +25,62 @@ import os
 import time
 from pathlib import Path
 
+from builder.errors import UsageError
+
 ENV = "HSBUILD_TEST_HOLD"
+FORM = "K:DIR, or several as K1:DIR1;K2:DIR2 (K >= 1: the task a worker holds at; DIR: an existing folder)"
 HOLD_MAX_S = 600.0
 POLL_S = 0.02
+_holds: list[tuple[int, Path]] | None = None  # this process's, read at its first task
 _taken: dict[int, int] = {}  # worker number -> tasks it took so far (this process)
 
 
-def _settings() -> list[tuple[int, Path]]:
-    raw = os.environ.get(ENV)
+def parse(raw: str | None) -> list[tuple[int, Path]]:
+    """The holds a value of HSBUILD_TEST_HOLD asks for ([] when unset or empty); UsageError when malformed."""
     if not raw:
         return []
     holds = []
     for one in raw.split(";"):
-        k, _, folder = one.partition(":")
-        holds.append((int(k), Path(folder)))
+        k, sep, folder = one.partition(":")
+        n = int(k) if k.strip().isdigit() else 0
+        if not sep or n < 1 or not folder or not Path(folder).is_dir():
+            raise UsageError(f"{ENV}={raw!r}: {one!r} is not of the form {FORM}; it is the test suite's hook: unset "
+                             "it, or fix it")
+        holds.append((n, Path(folder)))
     return holds
+
+
+def check_environment() -> None:
+    """A run's start (before any sample is taken): a malformed HSBUILD_TEST_HOLD is refused here, in one line,
+    not met by a worker in the middle of the run."""
+    parse(os.environ.get(ENV))
+
+
+def holds() -> list[tuple[int, Path]]:
+    """This process's holds, read from the environment once."""
+    global _holds
+    if _holds is None:
+        _holds = parse(os.environ.get(ENV))
+    return _holds
+
+
+def _forget() -> None:
+    global _holds
+    _holds = None
+    _taken.clear()
+
+
+os.register_at_fork(after_in_child=_forget)  # a forked worker reads its own environment (worker_start.child_setup)
 
 
 def before_task(worker: int) -> None:
     """Called by a worker for each task it takes, once it said `started` (builder/run/worker.py). Holds at the
     K-th (see above)."""
-    holds = _settings()
-    if not holds:
+    mine = holds()
+    if not mine:
         return
     _taken[worker] = n = _taken.get(worker, 0) + 1
-    for k, folder in holds:
+    for k, folder in mine:
         if n == k:
             _hold(worker, folder)
 

@@ -27,6 +27,7 @@ from builder.errors import SampleError
 from builder.extract.backends import registry as backends
 from builder.extract.backends.base import Backend, Failure, Request, States, Unavailable
 from builder.extract.model import Extractor
+from builder.run import testhook
 from builder.run.messages import (
     Abandoned,
     Deferred,
@@ -246,9 +247,7 @@ class _Group:
     def submit(self, task: Task) -> None:
         """Check the sample's tokens and hand it to the backend (`Started`); its outcome comes via `take`."""
         self.conn.send(Started(self.wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
-        from builder.run.testhook import before_task  # noqa: PLC0415 - the test suite's hook: inert unless it is set
-
-        before_task(self.wid)  # (HSBUILD_TEST_HOLD: holds here, its K-th task started, until the test lets it go)
+        testhook.before_task(self.wid)  # (HSBUILD_TEST_HOLD: holds at its K-th task until the test lets it go)
         t0 = time.perf_counter()
         try:
             ids = self.ex.check(task.input_ids, self.settings.max_tokens)

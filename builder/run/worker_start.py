@@ -170,9 +170,16 @@ def child_setup(env: dict[str, str], worker: int) -> None:  # pragma: no cover -
     multiprocessing hands every forked child the write end of the pipe whose EOF tells the server that its
     clients are gone, so that a child may start processes of its own. A worker starts none; were it to keep that
     end, the server would outlive a SIGKILLed coordinator as long as any worker lived, and a worker that does not
-    read its pipe (one busy with a sample) would outlive both: its parent-death signal comes from the server."""
+    read its pipe (one busy with a sample) would outlive both: its parent-death signal comes from the server.
+
+    A worker's own multiprocessing locks (numcodecs' Blosc mutex, made at its first encode; tqdm's) are for its
+    threads alone: its default start method is set to `fork`, so they are anonymous semaphores, unlinked as they
+    are made. Under the server's (or spawn's) start method they were named ones, registered with the
+    coordinator's resource tracker: a worker killed with its coordinator (kill -9) left them for that tracker to
+    unlink, which said "There appear to be N leaked semaphore objects" on the run's stderr."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    mp.set_start_method("fork", force=True)  # (a worker starts no process: this only makes its locks anonymous)
     if server_pid() is not None:
         fs = mp_forkserver._forkserver
         if fs._forkserver_alive_fd is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 from builder.config import load_config
@@ -66,9 +67,30 @@ def describe_capacity(lay: BuildLayout) -> list[str]:
     p = capacity_for(lay)
     fit = "fits" if p["fits"] else "does NOT fit"
     return [
-        f"source: {p['samples']:,} sample(s), {p['tokens']:,} token(s) as stored (cut to --max-tokens)",
+        *describe_source(lay, p["samples"], p["tokens"]),
         f"projected size: {human_bytes(p['final_bytes'])} ({p['basis']}, {p['bytes_per_token']} B/token)",
         f"volume: {human_bytes(p['free_bytes'])} free of {human_bytes(p['total_bytes'])} ({p['usage']:.1%} used); "
         f"the build {fit} below the high watermark ({pct(p['high'])})"
         + ("" if p["fits"] else "; `run` will refuse unless --allow-overcommit"),
     ]
+
+
+def describe_source(lay: BuildLayout, samples: int, tokens: int) -> list[str]:
+    """What `init` says of the source: its size as stored, and what happens to samples longer than a run keeps
+    (its `init` event's `long`, builder/run/create.py: cut to --max-tokens, or failed as too long)."""
+    with open_log(lay.events, read_only=True, wait=5.0) as log:
+        rows = log.query("SELECT detail->'long' FROM events WHERE kind = 'init' ORDER BY seq DESC LIMIT 1")[1]
+    long = json.loads(rows[0][0]) if rows and rows[0][0] else None
+    if not long:
+        return [f"source: {samples:,} sample(s), {tokens:,} token(s)"]
+    n, limit, top = long["count"], long["limit"], long["longest"]
+    longest = f"the longest: {top['sample_id']}, {top['tokens']:,} tokens"
+    if long["then"] == "cut":
+        return [f"source: {samples:,} sample(s), {tokens:,} token(s) as stored: {n:,} longer than --max-tokens "
+                f"{limit:,} ({longest}) are cut to it (their written events say how many tokens were cut: "
+                "`truncated`)"]
+    return [f"source: {samples:,} sample(s), {tokens:,} token(s)",
+            f"too long: {n:,} sample(s) longer than the model's {limit:,} positions ({longest}) will fail "
+            f"(`too_long`): without --max-tokens nothing is cut; to keep them cut to {limit:,} tokens, make the "
+            f"build again with --max-tokens {limit} (`hsbuild init --force`), or leave them out with "
+            f"`hsbuild skip {lay.root} ID...`"]

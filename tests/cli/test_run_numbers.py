@@ -56,4 +56,5 @@ def test_init_says_how_many_samples_and_tokens_it_found(tmp_path, cli):
     cp = cli("init", tmp_path / "b", "--source", src, "--max-tokens", "5", "--high", "0.998", "--low", "0.997",
              "--flood", "0.999")
     assert cp.returncode == 0, cp.stderr
-    assert "source: 7 sample(s), 25 token(s) as stored (cut to --max-tokens)" in cp.stdout, cp.stdout  # 1+..+5+5+5
+    assert ("source: 7 sample(s), 25 token(s) as stored: 2 longer than --max-tokens 5 (the longest: s6, 7 tokens) "
+            "are cut to it") in cp.stdout, cp.stdout  # 1+..+5+5+5

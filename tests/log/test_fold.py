@@ -140,6 +140,8 @@ def test_fold_invariants(raw):
             assert (s.segment, s.token_start) == (last.segment, last.token_start)
             later_verified = any(e.kind == "verified" and e.seq > last.seq for e in mine)
             assert s.state == ("verified" if later_verified else "written")
-        else:
-            assert s.state == last.kind and s.segment is None
+        else:  # a transient failure sent the sample back: pending, `error` says why its last try ended
+            transient = last.kind == "failed" and last.reason in TRANSIENT_REASONS
+            assert s.state == ("pending" if transient else last.kind) and s.segment is None
+            assert (s.error is not None) == (last.kind == "failed")
             assert (s.retired_reason is not None) == (last.kind == "retired")

@@ -1,5 +1,6 @@
 """kill -9 at random moments: a run SIGKILLed again and again, resumed each time, ends with every sample
-written exactly once, every checksum matching, no overlapping locations, and the states bit-exact."""
+written exactly once, every checksum matching, no overlapping locations, and the states bit-exact. A killed run
+leaves nothing behind for its resume to complain of, and the resume says what it does."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import forked
 import pytest
-from conftest import POLL_OWNER_S, hsbuild, live_count
+from conftest import POLL_OWNER_S, hsbuild, live_count, process_group, wait_written
 from test_run import assert_bit_exact
 
 from builder.layout import layout
@@ -99,3 +100,38 @@ def test_sigkill_at_random_moments_then_resume(make_build, hold):
         spans.sort()
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), "overlapping sample locations"
     assert assert_bit_exact(build) == N
+
+
+def test_a_killed_run_leaks_no_semaphore_and_its_resume_says_what_it_does(make_build, hold, tmp_path):
+    """kill -9 of a run whose worker has encoded groups (numcodecs' Blosc mutex made) and holds a sample: once
+    the killed run's processes are gone (its resource tracker the last), nothing on the stderr the run and its
+    resume share (a terminal) says "leaked semaphore objects"; the resume extracts the interrupted sample and says
+    so, without telling the user to run `hsbuild resume`."""
+    build = make_build(8, seed=3)
+    h = hold(3)
+    terminal = tmp_path / "terminal.txt"
+    with open(terminal, "w") as out:
+        p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "1"],
+                         stdout=out, stderr=out, start_new_session=True,
+                         env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
+    try:
+        h.wait(proc=p)
+        wait_written(build, 2, p)
+        deadline = time.monotonic() + 60
+        while live_count(build, "SELECT count(*) FROM samples WHERE state = 'started'") < 1:
+            assert time.monotonic() < deadline and p.poll() is None, "the held sample's start was never committed"
+            time.sleep(POLL_OWNER_S)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    deadline = time.monotonic() + 60
+    while process_group(p.pid):  # its fork server, worker and resource tracker: gone after it
+        assert time.monotonic() < deadline, f"{process_group(p.pid)} outlived their SIGKILLed run"
+        time.sleep(0.1)
+    cp = hsbuild("resume", build, "--no-progress")
+    assert cp.returncode == 0, cp.stderr
+    said = terminal.read_text() + cp.stdout + cp.stderr
+    assert "leaked semaphore" not in said, said
+    assert "1 sample left `started` by a run that stopped abruptly (crash or kill) before finishing it; this run " \
+           "extracts it again" in cp.stderr, cp.stderr
+    assert "hsbuild resume" not in cp.stdout + cp.stderr, cp.stdout + cp.stderr

@@ -118,6 +118,41 @@ def test_enospc_while_creating_a_segment_pauses_and_retries_without_counting(ful
     assert {s.name for s in layout(build).data.iterdir() if s.is_dir()} == live
 
 
+def test_samples_a_full_disk_sent_back_are_pending_as_the_run_says_not_failed(full_data_volume, cli):
+    """Issue 41: a transient failure (here `no_space`; `server_unavailable` when an inference server dies) sends
+    the sample back to pending, as the run says. Stopped while it waits for space, the run ends "failed 0", and
+    the build agrees: no "N sample(s) in the build are failed", `status` and the `samples` and `runs` views
+    count them pending (requeued), not failed; the next run extracts them."""
+    build, filler = full_data_volume
+    # --low 0.05: the pause for the full volume lasts (the log's volume never gets that empty)
+    p = forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", "--workers", "1",
+                      "--low", "0.05", "--high", "1.0", "--flood", "1.0"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline and p.poll() is None, "the run did not pause on the full volume"
+            cp = cli("status", build, "--json")
+            if cp.returncode == 0 and json.loads(cp.stdout).get("requeued"):
+                break
+            time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "wrote 0, failed 0" in out and "in the build are failed" not in out, out + err
+    sent_back = _events(build, "SELECT sample_id, state, error FROM samples WHERE error IS NOT NULL")
+    assert sent_back and all((r["state"], r["error"]) == ("pending", "no_space") for r in sent_back), sent_back
+    st = json.loads(cli("status", build, "--json", check=True).stdout)
+    assert (st["failed"], st["requeued"], st["pending"]) == (0, len(sent_back), 6), st
+    assert _events(build, "SELECT failed FROM runs") == [{"failed": 0}]
+    filler.unlink()
+    cp = cli("resume", build, "--no-progress")
+    assert cp.returncode == 0 and "wrote 6, failed 0" in cp.stdout, cp.stdout + cp.stderr
+
+
 def test_a_sample_too_big_for_the_volume_fails_and_the_run_goes_on(tmp_path, cli):
     """One sample needs more than the whole volume allows below `flood`: it can never be written. It fails
     with a reason saying so (instead of pausing the run forever), the user is told, the others are written."""

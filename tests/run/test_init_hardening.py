@@ -105,6 +105,48 @@ def test_per_sample_limit_is_the_smaller_of_max_tokens_and_positions():
     assert ex.check(ids, max_tokens=20).shape[0] == 20
 
 
+def test_rows_longer_than_a_run_keeps_are_handled_as_init_said(tmp_path, cli):
+    """Issue 41: `init` said every row longer than --max-tokens would be cut, yet a build made without it failed
+    rows longer than the model's positions. Now each says what the run does: with --max-tokens they are cut to
+    it (and marked `truncated`), written, and `status` agrees; without it `init` names how many will fail
+    (`too_long`) and the longest, and the run fails exactly those."""
+    model = MODEL + ",max_positions=64"
+    lengths = {"r0": 10, "r1": 40, "r2": 100, "r3": 200}
+    src = write_jsonl(tmp_path / "s.jsonl", [{"id": k, "input_ids": [5 + i % 900 for i in range(n)]}
+                                             for k, n in lengths.items()])
+    wm = ("--high", "0.998", "--low", "0.997", "--flood", "0.999")
+
+    cut = tmp_path / "cut"
+    cp = cli("init", cut, "--source", src, "--model", model, "--max-tokens", "50", *wm)
+    assert cp.returncode == 0, cp.stderr
+    assert ("source: 4 sample(s), 150 token(s) as stored: 2 longer than --max-tokens 50 (the longest: r3, 200 "
+            "tokens) are cut to it") in cp.stdout, cp.stdout
+    cp = cli("run", cut, "--no-progress")
+    assert cp.returncode == 0 and "wrote 4, failed 0" in cp.stdout, cp.stdout + cp.stderr
+    got = sql(cli, cut, "SELECT sample_id, state, num_tokens FROM samples ORDER BY sample_id")
+    assert [(r["sample_id"], r["state"], r["num_tokens"]) for r in got] == [
+        ("r0", "written", 10), ("r1", "written", 40), ("r2", "written", 50), ("r3", "written", 50)]
+    truncated = sql(cli, cut, "SELECT sample_id, json_extract(detail, '$.truncated')::INT AS t FROM events "
+                              "WHERE kind = 'written' ORDER BY sample_id")
+    assert [r["t"] for r in truncated] == [0, 0, 50, 150]
+    st = json.loads(cli("status", cut, "--json", check=True).stdout)
+    assert (st["done"], st["failed"], st["tokens_done"], st["tokens_total"]) == (4, 0, 150, 150), st
+
+    uncut = tmp_path / "uncut"
+    cp = cli("init", uncut, "--source", src, "--model", model, *wm)
+    assert cp.returncode == 0, cp.stderr
+    assert "cut to" not in cp.stdout.replace("to keep them cut to 64 tokens", ""), cp.stdout
+    assert ("too long: 2 sample(s) longer than the model's 64 positions (the longest: r3, 200 tokens) will fail "
+            "(`too_long`)") in cp.stdout, cp.stdout
+    assert "--max-tokens 64" in cp.stdout and f"hsbuild skip {uncut}" in cp.stdout, cp.stdout
+    cp = cli("run", uncut, "--no-progress")
+    assert cp.returncode == 1 and "wrote 2, failed 2" in cp.stdout, cp.stdout + cp.stderr
+    failed = sql(cli, uncut, "SELECT sample_id, error FROM samples WHERE state = 'failed' ORDER BY sample_id")
+    assert failed == [{"sample_id": "r2", "error": "too_long"}, {"sample_id": "r3", "error": "too_long"}]
+    st = json.loads(cli("status", uncut, "--json", check=True).stdout)
+    assert st["failed_by_reason"] == {"too_long": 2}, st
+
+
 def _edit_config(build: Path, key: str, value: str) -> None:
     cfg = build / "hsbuild.toml"
     lines = [ln for ln in cfg.read_text().splitlines() if not ln.startswith(f"{key} =")]

@@ -138,7 +138,7 @@ def test_transient_cycles_do_not_use_up_max_attempts(make_build):
 
 def test_real_failures_between_transient_cycles_are_counted(make_build):
     """Real failures interleaved with transient cycles (every transient reason): only the real ones count; a
-    sample whose last word is a transient failure is retried whatever its count."""
+    sample whose last word is a transient failure is pending (not failed), retried whatever its count."""
     build = make_build(4, seed=7)
     with EventLog(layout(build).events) as log:
         two, three = _Writer(log, "s0001"), _Writer(log, "s0002")
@@ -151,7 +151,9 @@ def test_real_failures_between_transient_cycles_are_counted(make_build):
                 w.cycles(run, 20, sorted(TRANSIENT_REASONS))
         assert _attempts(log, "s0001") == (2, 2) and _attempts(log, "s0002") == (3, 3)
         plan = make_plan(log, _samples(build), MAX_ATTEMPTS)
-        assert plan.failed_retry == ["s0001", "s0002"] and plan.failed_final == []
+        assert plan.pending == ["s0000", "s0001", "s0002", "s0003"]  # (s0000 and s0003: never started)
+        assert plan.failed_retry == plan.failed_final == []
+        assert {r["state"] for r in log.samples("WHERE sample_id IN ('s0001', 's0002')")} == {"pending"}
         for w in (two, three):  # one more real failure each
             w.start(run := w.run_started())
             w.fail(run, "error")

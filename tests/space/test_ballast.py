@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from conftest import mounted_tmpfs, random_rows, write_jsonl
+from conftest import fill, mounted_tmpfs, random_rows, write_jsonl
 
 from builder.config import Watermarks, load_config
 from builder.fsutil import dir_size
@@ -65,21 +65,6 @@ def volume(tmp_path):
     """A real tmpfs large enough that 1% of it is more than a small build's ballast (root only)."""
     with mounted_tmpfs(tmp_path / "vol", "900m") as mnt:
         yield mnt
-
-
-def fill(path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        for block in (1 << 20, 64 << 10, 4096, 512):
-            buf = b"\xff" * block
-            try:
-                while True:
-                    os.write(fd, buf)
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
-    assert os.statvfs(path).f_bavail == 0
 
 
 def test_the_released_ballast_lets_the_log_commit_through_a_checkpoint(tmp_path, volume):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import forked
 import pytest
-from conftest import ROOMY, random_rows, wait_written, write_jsonl
+from conftest import ROOMY, fill, random_rows, wait_written, write_jsonl
 
 from builder.errors import DiskFullError
 from builder.layout import layout
@@ -27,23 +27,6 @@ from builder.log.events import Event, EventBatch, EventLog
 from builder.run.create import init_build
 
 MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
-
-
-def fill(path: Path) -> None:
-    """Another process takes every free byte of the volume."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        for block in (1 << 20, 64 << 10, 4096, 512):
-            buf = b"\xff" * block
-            try:
-                while True:
-                    os.write(fd, buf)
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
-    st = os.statvfs(path)
-    assert st.f_bavail == 0
 
 
 def assert_clean(cp: subprocess.CompletedProcess, cmd: str, code: int) -> str:
