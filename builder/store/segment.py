@@ -51,6 +51,7 @@ from builder.store.codec import (
     to_storage,
 )
 from builder.store.dtypes import STORAGE_DTYPES
+from builder.store.history import ensure_run_record
 from builder.store.shard import ShardGeometry, shard_parts, shard_path
 from builder.store.zarr_meta import ZARR_JSON, create_doc, group_doc, read_array_meta, sharded_array_doc
 
@@ -229,6 +230,7 @@ class SegmentWriter:
     dtype: str = "bfloat16"
     quantize: str = "none"  # fp8: state fields stored as float8_e4m3fn with a float32 scale a token (lossy)
     shard_chunks: int = 0  # 0: chosen from the chunk size (shard_chunks_for)
+    run_record: tuple[int, str] | None = None  # (ordinal, run id): the run's history record, ensured by `create`
     cursor: int = 0  # the next free token address
     samples: int = 0  # samples made durable
     groups: int = 0
@@ -262,7 +264,10 @@ class SegmentWriter:
 
     def create(self) -> SegmentWriter:
         """Create the segment's directories and metadata, durable (the data directory's entry included).
-        On failure (a full disk) whatever was created is removed again and the error raised."""
+        On failure (a full disk) whatever was created is removed again and the error raised. First the run's
+        history record (`run_record`), so that no segment exists without it (builder/store/history.py)."""
+        if self.run_record is not None:
+            ensure_run_record(self.data_root, *self.run_record)
         self.path.mkdir()  # exclusive: a segment name is never reused (FileExistsError: nothing is touched)
         try:
             self._create_metadata()
