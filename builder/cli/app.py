@@ -14,6 +14,7 @@ import sys
 from builder import __version__
 from builder.cli import doctor as cli_doctor
 from builder.cli import exchange as cli_exchange
+from builder.cli import rebuild as cli_rebuild
 from builder.cli import samples as cli_samples
 from builder.cli import verify as cli_verify
 from builder.cli.args import Parser, add_run_flags, fraction, positive_int
@@ -94,10 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                    help="stop the query after this long (default 30)")
 
-    p = sub.add_parser("rebuild-log", help="rebuild a lost or damaged event log from the segments' manifests",
-                       description="Rebuilds events.duckdb from hsbuild.toml, the source and every segment's "
-                                   "manifests (the old log is kept, renamed). Then run `hsbuild verify BUILD`.")
-    p.add_argument("build")
+    cli_rebuild.add_commands(sub, out)
 
     p = sub.add_parser("serve-command", help="print the exact inference-server command for this build",
                        description="Prints the vLLM server command that returns this build's layers into its "
@@ -422,22 +420,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-def cmd_rebuild_log(args: argparse.Namespace) -> int:
-    from builder.extract.build_meta import recorded_meta, source_samples  # noqa: PLC0415
-    from builder.run.rebuild import rebuild_log  # noqa: PLC0415
-
-    rep = rebuild_log(args.build, recorded_meta, source_samples)
-    b = shlex.quote(args.build)
-    if rep.kept_as:
-        print(f"kept the old log as {rep.kept_as}")
-    print(f"rebuilt the log from {rep.segments} segment(s): {rep.samples} of {rep.registered} sample(s) written"
-          + (f"; {rep.skipped} manifest entr(ies) not in the source skipped" if rep.skipped else "")
-          + (f"; {rep.layout1_segments} segment(s) predate manifests (their samples are extracted again)"
-             if rep.layout1_segments else ""))
-    print(f"next: hsbuild verify {b}   (reads every sample back against its checksums), then hsbuild resume {b}")
-    return EXIT_OK
-
-
 def cmd_serve_command(args: argparse.Namespace) -> int:
 
     from builder.config import load_config  # noqa: PLC0415
@@ -456,7 +438,7 @@ def cmd_serve_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"serve-command": cmd_serve_command, "init": cmd_init, "rebuild-log": cmd_rebuild_log, "run": cmd_run, "resume": lambda a: cmd_run(a, resume=True), "status": cmd_status,
+COMMANDS = {"serve-command": cmd_serve_command, "init": cmd_init, "run": cmd_run, "resume": lambda a: cmd_run(a, resume=True), "status": cmd_status,
             "sql": cmd_sql, "demo": cmd_demo}
 
 
@@ -464,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = {**COMMANDS, **cli_verify.COMMANDS, **cli_doctor.COMMANDS, **cli_exchange.COMMANDS,
-               **cli_samples.COMMANDS}[args.cmd]
+               **cli_samples.COMMANDS, **cli_rebuild.COMMANDS}[args.cmd]
     try:
         return handler(args)
     except HsbuildError as e:

@@ -18,8 +18,9 @@ def add_commands(sub, out) -> None:
                        description="Records a `retired` event (reason skipped, your note) for each ID: the sample "
                                    "leaves the totals, the reader and exports, and runs no longer try it, so a "
                                    "run can end with exit 0. Its events stay in the log: SELECT sample_id, "
-                                   "retired_note FROM samples WHERE state = 'retired'. --undo makes skipped "
-                                   "samples pending again.")
+                                   "retired_note FROM samples WHERE state = 'retired'; a write-once record under "
+                                   "data/history/ keeps them for a rebuilt log (`hsbuild rebuild-log`). --undo "
+                                   "makes skipped samples pending again (recorded the same way).")
     p.add_argument("build")
     p.add_argument("ids", nargs="+", metavar="ID", help="sample ids (the source's `id` field)")
     p.add_argument("--reason", default="", help="why they are skipped (required unless --undo; kept in the log)")

@@ -70,6 +70,7 @@ from builder.run.worker_start import worker_context
 from builder.space.capacity import measured_bytes_per_token, project, stored_tokens
 from builder.space.watermarks import SpaceMonitor
 from builder.store.codec import parse_codec
+from builder.store.history import next_ordinal
 
 if TYPE_CHECKING:  # (these import torch: only import and engine runs need them, and import them there)
     from builder.exchange.imports import DumpIndex, ImportOptions
@@ -328,12 +329,16 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
         self.workers = max(1, self.workers)  # (nothing to do: no cluster asked)
         if self.workers_why is not None and plan.todo and not self.backend.server:
             self.echo(f"workers: {self.workers} (auto: {self.workers_why})")
+        # the ordinal this run's segments take in the build's history (data/history/): taken now, under the lock;
+        # its record is written before the first segment (SegmentWriter.run_record), like any of its data
+        self.history_ordinal = next_ordinal(self.lay.data)
         self.emit(Event("run_started", detail=detail(
             workers=self.workers, threads=self._threads(), resume=resume, plan=plan.summary(),
             **({"workers_auto": self.workers_why} if self.workers_why is not None else {}),
             config=self.cfg.to_toml(),
             config_fingerprint=self.cfg.fingerprint(), model_fingerprint=meta.get("model_fingerprint"),
             code_fingerprint=code_fingerprint(), pid=os.getpid(), previous_owner=lock.previous,
+            history_ordinal=self.history_ordinal,
             **({"import": {"dir": str(Path(self.opts.imports.dir).absolute()), "format": self.opts.imports.format,
                            **report.dump.summary()}} if report.dump is not None else {}))))
         self.flush(force=True)
@@ -419,7 +424,8 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
                 final_state=self.cfg.final_state, batch_tokens=self.cfg.batch_tokens,
                 backend=self.backend.name, backend_settings=backend_settings,
                 server_check=getattr(self.engine, "server_check", None),
-                final_norm=str(self.lay.final_norm) if self.lay.final_norm.exists() else None)
+                final_norm=str(self.lay.final_norm) if self.lay.final_norm.exists() else None,
+                history_ordinal=self.history_ordinal)
             if node is not None:
                 settings.backend_settings = self.engine.worker_settings(backend_settings, node)
                 settings.server_check = self.engine.worker_check(node)

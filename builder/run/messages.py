@@ -206,3 +206,5 @@ class WorkerSettings:
     final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
     batch_tokens: int | None = None  # in-process: pack samples into forward passes of up to this many tokens
     quantize: str = "none"  # fp8: states stored as float8_e4m3fn with a float32 scale a token
+    history_ordinal: int = 0  # the run's ordinal in the build's history (data/history/): its record precedes
+    # the worker's segment (SegmentWriter.run_record)

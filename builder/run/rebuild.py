@@ -7,13 +7,18 @@ pack headers).
   recorded, mean the log lost commits (a deleted or damaged WAL).
 - `adopt`: record such samples as written after a full read-back check of their checksums, instead of
   re-extracting them (resume does this).
-- `rebuild_log`: a new log from hsbuild.toml, the source and every segment's manifests; the old log is kept
-  beside it, renamed.
+- `rebuild_log`: a new log from hsbuild.toml, the source, every segment's manifests and the build's history
+  records (data/history/: runs, skips, verify verdicts), replayed in write order and read back
+  (builder/run/history_replay.py); the old log is kept beside it, renamed.
+
+Write order: a run's ordinal (its history record, builder/store/history.py), then the attempt (a run numbers a
+sample's attempts upward), then the token (a segment's writer only moves forward). Never the wall clock, which
+may jump back; only segments of runs without a record (a build made before history records) fall back to their
+manifests' `written_at`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -25,8 +30,11 @@ from builder.fsutil import fsync_path
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
+from builder.progress import Progress
+from builder.run.history_replay import RUN_ID, ReplayReport, read_back, replay, tally, written_events
+from builder.store.history import read_history, run_ordinals, segment_run
 from builder.store.reader import SegmentReader
-from builder.store.segment import SEAL_NAME, list_segments, read_manifests
+from builder.store.segment import MANIFEST_DIR, SEAL_NAME, list_segments, read_manifests
 from builder.verify.checks import check_sample, segment_chunk_tokens
 from builder.verify.gc import may_adopt, registered_samples
 
@@ -46,12 +54,22 @@ class DurableSample:
     written_at: float
     truncated: int = 0
     fp8_error: dict | None = None  # an fp8 build: the measured error, as its `written` event records it
+    ordinal: int = 0  # the ordinal of the run that wrote it (its history record); 0: a run without one
+
+    @property
+    def order(self) -> tuple:
+        """Its place in write order (the module's docstring); a run without a record comes first, by clock."""
+        if self.ordinal:
+            return (self.ordinal, self.attempt, 0.0, self.segment, self.token_start)
+        return (0, 0, self.written_at, self.segment, self.token_start)
 
 
 def durable_samples(data_root: Path) -> list[DurableSample]:
     """Every sample recorded in a readable manifest of any segment, in write order."""
     out = []
+    ordinals = run_ordinals(data_root)
     for seg in list_segments(data_root):
+        ordinal = ordinals.get(segment_run(seg), 0)
         for m in read_manifests(data_root / seg):
             for s in m.get("samples", []):
                 try:
@@ -59,10 +77,11 @@ def durable_samples(data_root: Path) -> list[DurableSample]:
                                              int(s["token_start"]), int(s["num_tokens"]), int(s["nbytes"]),
                                              dict(s["checksums"]), float(m.get("written_at", 0.0)),
                                              int(s.get("truncated", 0)),
-                                             s["fp8_error"] if isinstance(s.get("fp8_error"), dict) else None))
+                                             s["fp8_error"] if isinstance(s.get("fp8_error"), dict) else None,
+                                             ordinal))
                 except (KeyError, TypeError, ValueError):
                     continue
-    return sorted(out, key=lambda d: (d.written_at, d.segment, d.token_start))
+    return sorted(out, key=lambda d: d.order)
 
 
 def unlogged(log: EventLog, data_root: Path) -> list[DurableSample]:
@@ -77,18 +96,6 @@ class AdoptReport:
     adopted: list[str] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)  # durable per manifest, but the bytes fail their check
     stale: int = 0  # another attempt is live, or the source changed since: not adopted
-
-
-def written_events(d: DurableSample, how: str) -> list[Event]:
-    return [
-        Event("written", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
-              token_start=d.token_start, num_tokens=d.num_tokens, nbytes=d.nbytes,
-              checksums=json.dumps(d.checksums, sort_keys=True),
-              detail=detail(**{how: True}, truncated=d.truncated,
-                            **({"fp8_error": {k: round(v, 6) for k, v in d.fp8_error.items()}} if d.fp8_error else {}))),
-        Event("verified", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
-              token_start=d.token_start, num_tokens=d.num_tokens, nbytes=d.nbytes, detail=detail(mode=how)),
-    ]
 
 
 def adopt(log: EventLog, data_root: Path, emit: Callable[[Event], None],
@@ -125,17 +132,25 @@ def adopt(log: EventLog, data_root: Path, emit: Callable[[Event], None],
 class RebuildReport:
     kept_as: str | None  # the old log's new name, if there was one
     segments: int = 0
-    samples: int = 0  # samples recorded written
     registered: int = 0
-    skipped: int = 0  # manifest entries not matching the source (other fingerprint / unknown id)
     layout1_segments: int = 0  # segments without manifests (written before layout 2): their samples are redone
+    history: ReplayReport = field(default_factory=ReplayReport)
+
+    @property
+    def pending(self) -> int:
+        """Registered samples the rebuilt log gives no state (no durable data, or brought back by --undo)."""
+        h = self.history
+        return self.registered - h.written - h.skipped - h.failed
 
 
 def rebuild_log(build: str | Path, make_meta: Callable[[BuildLayout], dict],
-                load_samples: Callable[[BuildLayout], list]) -> RebuildReport:
-    """Replace the build's event log by one rebuilt from hsbuild.toml, the source and the segments' manifests.
-    `make_meta` gives the build metadata (model, layers, fingerprints) and `load_samples` the source's samples,
-    as `init` computes them. The old log is renamed, never deleted."""
+                load_samples: Callable[[BuildLayout], list], progress: Progress | None = None,
+                jobs: int | None = None) -> RebuildReport:
+    """Replace the build's event log by one rebuilt from hsbuild.toml, the source, the segments' manifests and
+    the build's history records, and read back every sample it restores as written. `make_meta` gives the build
+    metadata (model, layers, fingerprints) and `load_samples` the source's samples, as `init` computes them.
+    The old log is renamed, never deleted. A damaged history record is refused (UsageError naming it) before
+    anything changes."""
     lay = layout(build)
     if not lay.config.is_file():
         raise UsageError(f"{lay.root}: no hsbuild.toml; the log cannot be rebuilt without the build's config "
@@ -143,42 +158,38 @@ def rebuild_log(build: str | Path, make_meta: Callable[[BuildLayout], dict],
     with BuildLock(lay, "rebuild-log"):
         meta = make_meta(lay)
         samples = load_samples(lay)
-        kept_as = None
+        records = read_history(lay.data)  # (refused here, before the old log is moved, when one is damaged)
+        rep = RebuildReport(None)
+        source = {s.sample_id: s for s in samples}
+        events, states = replay(durable_samples(lay.data), records, source, rep.history)
+        events += read_back(lay.data, states, rep.history, jobs, progress)
+        tally(states, rep.history)
+        rep.registered = len(samples)
         stamp = time.strftime("%Y%m%dT%H%M%S")
         for p in (lay.events, lay.wal):
             if p.exists():
                 dest = p.with_name(f"{p.name}.damaged-{stamp}")
                 os.replace(p, dest)
-                kept_as = kept_as or dest.name
+                rep.kept_as = rep.kept_as or dest.name
         fsync_path(lay.root)
-        rep = RebuildReport(kept_as)
         with EventLog(lay.events) as log:
             log.set_meta(meta)
-            rep.registered = len(samples)
             log.register_samples(samples)
-            known = {s.sample_id: s.fingerprint for s in samples}
-            newest: dict[str, DurableSample] = {}
-            for d in durable_samples(lay.data):
-                if known.get(d.sample_id) != d.fingerprint:
-                    rep.skipped += 1
-                    continue
-                newest[d.sample_id] = d
-            events = [Event("init", run_id="rebuild", detail=detail(rebuilt=True, samples=len(samples)))]
-            for d in newest.values():
-                ev = written_events(d, "rebuilt")[0]  # written only: `hsbuild verify` reads them back
-                ev.run_id = "rebuild"
-                events.append(ev)
             segs = list_segments(lay.data)
             rep.segments = len(segs)
+            sealed = []
             for seg in segs:
-                if not read_manifests(lay.data / seg) and not (lay.data / seg / "samples").is_dir():
+                if not (lay.data / seg / MANIFEST_DIR).is_dir():
                     rep.layout1_segments += 1
                 if (lay.data / seg / SEAL_NAME).is_file():
-                    events.append(Event("segment_sealed", run_id="rebuild", segment=seg,
-                                        detail=detail(rebuilt=True)))
-            rep.samples = len(newest)
-            events.append(Event("log_rebuilt", run_id="rebuild", detail=detail(
-                kept_as=kept_as, segments=rep.segments, samples=rep.samples, skipped=rep.skipped,
-                layout1_segments=rep.layout1_segments)))
-            log.append(events)
+                    sealed.append(Event("segment_sealed", run_id=RUN_ID, segment=seg, detail=detail(rebuilt=True)))
+            h = rep.history
+            log.append([Event("init", run_id=RUN_ID, detail=detail(rebuilt=True, samples=len(samples))), *events,
+                        *sealed, Event("log_rebuilt", run_id=RUN_ID, detail=detail(
+                            kept_as=rep.kept_as, segments=rep.segments, layout1_segments=rep.layout1_segments,
+                            records=dict(h.records), written=h.written, verified=h.verified, skipped=h.skipped,
+                            failed=h.failed, failed_by_verify=h.failed_by_verify, older_attempts=h.older_attempts,
+                            foreign=h.foreign, stale=h.stale, read_back=h.read_back, read_bytes=h.read_bytes,
+                            damaged=[sid for sid, _ in h.damaged][:1000],
+                            not_checked=[sid for sid, _ in h.not_checked][:1000]))])
         return rep

@@ -14,7 +14,8 @@ New samples are registered silently. Changed and removed ones are refused unless
 - one `source_changed` event with the lists.
 
 `hsbuild skip BUILD ID... --reason TEXT` retires samples that can never succeed (reason `skipped`, detail
-{note}); `--undo` brings them back (`superseded`, change `unskipped`).
+{note}); `--undo` brings them back (`superseded`, change `unskipped`). Each writes a history record under
+data/history/ (builder/store/history.py) before its events commit, so a rebuilt log keeps them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from builder.extract.source import Sample
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.session import OwnerSession
+from builder.store.history import write_record
 
 SHOW_IDS = 5  # ids named per kind of change in a message
 
@@ -209,5 +211,8 @@ def skip_samples(build: str | Path, ids: Sequence[str], note: str, undo: bool = 
                               if undo else
                               Event("retired", run_id=run_id, sample_id=sid, fingerprint=cur.fingerprint,
                                     reason="skipped", detail=detail(note=note)))
+        if events:  # the history beside the data first (write-once), then the log: a lost log loses no skip
+            write_record(lay.data, "unskip" if undo else "skip", run_id, {"samples": [
+                {"sample_id": ev.sample_id, "fingerprint": ev.fingerprint, "note": note or None} for ev in events]})
         log.append(events)
     return rep

@@ -278,7 +278,9 @@ class _Group:
                 try:
                     self.writer = SegmentWriter(Path(s.data_root), new_segment_name(s.run_id, wid),
                                                 self.ex.hidden_size, len(self.ex.aux_layers), s.chunk_tokens,
-                                                s.codec, s.dtype, s.quantize).create()
+                                                s.codec, s.dtype, s.quantize,
+                                                run_record=(s.history_ordinal, s.run_id) if s.history_ordinal
+                                                else None).create()
                 except OSError as e:
                     if is_disk_full(e):  # like a full disk during a write: pause, retry once space returns
                         self.conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint,

@@ -12,9 +12,10 @@
 
 Layout 2 (this writer). Samples are appended in groups. Each sample starts on a chunk boundary; a group's
 samples are encoded into memory, then the group is made durable with one barrier: every shard file it touches
-is written once (O_EXCL, zarr's sharding format, see shard.py) together with the group's manifest, all fsynced,
-then their directories. Only then are the samples reported written, and the next group starts on a fresh shard,
-so no file is ever written twice. The manifest names each sample (id, fingerprint, attempt, location,
+is written once (O_EXCL, zarr's sharding format, see shard.py), all fsynced, then their directories; only then is
+the group's manifest written and fsynced, then its directory, so a manifest never vouches for bytes that are not
+durable. Only then are the samples reported written, and the next group starts on a fresh shard, so no file is
+ever written twice. The manifest names each sample (id, fingerprint, attempt, location,
 checksums): a segment describes itself, so a lost event log can be rebuilt from the data.
 
 Layout 1 segments (one file per chunk, `c/<i>` and `c/<i>/0`, no manifests) are still read and verified.
@@ -50,6 +51,7 @@ from builder.store.codec import (
     to_storage,
 )
 from builder.store.dtypes import STORAGE_DTYPES
+from builder.store.history import ensure_run_record
 from builder.store.shard import ShardGeometry, shard_parts, shard_path
 from builder.store.zarr_meta import ZARR_JSON, create_doc, group_doc, read_array_meta, sharded_array_doc
 
@@ -179,6 +181,28 @@ def _write_once(path: Path, data: bytes | list[bytes]) -> int:
     return total
 
 
+def _write_files(jobs: list[tuple[Path, bytes | list[bytes]]], created: list[Path]) -> None:
+    """Write each (path, data) once (`_write_once`), several on the I/O pool, and wait for all of them; a file
+    this call created, whole or in part, goes into `created` (one that existed already is not ours). Raises the
+    first error once every write has finished."""
+    errors: list[BaseException | None] = [None] * len(jobs)
+    if len(jobs) == 1:  # (one small file, the manifest: written on this thread)
+        try:
+            _write_once(*jobs[0])
+        except BaseException as e:  # noqa: BLE001 - judged below, as the pool's are
+            errors[0] = e
+    else:
+        futures = [_io_pool().submit(_write_once, p, d) for p, d in jobs]
+        wait(futures)  # every write has finished (or failed) before anything is judged or removed
+        errors = [f.exception() for f in futures]
+    for (p, _), e in zip(jobs, errors, strict=True):
+        if not isinstance(e, FileExistsError):
+            created.append(p)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
 @dataclass
 class StagedGroup:
     """A group of samples taken out of a writer's staging (`SegmentWriter.detach`), not yet durable."""
@@ -206,6 +230,7 @@ class SegmentWriter:
     dtype: str = "bfloat16"
     quantize: str = "none"  # fp8: state fields stored as float8_e4m3fn with a float32 scale a token (lossy)
     shard_chunks: int = 0  # 0: chosen from the chunk size (shard_chunks_for)
+    run_record: tuple[int, str] | None = None  # (ordinal, run id): the run's history record, ensured by `create`
     cursor: int = 0  # the next free token address
     samples: int = 0  # samples made durable
     groups: int = 0
@@ -239,7 +264,10 @@ class SegmentWriter:
 
     def create(self) -> SegmentWriter:
         """Create the segment's directories and metadata, durable (the data directory's entry included).
-        On failure (a full disk) whatever was created is removed again and the error raised."""
+        On failure (a full disk) whatever was created is removed again and the error raised. First the run's
+        history record (`run_record`), so that no segment exists without it (builder/store/history.py)."""
+        if self.run_record is not None:
+            ensure_run_record(self.data_root, *self.run_record)
         self.path.mkdir()  # exclusive: a segment name is never reused (FileExistsError: nothing is touched)
         try:
             self._create_metadata()
@@ -332,10 +360,10 @@ class SegmentWriter:
         return quantize_fp8(t) if self.quantize == "fp8" else to_storage(t)
 
     def flush(self) -> list[Location]:
-        """Make the staged group durable: its shard files and manifest written once and fsynced, then their
-        directories. Returns the group's locations. On failure nothing of the group remains on disk, the
-        group is dropped (its samples must be extracted again) and the error is raised; the token range is
-        abandoned, never reused."""
+        """Make the staged group durable: its shard files written once and fsynced, then their directories, then
+        its manifest and the manifest's directory. Returns the group's locations. On failure nothing of the group
+        remains on disk, the group is dropped (its samples must be extracted again) and the error is raised; the
+        token range is abandoned, never reused."""
         group = self.detach()
         return [] if group is None else self.commit(group)
 
@@ -363,19 +391,20 @@ class SegmentWriter:
                                  **({"fp8_error": s.location.quant_error} if s.location.quant_error else {}),
                                  **s.extra}
                                 for s in staged]}
-        jobs.append((self.path / MANIFEST_DIR / f"{group_start}.json", json.dumps(manifest).encode()))
-        futures = [_io_pool().submit(_write_once, p, d) for p, d in jobs]
-        wait(futures)  # every write has finished (or failed) before anything is judged or removed
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        manifest_job = (self.path / MANIFEST_DIR / f"{group_start}.json", json.dumps(manifest).encode())
+        created: list[Path] = []  # files this commit created (whole or in part): removed again on failure
         try:
-            if errors:
-                raise errors[0]
-            fsync_paths({p.parent for p, _ in jobs})
+            _write_files(jobs, created)  # the shard files, written and fsynced in parallel
+            fsync_paths({p.parent for p, _ in jobs})  # and their directory entries
+            # only now the manifest: it must never be durable while a shard it vouches for is not (a crash
+            # between the two would leave a group whose manifest names samples with missing bytes)
+            _write_files([manifest_job], created)
+            fsync_path(manifest_job[0].parent)
         except BaseException:
-            for (p, _), f in zip(jobs, futures, strict=True):
-                if f.exception() is None or not isinstance(f.exception(), FileExistsError):
-                    p.unlink(missing_ok=True)
+            for p in created:
+                p.unlink(missing_ok=True)
             raise
+        jobs.append(manifest_job)
         allocated = 0
         for path, _ in jobs:
             try:

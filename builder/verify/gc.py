@@ -16,6 +16,10 @@ not written, verified or retired: `run.rebuild.adopt`'s rule), whole (manifest a
 reports them (`OrphanReport.adoptable`) with the command that adopts them, `hsbuild resume BUILD`. Once the run
 has adopted them they are referenced; once their samples are done from other bytes they are orphans.
 
+The build's history records (data/history/, builder/store/history.py) are never orphans: they hold what a
+rebuilt log needs (runs, skips, verify verdicts) and are never removed; only a temp file a crash left beside
+them is reclaimable.
+
 Only a process holding the build lock may scan: otherwise a live writer's uncommitted chunks would look
 orphaned. `scan_orphans` reports, `remove_orphans` deletes exactly what a scan reported; neither prints.
 """
@@ -37,6 +41,7 @@ from builder.errors import DiskFullError
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.session import OwnerSession
+from builder.store.history import history_dir
 from builder.store.segment import DIMS, FIELDS, MANIFEST_DIR, MANIFEST_FORMAT, field_geometry, list_segments
 from builder.store.shard import ShardGeometry, shard_path
 
@@ -259,6 +264,10 @@ def scan_orphans(lay: BuildLayout, log: EventLog) -> OrphanReport:
     for entry in sorted(os.scandir(lay.data), key=lambda e: e.name):
         if entry.is_file(follow_symlinks=False) and (kind := _is_temp(entry.name)):
             report.orphans.append(Orphan(str(Path(entry.path).relative_to(root)), kind, _size(entry.path)))
+    hist = history_dir(lay.data)  # the history records are never orphans; a temp file a crash left there is
+    for name in sorted(os.listdir(hist)) if hist.is_dir() else []:
+        if TMP_RE.match(name) and (hist / name).is_file():
+            report.orphans.append(Orphan(str((hist / name).relative_to(root)), "tmp", _size(str(hist / name))))
     for seg in list_segments(lay.data):
         seg_dir = lay.data / seg
         seg_refs = refs.get(seg, [])

@@ -11,6 +11,9 @@ batches, and answers `hsbuild status` / `hsbuild sql` over the lock's socket. It
     verify_finished  reason completed | damage_found | check_errors (| continued, written by the sweep that
                      continues it)
 
+and, before its last commit, its verdicts as a history record under data/history/ (builder/store/history.py),
+so that a rebuilt log keeps them.
+
 A sample whose check could not run (EMFILE, ENOMEM, EIO, ... after retries with backoff; see
 `checks.check_with_retries`) gets no event at all: it keeps its state, is reported as `not_checked`, and a later
 sweep checks it again.
@@ -41,6 +44,7 @@ from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
 from builder.log.session import OwnerSession
 from builder.progress import NoProgress, Progress
+from builder.store.history import Verdicts
 from builder.store.reader import SegmentReader
 from builder.verify.checks import (
     MISMATCH,
@@ -388,6 +392,7 @@ class Sweep:
         self.session: OwnerSession | None = None
         self.summary: SweepSummary | None = None
         self._geometry: dict[str, tuple[int, dict | None]] = {}  # segment -> (chunk_tokens, field specs)
+        self.verdicts = Verdicts()  # what this sweep recorded, for its history record
 
     # -- plumbing -------------------------------------------------------------------------------------
     def _announce_stop(self) -> None:
@@ -446,7 +451,10 @@ class Sweep:
             self._check_all(targets)
         finally:
             self._announce_stop()
-            self.flush(force=True)  # whatever was checked stays recorded, even on an error
+            try:  # the verdicts beside the data (write-once), so a rebuilt log keeps them (builder/store/history.py)
+                self.verdicts.write(self.lay.data, self.sweep_id, self.selection.mode)
+            finally:
+                self.flush(force=True)  # whatever was checked stays recorded, even on an error
         s.damaged.sort(key=lambda d: (d.segment, d.token_start, d.sample_id))
         s.not_checked.sort(key=lambda n: (n.segment, n.token_start, n.sample_id))
         if self.stop.is_set():
@@ -570,6 +578,7 @@ class Sweep:
             s.ok += 1
             if s.mode == "full":
                 self.emit(Event("verified", nbytes=res.file_bytes, detail=detail(mode="sweep"), **loc))
+                self.verdicts.add(t.segment, t.token_start, "verified")
             return
         reason, message = res.finding
         if reason == MISMATCH:
@@ -580,6 +589,7 @@ class Sweep:
             s.unreadable += 1
         s.damaged.append(Damage(t.sample_id, reason, message, t.segment, t.token_start, t.num_tokens))
         self.emit(Event("failed", reason=reason, detail=detail(message=message, mode=s.mode), **loc))
+        self.verdicts.add(t.segment, t.token_start, reason)
 
 
 def find_overlaps(log: EventLog, chunk_tokens: Callable[[str], int]) -> list[Overlap]:

@@ -133,7 +133,8 @@ def cases(cmd: str, d: Path, b: Path) -> list[Case]:
         return [([str(b), "s0000", "--reason", ""], "--reason"), ([str(b), "--reason", "x"], "ID"),
                 ([nope, "s0000", "--reason", "x"], nope)]
     if cmd in ("serve-command", "rebuild-log"):
-        return [([str(b)], "inprocess")] * (cmd == "serve-command") + [missing_build]
+        return ([([str(b)], "inprocess")] * (cmd == "serve-command") + [missing_build]
+                + [([str(b), "--jobs", "0"], "--jobs")] * (cmd == "rebuild-log"))
     raise AssertionError(f"no bad-flag cases for `hsbuild {cmd}`: add them to cases()")
 
 

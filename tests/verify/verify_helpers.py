@@ -79,13 +79,15 @@ def sample_chunks(build: Path, row: dict, fld: str) -> list[Path]:
 
 
 def file_set(build: Path) -> dict[str, str]:
-    """Every file under the build (but the lock, the socket and the ballast) -> blake2b of its bytes."""
+    """Every file of the build's data (not the lock, the socket, the ballast, nor the log and the history records
+    that the owner commands write: a sweep adds its verdicts) -> blake2b of its bytes."""
     out = {}
     for d, _, files in os.walk(build):
         for f in files:
             p = Path(d) / f
             rel = str(p.relative_to(build))
-            if rel in ("hsbuild.lock", "hsbuild.sock", ".ballast") or rel.startswith("events.duckdb"):
+            if (rel in ("hsbuild.lock", "hsbuild.sock", ".ballast") or rel.startswith("events.duckdb")
+                    or rel.startswith("data/history/")):
                 continue
             out[rel] = hashlib.blake2b(p.read_bytes(), digest_size=8).hexdigest()
     return out
