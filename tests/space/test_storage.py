@@ -37,9 +37,9 @@ def usage(mnt: Path) -> float:
     return 1 - st.f_bavail / st.f_blocks
 
 
-def start_run(build: Path, *flags: str) -> subprocess.Popen:
+def start_run(build: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return forked.Popen([sys.executable, "-m", "builder.cli", "run", str(build), "--no-progress", *flags],
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def live_status(cli, build: Path) -> dict:
@@ -121,13 +121,18 @@ def test_pauses_at_high_and_resumes_when_the_volume_grows(tmp_path, tmpfs, cli):
     assert cp.returncode == 0 and "120 of 120" in cp.stdout, cp.stdout + cp.stderr
 
 
-def test_volume_filled_from_outside_while_writing(tmp_path, tmpfs, cli):
+def test_volume_filled_from_outside_while_writing(tmp_path, tmpfs, cli, hold):
     build = make_big_build(tmp_path, tmpfs, cli, n=120)  # about 40 MB: fits the volume on its own (the
     resize(tmpfs, "80m")  # projection, an upper bound with each sample's padding and per-file costs, says 64.4 MB)
-    # watermarks off (high=1.0, flood=1.0): only the real ENOSPC path can stop the writes
-    p = start_run(build, "--high", "1.0", "--low", "0.9", "--flood", "1.0")
+    # watermarks off (high=1.0, flood=1.0): only the real ENOSPC path can stop the writes. The workers are held at
+    # their 6th sample (5 written: one sample a group) while the volume fills, so writes certainly come after it
+    # (left to run, the whole build was written before the filler once)
+    h = hold(6)
+    p = start_run(build, "--high", "1.0", "--low", "0.9", "--flood", "1.0",
+                  env={**h.env, "HSBUILD_GROUP_SAMPLES": "1"})
     filler = tmpfs / "filler.bin"
     try:
+        h.wait(1, p)
         wait_for(lambda: status_snapshot(layout(build)).get("done", 0) >= 3, 120, "first writes", p)
         fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # another process fills the volume, but for a sliver
         try:
@@ -138,6 +143,7 @@ def test_volume_filled_from_outside_while_writing(tmp_path, tmpfs, cli):
             pass
         os.ftruncate(fd, max(0, os.lseek(fd, 0, os.SEEK_CUR) - (64 << 10)))
         os.close(fd)
+        h.release()
         st = wait_for(lambda: (s := live_status(cli, build)).get("paused") and s, 120, "the pause", p)
         assert st["pause_reason"] == "disk_full"
         time.sleep(1.0)
