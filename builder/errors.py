@@ -5,6 +5,8 @@ Each class also subclasses the stdlib type a caller would naturally catch (zarr-
 
 from __future__ import annotations
 
+import errno
+
 # Exit codes (documented in README.md and docs/design.md).
 EXIT_OK = 0
 EXIT_SAMPLES_FAILED = 1  # finished, but some samples failed (run) / damage found (verify)
@@ -166,3 +168,14 @@ class Interrupted(HsbuildError, KeyboardInterrupt):
     """The run stopped on request at a safe point."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+def is_no_space(e: BaseException) -> bool:
+    """An error caused by a full volume (or quota), from the OS or from DuckDB: the one rule for "is this out of
+    space" (a write that fails so is retried once there is room, never counted against a sample)."""
+    if isinstance(e, DiskFullError):
+        return True
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    msg = str(e)
+    return "No space left on device" in msg or "Disk quota exceeded" in msg

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from builder.config import Watermarks
-from builder.errors import DamagedSampleError, DiskFullError, FormatError, Interrupted, UsageError
+from builder.errors import (
+    DamagedSampleError,
+    DiskFullError,
+    FormatError,
+    Interrupted,
+    UsageError,
+    is_no_space,
+)
 from builder.exchange import export_space
 from builder.exchange.build_info import BuildInfo
 from builder.exchange.export_files import (
@@ -45,7 +52,6 @@ if TYPE_CHECKING:
     from builder.exchange.export import ExportOptions, ExportReport
 
 LIVE = ("written", "verified")
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)  # OUT cannot be written: a usage error
 SAVE_EVERY_S = 2.0  # the journal vouches for new files at least this often (and at most 10% of the time)
 HASH_THREADS = min(8, os.cpu_count() or 1)  # kept files checked side by side on a re-run
@@ -168,7 +174,7 @@ class Reconcile:
                 raise UsageError(f"{self.out}: cannot write {e.filename or self.out} ({e.strerror}); make it "
                                  "writable or export elsewhere (the same command continues from what its journal "
                                  "kept)") from None
-            if e.errno not in NO_SPACE:
+            if not is_no_space(e):
                 raise
             if self.head:
                 self._save_on_a_full_volume()
@@ -185,7 +191,7 @@ class Reconcile:
                 self.save()
                 return
             except OSError as e:
-                if e.errno not in NO_SPACE or not self.unsaved:
+                if not is_no_space(e) or not self.unsaved:
                     return  # (the journal on disk still vouches for what it did)
             en = self.entries.pop(self.unsaved.pop())
             (self.out / en.path).unlink(missing_ok=True)

@@ -12,11 +12,9 @@ A full disk surfaces as `DiskFullError`; `EventBatch` keeps its events and retri
 from __future__ import annotations
 
 import datetime as dt
-import errno
 import functools
 import json
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,8 +26,16 @@ import duckdb
 if TYPE_CHECKING:
     import pyarrow as pa
 
-from builder.errors import BuildLockedError, DiskFullError, LogConflictError, LogDamagedError, QueryError
+from builder.errors import (
+    BuildLockedError,
+    DiskFullError,
+    LogConflictError,
+    LogDamagedError,
+    QueryError,
+    is_no_space,
+)
 from builder.fsutil import fsync_path
+from builder.log.holders import locked_error
 from builder.log.schema import read_with_current_views, schema_digest, schema_dir, views_failed
 
 
@@ -85,33 +91,6 @@ def detail(**kw: object) -> str:
     return json.dumps(kw, default=str, sort_keys=True)
 
 
-def is_no_space(e: BaseException) -> bool:
-    """An error caused by a full volume (or quota), from the OS or from DuckDB."""
-    if isinstance(e, DiskFullError):
-        return True
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    msg = str(e)
-    return "No space left on device" in msg or "Disk quota exceeded" in msg
-
-
-def describe_pid(pid: int) -> str:
-    """'pid N (command line)' for a message, as far as /proc tells."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        cmd = ""
-    if len(cmd) > 100:
-        cmd = cmd[:97] + "..."
-    return f"pid {pid}" + (f" ({cmd})" if cmd else "")
-
-
-def _holder(message: str) -> str:
-    """Who DuckDB says holds the file ('Conflicting lock is held in /usr/bin/python3 (PID 123) ...')."""
-    m = re.search(r"\(PID (\d+)\)", message)
-    return describe_pid(int(m.group(1))) if m else "another process"
-
-
 CHECKPOINT_BYTES = 4 << 20  # DuckDB folds its WAL into the database file once the WAL holds this much
 # An owner checkpoints the fold (`fold_checkpoint`, schema/events.sql) once this many events came after the last
 # one: reading states then folds at most about this many events besides the checkpoint's one row per sample.
@@ -128,7 +107,7 @@ class EventLog:
             self.con = duckdb.connect(str(self.path), read_only=read_only)
         except duckdb.IOException as e:
             if "lock" in str(e).lower():
-                raise self._locked_error(str(e)) from e
+                raise locked_error(self.path, self.read_only, str(e)) from e
             if is_no_space(e):
                 raise DiskFullError(f"{self.path}: cannot open the event log: the volume is full; free space "
                                     "and try again") from e
@@ -170,18 +149,6 @@ class EventLog:
         log's directory after opening, after every commit and after closing (one directory fsync a batch)."""
         if not self.read_only:
             fsync_path(self.path.parent)
-
-    def _locked_error(self, message: str) -> BuildLockedError:
-        who = _holder(message)
-        if self.read_only:
-            return BuildLockedError(
-                f"{self.path}: the event log is held by {who}, which owns the build (a run, verify or gc is "
-                "going); use `hsbuild status` / `hsbuild sql`, which ask that process, or wait for it to finish")
-        # every writer takes the build lock first, so what holds the file now is normally a reader
-        return BuildLockedError(
-            f"{self.path}: the event log is held by {who}, and a writer needs it alone (readers let go: `hsbuild "
-            "sql` and `status` at once, a training job or a DuckDB shell when it closes the file); try again, or "
-            "stop that process")
 
     def _apply_schema(self) -> None:
         """Create tables and views; re-create views only when schema/*.sql changed (opening changes nothing).

@@ -32,13 +32,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.errors import BuildLockedError, BuildReadOnlyError, DiskFullError, ForeignLockError
+from builder.errors import BuildLockedError, BuildReadOnlyError, DiskFullError, ForeignLockError, is_no_space
 from builder.layout import BuildLayout
 
 RECORD_SIZE = 4096  # bytes reserved for the lock record (JSON padded with spaces)
 ACQUIRE_RETRY_S = 1.0  # an owner retries a busy flock this long before reporting "busy"
 PROC_LOCKS = Path("/proc/locks")
-NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
 def socket_path_for(lay: BuildLayout) -> Path:
@@ -172,7 +171,7 @@ class BuildLock:
                 os.close(fd)
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self.lay.root))
         except OSError as e:
-            if e.errno in NO_SPACE:
+            if is_no_space(e):
                 raise DiskFullError(f"{self.lay.lock}: cannot create the lock file: the volume is full; "
                                     "free space and try again") from None
             if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -288,7 +287,7 @@ def write_record(fd: int, info: dict | None) -> bool:
             os.ftruncate(fd, len(data))
         return True
     except OSError as e:
-        if e.errno not in NO_SPACE and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+        if not is_no_space(e) and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
     try:  # no room for the padded region (or no fallocate here): a bare record, or none
         os.ftruncate(fd, 0)
@@ -296,6 +295,6 @@ def write_record(fd: int, info: dict | None) -> bool:
             os.pwrite(fd, data.rstrip(), 0)
         return True
     except OSError as e:
-        if e.errno not in NO_SPACE:
+        if not is_no_space(e):
             raise
         return False

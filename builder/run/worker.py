@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from builder.errors import SampleError
+from builder.errors import SampleError, is_no_space
 from builder.extract.backends import registry as backends
 from builder.extract.backends.base import Backend, Failure, Request, States, Unavailable
 from builder.extract.model import Extractor
@@ -51,7 +51,7 @@ from builder.run.messages import (
 from builder.run.prctl import die_with_parent
 from builder.run.standby import Flags
 from builder.run.worker_start import server_pid
-from builder.store.segment import Location, SegmentWriter, StagedGroup, is_disk_full, new_segment_name
+from builder.store.segment import Location, SegmentWriter, StagedGroup, new_segment_name
 
 
 def worker_main(settings: WorkerSettings, conn, flags: Flags) -> None:  # pragma: no cover - subprocess
@@ -282,7 +282,7 @@ class _Group:
                                                 run_record=(s.history_ordinal, s.run_id) if s.history_ordinal
                                                 else None).create()
                 except OSError as e:
-                    if is_disk_full(e):  # like a full disk during a write: pause, retry once space returns
+                    if is_no_space(e):  # like a full disk during a write: pause, retry once space returns
                         self.conn.send(NoSpace(wid, task.sample_id, task.attempt, task.fingerprint,
                                                f"creating a segment: {e}"))
                         return
@@ -362,7 +362,7 @@ class _Group:
             self._settled(no)  # nothing of it stayed on disk
             for it in items:
                 t = it.task
-                if is_disk_full(e):
+                if is_no_space(e):
                     self.conn.send(NoSpace(wid, t.sample_id, t.attempt, t.fingerprint, str(e)))
                 else:
                     self._fail(t, "error", f"writing its group: {type(e).__name__}: {e}")

@@ -20,7 +20,6 @@ its name (never over an existing file), the temp name removed, the directory fsy
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -28,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from builder.errors import DiskFullError, UsageError
+from builder.errors import DiskFullError, UsageError, is_no_space
 from builder.fsutil import fsync_path, make_dirs_durable
 
 HISTORY_DIR = "history"
@@ -124,7 +123,7 @@ def write_record(data_root: Path, kind: str, ident: str, body: dict) -> HistoryR
         rec = HistoryRecord(ordinal, kind, ident, time.time(), body, _record_name(ordinal, kind, ident))
         _write_once(d, rec.name, _record_bytes(kind, ordinal, ident, rec.at, body))
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if is_no_space(e):
             raise DiskFullError(f"{d}: cannot write the {kind} history record: the volume is full; free space "
                                 "and run the command again") from e
         raise

@@ -23,7 +23,6 @@ Layout 1 segments (one file per chunk, `c/<i>` and `c/<i>/0`, no manifests) are 
 
 from __future__ import annotations
 
-import errno
 import itertools
 import json
 import os
@@ -444,8 +443,6 @@ class SegmentWriter:
         return info
 
 
-def is_disk_full(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def read_manifests(seg_dir: Path) -> list[dict]:
