@@ -29,7 +29,8 @@ from builder.layout import BuildLayout
 from builder.log.lock import LockState, pid_alive
 from builder.log.query import jsonable, run_query
 from builder.mounts import mount_entry, mount_of, parse_mountinfo, system_mounts
-from builder.space.watermarks import SpaceMonitor, disk_usage
+from builder.space.capacity import capacity_from
+from builder.space.watermarks import disk_usage
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 GPU_MEM_THRESHOLD = 1 << 30  # foreign GPU memory above this on a device the build uses is blocking
@@ -484,21 +485,14 @@ def check_space(ctx: Context) -> Check:
         u = disk_usage(ctx.lay.root)
         return Check("storage.space", WARN, f"{human_bytes(u.free)} free ({u.usage:.1%} used); projected need "
                      f"unknown (build state unreadable: {ctx.query_error})", data={"free_bytes": u.free})
-    q = ctx.query
-    meta = _meta(q)
-    row = q("SELECT sum(nbytes), sum(num_tokens), sum(source_tokens) FILTER "
-            "(WHERE state NOT IN ('written', 'verified')), count(*) FILTER "
-            "(WHERE state NOT IN ('written', 'verified', 'failed')) FROM samples")[1][0]
-    done_bytes, done_tokens, remaining, remaining_samples = (int(v or 0) for v in row)
-    measured = done_bytes / done_tokens if done_bytes and done_tokens else None
-    if ctx.cfg.max_tokens:
-        remaining = min(remaining, remaining_samples * ctx.cfg.max_tokens)
-    mon = SpaceMonitor(ctx.lay, dataclasses.replace(ctx.cfg, staging=None))
-    p = mon.projection(remaining, meta, measured)
+    meta = _meta(ctx.query)
+    cols, rows = ctx.query("SELECT * FROM progress")
+    # the same projection as `status` (space/capacity.py): retired samples are not counted
+    p = capacity_from(ctx.lay, dataclasses.replace(ctx.cfg, staging=None), dict(zip(cols, rows[0], strict=True)),
+                      meta)
     wm = ctx.cfg.watermarks
     usage = 1 - p["free_bytes"] / p["total_bytes"] if p["total_bytes"] else 1.0
-    data = {**p, "usage": round(usage, 4), "final_bytes": done_bytes + p["projected_bytes"], "low": wm.low,
-            "high": wm.high, "flood": wm.flood, "min_free": wm.min_free}
+    data = {**p, "usage": round(usage, 4), "low": wm.low, "high": wm.high, "flood": wm.flood, "min_free": wm.min_free}
     summary = (f"{human_bytes(p['free_bytes'])} free of {human_bytes(p['total_bytes'])} ({usage:.1%} used); "
                f"projected {human_bytes(p['projected_bytes'])} more at {p['bytes_per_token']} B/token, {p['basis']}")
     if not p["fits"]:
