@@ -79,13 +79,29 @@ class DoctorReport:
 # ---------------------------------------------------------------------------------------------------
 
 
+# Checks whose worst finding is a WARN: they inform, never block. A crash of one of them is a WARN too.
+ADVISORY = frozenset({"storage.filesystem", "build.lock", "build.interrupted", "build.failed"})
+
+
+def crash_line(e: BaseException) -> str:
+    """'TypeError: first line of its message', for one line of a report."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def _guard(name: str, fn: Callable[[], Check | list[Check] | None]) -> list[Check]:
-    """A check that crashes is a finding (WARN), never the end of doctor."""
+    """A check that crashes is a finding, never the end of doctor. Fails closed: a check that can block a run
+    (anything but ADVISORY) and could not run is a FAIL naming it and the exception, so `run` refuses unless
+    --force, as it would for the problem the check was to rule out."""
     try:
         out = fn()
     except Exception as e:  # noqa: BLE001
-        return [Check(name, WARN, f"check could not run ({type(e).__name__}: {e})",
-                      "report this to the hsbuild maintainers with the message")]
+        why = crash_line(e)
+        fix = "report this to the hsbuild maintainers with this line"
+        if name in ADVISORY:
+            return [Check(name, WARN, f"check could not run ({why})", fix, {"crashed": why})]
+        return [Check(name, FAIL, f"check crashed ({why}): cannot tell whether this blocks the build", fix
+                      + "; once you made sure by hand, --force starts the run anyway", {"crashed": why})]
     if out is None:
         return []
     return out if isinstance(out, list) else [out]
@@ -215,7 +231,7 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
         else:
             assert log is not None
             ctx.query = log.query
-        checks.append(dc.check_stall(ctx, live_status if how == "live" else None))
+        checks += _guard("storage.stall", lambda: dc.check_stall(ctx, live_status if how == "live" else None))
         # `state`: the lock as it was before doctor took it (doctor's own lock would hide a stale one)
         checks += _state_checks(ctx, state, None)
         report.checks = _ordered(checks)
