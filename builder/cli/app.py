@@ -288,9 +288,11 @@ def status_lines(st: dict) -> list[str]:
     if lr and lr.get("duration_s") is not None:
         going = st.get("running") and lr.get("outcome") == "unfinished"
         what = "this run" if going else f"last {'sweep' if lr.get('kind') == 'verify' else 'run'} ({lr.get('outcome')})"
+        # the rates are over the time spent extracting (pauses, stalls, start-up and the tail left out)
         rates = (f": {lr.get('samples_per_s') or 0:.2f} samples/s, {lr.get('tokens_per_s') or 0:,.0f} tokens/s, "
-                 f"{lr.get('mb_per_s') or 0:.2f} MB/s" if lr.get("written") else "")
-        lines.append(f"{'run:':<9}{what}: {human_seconds(lr['duration_s'])}{' so far' if going else ''}, "
+                 f"{lr.get('mb_per_s') or 0:.2f} MB/s over {_span(lr['active_s'])} extracting"
+                 if lr.get("written") and lr.get("active_s") else "")
+        lines.append(f"{'run:':<9}{what}: {_span(lr['duration_s'])}{' so far' if going else ''} (wall), "
                      f"{lr.get('written') or 0} written{rates}")
     if st.get("trust_server"):
         lines.append(f"trust:   {'this' if st.get('running') else 'the last'} run took --trust-server: the server's "
@@ -317,12 +319,18 @@ def status_lines(st: dict) -> list[str]:
     return lines
 
 
+def _span(s: float) -> str:
+    """Seconds for people: '4.2 s' under a minute, else as human_seconds."""
+    return f"{s:.1f} s" if s < 60 else human_seconds(s)
+
+
 # the nodes of the last run on Ray (none for a local run)
 LAST_RUN_NODES = ("SELECT * FROM nodes WHERE run_id = (SELECT arg_max(run_id, seq) FROM events "
                   "WHERE kind = 'worker_placed')")
 # the last run (or verify sweep): how long it took and how fast it went (the `runs` view)
-LAST_RUN = ("SELECT run_id, kind, outcome, started_at, finished_at, written, tokens, nbytes, duration_s, samples_per_s, "
-            "tokens_per_s, mb_per_s FROM runs ORDER BY started_at DESC LIMIT 1")
+# (by the log's order, not by wall time: after the clock was set back, a later run starts "earlier")
+LAST_RUN = ("SELECT run_id, kind, outcome, started_at, finished_at, written, tokens, nbytes, duration_s, active_s, "
+            "samples_per_s, tokens_per_s, mb_per_s FROM runs ORDER BY started_seq DESC LIMIT 1")
 # why the last run that probed a server trusted it (--trust-server: its configuration could not be read); NULL when
 # it did not
 LAST_RUN_TRUST = ("SELECT max(json_extract_string(detail, '$.trusted')) FROM events WHERE kind = "
