@@ -197,7 +197,8 @@ FROM counts c, recent r;
 --   pauses (`paused` -> the next `resumed` of that reason) and storage stalls (an `unstalled` event's `since` and
 --   `duration_s`), where they overlap that span. Start-up, the final flush and, for a run that died, the time
 --   between its last write and its death (nothing it extracted then was kept) are not in it. NULL without a
---   write. The rates are over active_s.
+--   write; 0 when its first start and last write came in one commit (event times are their commits', every
+--   0.5 s or so), and then no rate. The rates are over active_s.
 CREATE OR REPLACE VIEW runs AS
 WITH starts AS (
     SELECT run_id, seq AS started_seq, ts AS started_at, kind AS start_kind, detail AS config FROM events

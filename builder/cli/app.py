@@ -289,9 +289,12 @@ def status_lines(st: dict) -> list[str]:
         going = st.get("running") and lr.get("outcome") == "unfinished"
         what = "this run" if going else f"last {'sweep' if lr.get('kind') == 'verify' else 'run'} ({lr.get('outcome')})"
         # the rates are over the time spent extracting (pauses, stalls, start-up and the tail left out)
-        rates = (f": {lr.get('samples_per_s') or 0:.2f} samples/s, {lr.get('tokens_per_s') or 0:,.0f} tokens/s, "
-                 f"{lr.get('mb_per_s') or 0:.2f} MB/s over {_span(lr['active_s'])} extracting"
-                 if lr.get("written") and lr.get("active_s") else "")
+        rates = ""
+        if lr.get("written") and lr.get("active_s"):
+            rates = (f": {lr.get('samples_per_s') or 0:.2f} samples/s, {lr.get('tokens_per_s') or 0:,.0f} tokens/s, "
+                     f"{lr.get('mb_per_s') or 0:.2f} MB/s over {_span(lr['active_s'])} extracting")
+        elif lr.get("written"):  # its first start and last write in one commit of the log
+            rates = " (too fast to time: the log stamps events at its commits, every 0.5 s)"
         lines.append(f"{'run:':<9}{what}: {_span(lr['duration_s'])}{' so far' if going else ''} (wall), "
                      f"{lr.get('written') or 0} written{rates}")
     if st.get("trust_server"):
