@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = Parser(
         prog="hsbuild", description="Crash-safe, storage-aware hidden-state dataset builder",
         epilog="exit codes: 0 done; 1 some samples failed (run) / damage found (verify); 2 usage error or bad input "
-               "(nothing changed); 3 will not fit below the high watermark; 4 blocking preflight problem; "
+               "(nothing changed); 3 will not fit below the high watermark, volume full or not answering; 4 blocking "
+               "preflight problem; "
                "130 interrupted (safe; `hsbuild resume` continues)")
     ap.add_argument("--version", action="version", version=f"hsbuild {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -357,9 +358,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query, status_snapshot  # noqa: PLC0415
     from builder.space.capacity import capacity_of  # noqa: PLC0415
+    from builder.space.probe import require_answering  # noqa: PLC0415
     from builder.space.watermarks import ballast_info  # noqa: PLC0415
 
-    lay = layout(args.build).require()
+    lay = layout(args.build)
+    require_answering(lay)  # a volume that does not answer: one line within HSBUILD_STALL_S, not a hang
+    lay.require()
 
     def offline_extra(log, prog: dict) -> dict:  # with no owner: all of it from one open log
         trust = log.query(LAST_RUN_TRUST)[1]
@@ -394,8 +398,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_sql(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query  # noqa: PLC0415
+    from builder.space.probe import require_answering  # noqa: PLC0415
 
-    cols, rows = run_query(layout(args.build).require(), args.query, timeout=args.timeout,
+    lay = layout(args.build)
+    require_answering(lay)  # a volume that does not answer: one line within HSBUILD_STALL_S, not a hang
+    cols, rows = run_query(lay.require(), args.query, timeout=args.timeout,
                            on_note=lambda m: print(m, file=sys.stderr))
     print_rows(cols, rows, _fmt(args))
     return EXIT_OK
