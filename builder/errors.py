@@ -11,8 +11,8 @@ import errno
 EXIT_OK = 0
 EXIT_SAMPLES_FAILED = 1  # finished, but some samples failed (run) / damage found (verify)
 EXIT_USAGE = 2  # usage error or bad input; nothing committed changed
-EXIT_WONT_FIT = 3  # projected build size does not fit below the high watermark, or the volume is full, or the
-# staging volume is smaller than one sample's staging file
+EXIT_WONT_FIT = 3  # projected build size does not fit below the high watermark, the volume is full or stalled,
+# or the staging volume is smaller than one sample's staging file
 EXIT_PREFLIGHT = 4  # a blocking preflight (doctor) problem; a server or dump that is not the build's; no cluster
 EXIT_BUSY = 5  # another live process owns the build (a run, a verify sweep, an export): try again when it ends
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM; everything committed is safe
@@ -144,6 +144,13 @@ class DamagedSampleError(HsbuildError, IOError):
 
 def _rebuild_damaged(reason, problem, segment, field, sample_id, build) -> DamagedSampleError:
     return DamagedSampleError(reason, problem, segment=segment, field=field, sample_id=sample_id, build=build)
+
+
+class StorageStalledError(HsbuildError, TimeoutError):
+    """The build's volume does not answer: a read (or a write probe) of it did not return within HSBUILD_STALL_S
+    (a full Ceph pool or thin volume, a gone NFS server, a failing disk). Nothing was read or changed."""
+
+    exit_code = EXIT_WONT_FIT
 
 
 class WontFitError(HsbuildError, OSError):

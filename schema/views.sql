@@ -193,10 +193,18 @@ SELECT
     (SELECT max(ts) FROM events) AS last_event_at
 FROM counts c, recent r;
 
--- One row per run (or verify sweep): when, with what, and how it ended.
+-- One row per run (or verify sweep): when, with what, and how it ended. Runs are ordered by the log (the seq of
+-- their start event, `started_seq`), never by wall time: a clock set back makes a later run's `started_at` older.
+--   duration_s: wall time, from its start to its end (unfinished: killed, or still going: to its last event).
+--   active_s: the time it spent extracting: from its first `started` sample to its last `written` one, less its
+--   pauses (`paused` -> the next `resumed` of that reason) and storage stalls (an `unstalled` event's `since` and
+--   `duration_s`), where they overlap that span. Start-up, the final flush and, for a run that died, the time
+--   between its last write and its death (nothing it extracted then was kept) are not in it. NULL without a
+--   write; 0 when its first start and last write came in one commit (event times are their commits', every
+--   0.5 s or so), and then no rate. The rates are over active_s.
 CREATE OR REPLACE VIEW runs AS
 WITH starts AS (
-    SELECT run_id, ts AS started_at, kind AS start_kind, detail AS config FROM events
+    SELECT run_id, seq AS started_seq, ts AS started_at, kind AS start_kind, detail AS config FROM events
     WHERE kind IN ('run_started', 'verify_started')
 ),
 ends AS (
@@ -212,33 +220,77 @@ per_run AS (
            count(*) FILTER (WHERE kind = 'paused') AS pauses,
            coalesce(sum(num_tokens) FILTER (WHERE kind = 'written'), 0) AS tokens,
            coalesce(sum(nbytes) FILTER (WHERE kind = 'written'), 0) AS nbytes,
-           max(ts) AS last_at
+           arg_max(ts, seq) AS last_at,
+           epoch(arg_min(ts, seq) FILTER (WHERE kind = 'started')) AS w0,
+           epoch(arg_max(ts, seq) FILTER (WHERE kind = 'written')) AS w1
     FROM events GROUP BY run_id
 ),
--- how long each run took: to its end, or (unfinished: killed, or still going) to its last event
+-- the spans in which a run extracted nothing on purpose, in epoch seconds (b NULL: not ended)
+pause_ev AS (
+    SELECT run_id, kind, epoch(ts) AS t, lead(epoch(ts)) OVER w AS next_t
+    FROM events WHERE kind IN ('paused', 'resumed')
+    WINDOW w AS (PARTITION BY run_id, reason ORDER BY seq)
+),
+stall_ev AS (
+    SELECT run_id, kind, TRY_CAST(json_extract(detail, '$.since') AS DOUBLE) AS since,
+           TRY_CAST(json_extract(detail, '$.duration_s') AS DOUBLE) AS took
+    FROM events WHERE kind IN ('stalled', 'unstalled')
+),
+spans AS (
+    SELECT run_id, t AS a, next_t AS b FROM pause_ev WHERE kind = 'paused'  -- (a second `paused` of that reason: merged)
+    UNION ALL
+    SELECT run_id, since, since + took FROM stall_ev WHERE kind = 'unstalled' AND since IS NOT NULL
+    UNION ALL
+    SELECT s.run_id, s.since, NULL FROM stall_ev s WHERE s.kind = 'stalled' AND s.since IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM stall_ev u WHERE u.kind = 'unstalled' AND u.run_id IS NOT DISTINCT FROM s.run_id
+                      AND u.since = s.since)
+),
+-- clipped to the run's extracting span, then merged where they overlap (a pause during a stall counts once)
+clipped AS (
+    SELECT x.run_id, greatest(x.a, p.w0) AS a, least(coalesce(x.b, p.w1), p.w1) AS b
+    FROM spans x JOIN per_run p USING (run_id)
+    WHERE p.w1 IS NOT NULL AND least(coalesce(x.b, p.w1), p.w1) > greatest(x.a, p.w0)
+),
+marked AS (
+    SELECT run_id, a, b,
+           CASE WHEN a > max(b) OVER (PARTITION BY run_id ORDER BY a, b ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+                THEN 1 ELSE 0 END AS starts_group
+    FROM clipped
+),
+grouped AS (
+    SELECT run_id, a, b, sum(starts_group) OVER (PARTITION BY run_id ORDER BY a, b ROWS UNBOUNDED PRECEDING) AS g
+    FROM marked
+),
+idle AS (
+    SELECT run_id, sum(e - s) AS idle_s
+    FROM (SELECT run_id, g, min(a) AS s, max(b) AS e FROM grouped GROUP BY run_id, g) GROUP BY run_id
+),
 timed AS (
-    SELECT s.run_id, epoch(coalesce(e.finished_at, p.last_at)) - epoch(s.started_at) AS duration_s
-    FROM starts s LEFT JOIN ends e USING (run_id) LEFT JOIN per_run p USING (run_id)
+    SELECT s.run_id, epoch(coalesce(e.finished_at, p.last_at)) - epoch(s.started_at) AS duration_s,
+           CASE WHEN p.w1 IS NOT NULL THEN greatest(p.w1 - p.w0 - coalesce(i.idle_s, 0), 0) END AS active_s
+    FROM starts s LEFT JOIN ends e USING (run_id) LEFT JOIN per_run p USING (run_id) LEFT JOIN idle i USING (run_id)
 )
 SELECT
     s.run_id,
     CASE WHEN s.start_kind = 'verify_started' THEN 'verify' ELSE 'extract' END AS kind,
+    s.started_seq,
     s.started_at,
     e.finished_at,
     coalesce(e.outcome, 'unfinished') AS outcome,
     p.written, p.verified, p.failed, p.pauses, p.tokens, p.nbytes,
     round(t.duration_s, 3) AS duration_s,
-    -- throughput over the whole run (start-up, pauses and the final flush included): what a user waited for
-    CASE WHEN t.duration_s > 0 THEN round(p.written / t.duration_s, 3) END AS samples_per_s,
-    CASE WHEN t.duration_s > 0 THEN round(p.tokens / t.duration_s, 1) END AS tokens_per_s,
-    CASE WHEN t.duration_s > 0 THEN round(p.nbytes / 1e6 / t.duration_s, 3) END AS mb_per_s,
+    round(t.active_s, 3) AS active_s,
+    -- throughput over the time spent extracting (active_s): how fast it extracts, whatever it waited for
+    CASE WHEN t.active_s > 0 THEN round(p.written / t.active_s, 3) END AS samples_per_s,
+    CASE WHEN t.active_s > 0 THEN round(p.tokens / t.active_s, 1) END AS tokens_per_s,
+    CASE WHEN t.active_s > 0 THEN round(p.nbytes / 1e6 / t.active_s, 3) END AS mb_per_s,
     s.config,
     e.summary
 FROM starts s
 LEFT JOIN ends e USING (run_id)
 LEFT JOIN per_run p USING (run_id)
 LEFT JOIN timed t USING (run_id)
-ORDER BY s.started_at;
+ORDER BY s.started_seq;
 
 -- GPU utilisation and memory per device, sampled every few seconds during GPU runs (NVML).
 CREATE OR REPLACE VIEW gpu_stats AS

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = Parser(
         prog="hsbuild", description="Crash-safe, storage-aware hidden-state dataset builder",
         epilog="exit codes: 0 done; 1 some samples failed (run) / damage found (verify); 2 usage error or bad input "
-               "(nothing changed); 3 will not fit below the high watermark; 4 blocking preflight problem; "
+               "(nothing changed); 3 will not fit below the high watermark, volume full or not answering; 4 blocking "
+               "preflight problem; "
                "130 interrupted (safe; `hsbuild resume` continues)")
     ap.add_argument("--version", action="version", version=f"hsbuild {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -288,9 +289,14 @@ def status_lines(st: dict) -> list[str]:
     if lr and lr.get("duration_s") is not None:
         going = st.get("running") and lr.get("outcome") == "unfinished"
         what = "this run" if going else f"last {'sweep' if lr.get('kind') == 'verify' else 'run'} ({lr.get('outcome')})"
-        rates = (f": {lr.get('samples_per_s') or 0:.2f} samples/s, {lr.get('tokens_per_s') or 0:,.0f} tokens/s, "
-                 f"{lr.get('mb_per_s') or 0:.2f} MB/s" if lr.get("written") else "")
-        lines.append(f"{'run:':<9}{what}: {human_seconds(lr['duration_s'])}{' so far' if going else ''}, "
+        # the rates are over the time spent extracting (pauses, stalls, start-up and the tail left out)
+        rates = ""
+        if lr.get("written") and lr.get("active_s"):
+            rates = (f": {lr.get('samples_per_s') or 0:.2f} samples/s, {lr.get('tokens_per_s') or 0:,.0f} tokens/s, "
+                     f"{lr.get('mb_per_s') or 0:.2f} MB/s over {_span(lr['active_s'])} extracting")
+        elif lr.get("written"):  # its first start and last write in one commit of the log
+            rates = " (too fast to time: the log stamps events at its commits, every 0.5 s)"
+        lines.append(f"{'run:':<9}{what}: {_span(lr['duration_s'])}{' so far' if going else ''} (wall), "
                      f"{lr.get('written') or 0} written{rates}")
     if st.get("trust_server"):
         lines.append(f"trust:   {'this' if st.get('running') else 'the last'} run took --trust-server: the server's "
@@ -317,12 +323,18 @@ def status_lines(st: dict) -> list[str]:
     return lines
 
 
+def _span(s: float) -> str:
+    """Seconds for people: '4.2 s' under a minute, else as human_seconds."""
+    return f"{s:.1f} s" if s < 60 else human_seconds(s)
+
+
 # the nodes of the last run on Ray (none for a local run)
 LAST_RUN_NODES = ("SELECT * FROM nodes WHERE run_id = (SELECT arg_max(run_id, seq) FROM events "
                   "WHERE kind = 'worker_placed')")
 # the last run (or verify sweep): how long it took and how fast it went (the `runs` view)
-LAST_RUN = ("SELECT run_id, kind, outcome, started_at, finished_at, written, tokens, nbytes, duration_s, samples_per_s, "
-            "tokens_per_s, mb_per_s FROM runs ORDER BY started_at DESC LIMIT 1")
+# (by the log's order, not by wall time: after the clock was set back, a later run starts "earlier")
+LAST_RUN = ("SELECT run_id, kind, outcome, started_at, finished_at, written, tokens, nbytes, duration_s, active_s, "
+            "samples_per_s, tokens_per_s, mb_per_s FROM runs ORDER BY started_seq DESC LIMIT 1")
 # why the last run that probed a server trusted it (--trust-server: its configuration could not be read); NULL when
 # it did not
 LAST_RUN_TRUST = ("SELECT max(json_extract_string(detail, '$.trusted')) FROM events WHERE kind = "
@@ -346,9 +358,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query, status_snapshot  # noqa: PLC0415
     from builder.space.capacity import capacity_of  # noqa: PLC0415
+    from builder.space.probe import require_answering  # noqa: PLC0415
     from builder.space.watermarks import ballast_info  # noqa: PLC0415
 
-    lay = layout(args.build).require()
+    lay = layout(args.build)
+    require_answering(lay)  # a volume that does not answer: one line within HSBUILD_STALL_S, not a hang
+    lay.require()
 
     def offline_extra(log, prog: dict) -> dict:  # with no owner: all of it from one open log
         trust = log.query(LAST_RUN_TRUST)[1]
@@ -383,8 +398,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_sql(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import run_query  # noqa: PLC0415
+    from builder.space.probe import require_answering  # noqa: PLC0415
 
-    cols, rows = run_query(layout(args.build).require(), args.query, timeout=args.timeout,
+    lay = layout(args.build)
+    require_answering(lay)  # a volume that does not answer: one line within HSBUILD_STALL_S, not a hang
+    cols, rows = run_query(lay.require(), args.query, timeout=args.timeout,
                            on_note=lambda m: print(m, file=sys.stderr))
     print_rows(cols, rows, _fmt(args))
     return EXIT_OK

@@ -12,13 +12,22 @@ def add_commands(sub, out) -> None:
     p = sub.add_parser("doctor", parents=[out],
                        help="check GPUs, storage, build state and environment; works during a run",
                        description="One line per check (OK / WARN / FAIL) with the fix. Exit code 4 when a "
-                                   "check FAILs (a problem that makes `run` refuse to start), else 0.")
+                                   "check FAILs (a problem that makes `run` refuse to start), else 0. It only reads "
+                                   "the build (--probe, --record: it writes), and names a volume that does not "
+                                   "answer within HSBUILD_STALL_S instead of waiting for it.")
     p.add_argument("build")
     p.add_argument("--device", help="check for this device instead of the config's (auto, cpu, cuda[:N])")
     p.add_argument("--gpu-mem-threshold", type=size, default=None, metavar="SIZE",
                    help="foreign GPU memory above this on a GPU the build uses is blocking (default 1G)")
-    p.add_argument("--no-probe", action="store_true", help="skip the write-and-fsync probe of the build directory")
-    p.add_argument("--no-record", action="store_true", help="do not record a `doctor` event in the build")
+    p.add_argument("--probe", dest="probe", action="store_true",
+                   help="also write and fsync 4 MB in the build directory (a file removed after) to time the volume "
+                        "and find writes that hang; without it doctor writes nothing to the build")
+    p.add_argument("--record", dest="record", action="store_true",
+                   help="record this report as a `doctor` event in the build's log (takes the build lock for a "
+                        "moment, after a write probe); without it doctor writes nothing to the build")
+    # the defaults since doctor writes nothing unless asked; still accepted
+    p.add_argument("--no-probe", dest="probe", action="store_false", help=argparse.SUPPRESS)
+    p.add_argument("--no-record", dest="record", action="store_false", help=argparse.SUPPRESS)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -28,7 +37,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from builder.layout import layout  # noqa: PLC0415
 
     threshold = GPU_MEM_THRESHOLD if args.gpu_mem_threshold is None else args.gpu_mem_threshold
-    report = run_doctor(layout(args.build), device=args.device, record=not args.no_record, probe=not args.no_probe,
+    report = run_doctor(layout(args.build), device=args.device, record=args.record, probe=args.probe,
                         gpu_mem_threshold=threshold)
     if getattr(args, "json", False):
         print_json(report.as_dict())

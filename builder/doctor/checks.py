@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import socket
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,21 +23,13 @@ from builder.doctor import gpu, procinfo
 from builder.errors import HsbuildError
 from builder.extract.arrow_source import is_dataset_dir
 from builder.extract.spec import is_builtin
-from builder.humanize import human_bytes, pct
+from builder.humanize import human_bytes
 from builder.layout import BuildLayout
 from builder.log.lock import LockState, pid_alive
 from builder.log.query import jsonable, run_query
-from builder.mounts import mount_entry, mount_of, parse_mountinfo, system_mounts
-from builder.space.watermarks import SpaceMonitor, disk_usage
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 GPU_MEM_THRESHOLD = 1 << 30  # foreign GPU memory above this on a device the build uses is blocking
-PROBE_BYTES = 4 << 20
-PROBE_BLOCK = 1 << 20
-SLOW_FSYNC_S = 0.2
-SLOW_WRITE_BPS = 20e6
-VOLATILE_FS = {"tmpfs", "ramfs"}
-NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "ceph", "glusterfs", "lustre", "9p", "gpfs", "beegfs"}
 MAX_FINGERPRINT_PARAMS = 50_000_000  # builtin models above this are not rebuilt just to fingerprint them
 
 Query = Callable[[str], tuple[list[str], list[list]]]
@@ -388,222 +379,8 @@ def _device_check(ctx: Context, d: gpu.GpuDevice, gpu_build: bool, in_use: bool,
     return Check(name, OK, f"{d.name}: {mem}{util}{note}", data=data, details=details)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Storage
-# ---------------------------------------------------------------------------------------------------
-
-
-def check_filesystem(ctx: Context, mounts_text: str | None = None) -> Check:
-    found = mount_of(ctx.lay.root, mounts_text)
-    m = found.as_dict() if found else {"mount_point": None, "fstype": None, "device": None}
-    fs = m["fstype"] or "?"
-    summary = f"{ctx.lay.root} is on {fs} ({m['device']} at {m['mount_point']})"
-    if fs in VOLATILE_FS:
-        return Check("storage.filesystem", WARN, summary + ": volatile, lost on reboot",
-                     "move the build to a persistent disk (hsbuild init a new build there)", m)
-    base = fs.split(".", 1)[0]
-    if base in NETWORK_FS or fs.startswith("fuse."):
-        summary += "; a network/FUSE filesystem: free space is the client's view"
-    return Check("storage.filesystem", OK, summary, data=m)
-
-
-# Where flock(2) on hsbuild.lock excludes every other owner (docs/design.md, "The build lock").
-LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs", "ramfs", "overlay", "jfs",
-            "reiserfs", "nilfs2", "hfsplus", "vfat", "exfat"}
-
-
-def lock_safety(fstype: str, options: dict[str, str | None]) -> tuple[str, str]:
-    """(status, why): does flock(2) on this filesystem exclude owners on every host that mounts it?"""
-    base = fstype.split(".", 1)[0]
-    if fstype in LOCAL_FS:
-        return OK, f"{fstype} is a local filesystem: flock excludes every other process"
-    if base in ("nfs", "nfs4"):
-        local = options.get("local_lock")
-        if "nolock" in options:
-            return FAIL, "NFS mounted with nolock: flock is local to each client host"
-        if local in ("flock", "all"):
-            return FAIL, f"NFS mounted with local_lock={local}: flock is local to each client host"
-        if local in ("none", "posix"):
-            return OK, f"NFS (local_lock={local}): flock is forwarded to the server as a lock every client sees"
-        return WARN, "NFS whose lock options are not shown: flock may be local to each client host"
-    if base == "lustre":
-        if "localflock" in options:
-            return FAIL, "Lustre mounted with localflock: flock is local to each client node"
-        if "flock" in options:
-            return OK, "Lustre mounted with flock: flock is coherent across client nodes"
-        return FAIL, "Lustre without the flock mount option: flock is not supported"
-    if base in ("fuse", "fuseblk"):
-        return WARN, f"{fstype} (FUSE): whether flock reaches other hosts depends on the filesystem daemon"
-    if base == "ceph":
-        return WARN, "CephFS (kernel client): flock is coherent across clients through the MDS, but a client " \
-                     "evicted by the cluster loses its locks while its process runs on"
-    if base in ("cifs", "smb3", "gpfs", "beegfs", "9p", "glusterfs", "ocfs2", "gfs2", "orangefs"):
-        return WARN, f"{fstype} is shared between hosts: flock may not exclude a run on another host"
-    return WARN, f"unknown filesystem type {fstype}: cannot tell whether flock excludes other hosts"
-
-
-def check_locking(ctx: Context, mountinfo_text: str | None = None) -> Check:
-    """Is the build's filesystem safe for the event log's single-owner lock?"""
-    mounts = parse_mountinfo(mountinfo_text) if mountinfo_text is not None else system_mounts()
-    m = mount_entry(ctx.lay.root, mounts)
-    if m is None:
-        return Check("storage.locking", WARN, f"cannot tell which filesystem holds {ctx.lay.root} (no mount table)",
-                     "make sure no two hosts run hsbuild on this build at once", {"fstype": None})
-    status, why = lock_safety(m.fstype, m.options)
-    fix = None
-    if status != OK:
-        fix = ("keep the build (its events.duckdb and hsbuild.lock) on a local disk, or make sure only one host "
-               "ever runs hsbuild on it" + ("; for Lustre mount with -o flock" if m.fstype == "lustre" else "")
-               + ("; for NFS mount without nolock/local_lock" if m.fstype.startswith("nfs") else ""))
-    return Check("storage.locking", status, f"build lock: {why}", fix, m.as_dict())
-
-
-def _meta(q: Query) -> dict:
+def meta_of(q: Query) -> dict:
     return {k: json.loads(v) for k, v in q("SELECT key, value FROM meta")[1]}
-
-
-FULL_BYTES = 1 << 20  # below this much free space the volume counts as full: the event log may not commit
-
-
-def _full(ctx: Context, u) -> Check | None:
-    if u.free >= FULL_BYTES:
-        return None
-    return Check("storage.space", WARN if ctx.for_run else FAIL,
-                 f"the volume is full: {human_bytes(u.free)} free of {human_bytes(u.total)}; the event log cannot "
-                 "commit, so run/resume/verify/gc cannot record anything",
-                 f"free space on the volume of {ctx.lay.root} (`hsbuild gc` removes orphaned bytes; see "
-                 "docs/runbook.md), then `hsbuild resume`", {"free_bytes": u.free, "total_bytes": u.total,
-                                                            "full": True})
-
-
-def check_space(ctx: Context) -> Check:
-    full = _full(ctx, disk_usage(ctx.lay.root))
-    if full is not None:
-        return full
-    if ctx.query is None:
-        u = disk_usage(ctx.lay.root)
-        return Check("storage.space", WARN, f"{human_bytes(u.free)} free ({u.usage:.1%} used); projected need "
-                     f"unknown (build state unreadable: {ctx.query_error})", data={"free_bytes": u.free})
-    q = ctx.query
-    meta = _meta(q)
-    row = q("SELECT sum(nbytes), sum(num_tokens), sum(source_tokens) FILTER "
-            "(WHERE state NOT IN ('written', 'verified')), count(*) FILTER "
-            "(WHERE state NOT IN ('written', 'verified', 'failed')) FROM samples")[1][0]
-    done_bytes, done_tokens, remaining, remaining_samples = (int(v or 0) for v in row)
-    measured = done_bytes / done_tokens if done_bytes and done_tokens else None
-    if ctx.cfg.max_tokens:
-        remaining = min(remaining, remaining_samples * ctx.cfg.max_tokens)
-    mon = SpaceMonitor(ctx.lay, dataclasses.replace(ctx.cfg, staging=None))
-    p = mon.projection(remaining, meta, measured)
-    wm = ctx.cfg.watermarks
-    usage = 1 - p["free_bytes"] / p["total_bytes"] if p["total_bytes"] else 1.0
-    data = {**p, "usage": round(usage, 4), "final_bytes": done_bytes + p["projected_bytes"], "low": wm.low,
-            "high": wm.high, "flood": wm.flood, "min_free": wm.min_free}
-    summary = (f"{human_bytes(p['free_bytes'])} free of {human_bytes(p['total_bytes'])} ({usage:.1%} used); "
-               f"projected {human_bytes(p['projected_bytes'])} more at {p['bytes_per_token']} B/token, {p['basis']}")
-    if not p["fits"]:
-        fix = ("free space or move the build; `hsbuild run --allow-overcommit` starts anyway and pauses writers at "
-               "the watermark")
-        # In a run, the watermark preflight right after decides (exit 3, or --allow-overcommit): not blocking here.
-        status = WARN if ctx.for_run else FAIL
-        return Check("storage.space", status, summary + f": does NOT fit below the high watermark ({pct(wm.high)})",
-                     fix, data)
-    if usage >= wm.low or (wm.min_free and p["free_bytes"] < wm.min_free):
-        return Check("storage.space", WARN, summary + f"; fits, but usage is past the low watermark ({pct(wm.low)})",
-                     "free space before the build grows: writers pause at the high watermark", data)
-    return Check("storage.space", OK, summary + f"; fits below the high watermark ({pct(wm.high)})", data=data)
-
-
-def check_staging(ctx: Context) -> Check | None:
-    if not ctx.cfg.staging:
-        return None
-    path = Path(ctx.cfg.staging)
-    if not path.is_dir():
-        return Check("storage.staging", FAIL, f"staging directory {path} does not exist",
-                     f"create it (mkdir -p {path}) or remove `staging` from hsbuild.toml", {"path": str(path)})
-    u = disk_usage(path)
-    found = mount_of(path)
-    m = found.as_dict() if found else {"mount_point": None, "fstype": None, "device": None}
-    data = {"path": str(path), "free_bytes": u.free, "total_bytes": u.total, "usage": round(u.usage, 4), **m}
-    summary = f"staging {path} ({m['fstype'] or '?'}): {human_bytes(u.free)} free ({u.usage:.1%} used)"
-    wm = ctx.cfg.watermarks
-    if u.usage >= wm.high or (wm.min_free and u.free < wm.min_free):
-        return Check("storage.staging", WARN, summary + f": past the high watermark ({pct(wm.high)}), writers will "
-                     "pause at once", f"free space in {path}", data)
-    return Check("storage.staging", OK, summary, data=data)
-
-
-def write_probe(directory: Path, nbytes: int = PROBE_BYTES, block: int = PROBE_BLOCK) -> dict:
-    """Write nbytes in blocks with an fsync after each, then remove the file. Raises OSError."""
-    path = directory / f".hsbuild-doctor-probe-{os.getpid()}"
-    buf = os.urandom(block)
-    fsyncs: list[float] = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        t0 = time.perf_counter()
-        for _ in range(max(1, nbytes // block)):
-            os.write(fd, buf)
-            t = time.perf_counter()
-            os.fsync(fd)
-            fsyncs.append(time.perf_counter() - t)
-        total = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-    written = max(1, nbytes // block) * block
-    return {"bytes": written, "seconds": round(total, 4), "throughput_bps": int(written / total) if total else None,
-            "fsync_median_s": round(statistics.median(fsyncs), 5), "fsync_max_s": round(max(fsyncs), 5)}
-
-
-STALL_CAUSES = ("writes to it do not return, while reads and free-space figures may look fine. Likely causes: a "
-                "Ceph pool, thin-provisioned volume or cloud disk that is out of space behind the filesystem "
-                "(it never answers ENOSPC), an NFS or SMB server that is gone or overloaded, a failing disk. "
-                "What to do: check the pool or volume under it (`ceph df`, `lvs`, the cloud console), the NFS "
-                "server, `dmesg` for hung tasks; the run loses nothing and goes on by itself once writes return "
-                "(a process waiting on the volume cannot be killed until then)")
-
-
-def check_stall(ctx: Context, live_status: dict | None) -> Check:
-    """The build's volume stalled: the owner says so (live), or the last stall it logged never ended (it was
-    killed during one). Never a failure of a sample: the owner waits it out."""
-    stall = (live_status or {}).get("stalled")
-    if stall:
-        return Check("storage.stall", FAIL, f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on "
-                     f"{stall['path']} ({stall['filesystem']}): {STALL_CAUSES}",
-                     "free or grow the pool/volume under the build (or bring its server back); nothing to do in "
-                     "hsbuild", {"stalled": stall})
-    if ctx.query is not None and live_status is None:
-        try:
-            _, rows = ctx.query("SELECT kind, detail FROM events WHERE kind IN ('stalled', 'unstalled') "
-                                "ORDER BY seq DESC LIMIT 1")
-        except HsbuildError:
-            rows = []
-        if rows and rows[0][0] == "stalled":
-            d = json.loads(rows[0][1] or "{}")
-            return Check("storage.stall", WARN, f"the last owner logged a stall ({d.get('what')} on "
-                         f"{d.get('path')}, {d.get('filesystem')}) that it never saw end: it ended during one. "
-                         + STALL_CAUSES, f"make sure writes to {ctx.lay.root} return, then `hsbuild resume "
-                         f"{ctx.lay.root}`", {"last_stall": d})
-    return Check("storage.stall", OK, "no stalled writes" + (" (the owner says so)" if live_status else ""))
-
-
-def check_probe(ctx: Context) -> Check:
-    u = disk_usage(ctx.lay.root)
-    if u.free < 16 * PROBE_BYTES:
-        return Check("storage.probe", WARN, f"write probe skipped: only {human_bytes(u.free)} free",
-                     "free space on the build's volume", {"skipped": True})
-    try:
-        r = write_probe(ctx.lay.root)
-    except OSError as e:
-        return Check("storage.probe", FAIL, f"cannot write to {ctx.lay.root}: {e}",
-                     "check permissions, a read-only remount, or a full/failed volume (dmesg)", {"error": str(e)})
-    summary = (f"wrote {human_bytes(r['bytes'])} at {human_bytes(r['throughput_bps'] or 0)}/s, fsync "
-               f"{r['fsync_median_s'] * 1000:.1f} ms median ({r['fsync_max_s'] * 1000:.1f} ms max)")
-    if r["fsync_median_s"] > SLOW_FSYNC_S or (r["throughput_bps"] or 0) < SLOW_WRITE_BPS:
-        return Check("storage.probe", WARN, summary + ": slow storage",
-                     "expect a slow run: every log commit and sealed chunk is fsynced; check the volume's health",
-                     r)
-    return Check("storage.probe", OK, summary, data=r)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -758,7 +535,7 @@ def check_fingerprints(ctx: Context) -> Check:
     """The config's format keys and the model against the build's. Either differing is never overridable:
     a build holds one format (run refuses whatever --force says)."""
     assert ctx.query is not None
-    meta = _meta(ctx.query)
+    meta = meta_of(ctx.query)
     want_cfg, have_cfg = meta.get("config_fingerprint"), ctx.cfg.fingerprint()
     changes = ctx.cfg.format_changes(meta)
     data: dict = {"config_fingerprint": have_cfg, "build_config_fingerprint": want_cfg,
@@ -818,7 +595,7 @@ def check_server(ctx: Context) -> Check | None:
 
     ex = Extractor(ctx.cfg.model, ctx.cfg.aux_layers or None, ctx.cfg.dtype, device="cpu", load_weights=False)
     query = ctx.query or (lambda sql: run_query(ctx.lay, sql))  # standalone doctor, before it takes the lock
-    meta = _meta(query)
+    meta = meta_of(query)
     want = Expected(model=str(Path(ctx.cfg.model).absolute()), staging=str(Path(ctx.cfg.staging or "").absolute()),
                     layer_ids=list(meta.get("engine_layer_ids") or engine_layer_ids(ex.aux_layers, ex.num_layers)),
                     dtype=ctx.cfg.dtype)  # as builder/extract/backends/vllm_server.py's engine_spec

@@ -5,9 +5,12 @@ each ok/warn/fail with a fix), `render_lines` turns one into text for people, an
 `PreflightError` on blocking ('fail') problems unless forced. The report goes into the event log as
 `Event('doctor', reason=<worst status>, detail=<the report as JSON>)` so SQL can show it later.
 
-Standalone doctor works whether or not a run is going: while a live process holds the build lock it never
-opens the DuckDB file (the owner holds it) and asks the owner over its socket (`query.run_query`); otherwise
-it takes the lock for the moment it reads the build state and records its event.
+Standalone doctor works whether or not a run is going, and writes nothing to the build: it first reads the build's
+storage from a child process with a deadline (builder/space/probe.py: a volume that does not answer is named,
+`storage.stall`, instead of holding doctor in the kernel); while a live process holds the build lock it never
+opens the DuckDB file (the owner holds it) and asks the owner over its socket (`query.run_query`); otherwise it
+opens the log read-only. Only when asked does it write: `probe` (a 4 MB write probe, in the child) and `record`
+(it takes the lock for a moment and records its report as a `doctor` event). A run's preflight records its own.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 from builder.config import BuildConfig, load_config
 from builder.doctor import checks as dc
+from builder.doctor import storage as ds
 from builder.doctor.checks import FAIL, OK, WARN, Check, Context, plural
 from builder.errors import BuildLockedError, DiskFullError, HsbuildError, PreflightError
 from builder.extract.spec import check_device_spec
@@ -29,6 +33,8 @@ from builder.layout import BuildLayout
 from builder.log.events import Event, EventLog, open_log
 from builder.log.lock import BuildLock, LockState, inspect_lock
 from builder.log.query import jsonable, run_query, status_snapshot
+from builder.log.stall import stall_limit
+from builder.space import probe as space_probe
 
 __all__ = ["Check", "DoctorReport", "run_doctor", "preflight_for_run", "render_lines", "OK", "WARN", "FAIL"]
 
@@ -79,30 +85,45 @@ class DoctorReport:
 # ---------------------------------------------------------------------------------------------------
 
 
+# Checks whose worst finding is a WARN: they inform, never block. A crash of one of them is a WARN too.
+ADVISORY = frozenset({"storage.filesystem", "build.lock", "build.interrupted", "build.failed"})
+
+
+def crash_line(e: BaseException) -> str:
+    """'TypeError: first line of its message', for one line of a report."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def _guard(name: str, fn: Callable[[], Check | list[Check] | None]) -> list[Check]:
-    """A check that crashes is a finding (WARN), never the end of doctor."""
+    """A check that crashes is a finding, never the end of doctor. Fails closed: a check that can block a run
+    (anything but ADVISORY) and could not run is a FAIL naming it and the exception, so `run` refuses unless
+    --force, as it would for the problem the check was to rule out."""
     try:
         out = fn()
     except Exception as e:  # noqa: BLE001
-        return [Check(name, WARN, f"check could not run ({type(e).__name__}: {e})",
-                      "report this to the hsbuild maintainers with the message")]
+        why = crash_line(e)
+        fix = "report this to the hsbuild maintainers with this line"
+        if name in ADVISORY:
+            return [Check(name, WARN, f"check could not run ({why})", fix, {"crashed": why})]
+        return [Check(name, FAIL, f"check crashed ({why}): cannot tell whether this blocks the build", fix
+                      + "; once you made sure by hand, --force starts the run anyway", {"crashed": why})]
     if out is None:
         return []
     return out if isinstance(out, list) else [out]
 
 
-def _system_checks(ctx: Context, probe: bool) -> list[Check]:
-    """Checks that do not read the event log: environment, GPUs, filesystem."""
+def _system_checks(ctx: Context) -> list[Check]:
+    """Checks that do not read the event log: environment, GPUs, filesystem (the write probe apart: `_probe_checks`)."""
     checks = _guard("env.torch", lambda: dc.check_torch(ctx))
     checks += _guard("env.model", lambda: dc.check_model(ctx))
     checks += _guard("env.source", lambda: dc.check_source(ctx))
     checks += _guard("env.engine_orphans", lambda: dc.check_engine_orphans(ctx))
     checks += _guard("gpu", lambda: dc.check_gpus(ctx))
-    checks += _guard("storage.filesystem", lambda: dc.check_filesystem(ctx))
-    checks += _guard("storage.locking", lambda: dc.check_locking(ctx))
-    checks += _guard("storage.staging", lambda: dc.check_staging(ctx))
-    if probe:
-        checks += _guard("storage.probe", lambda: dc.check_probe(ctx))
+    checks += _guard("storage.filesystem", lambda: ds.check_filesystem(ctx))
+    checks += _guard("storage.writable", lambda: ds.check_writable(ctx))
+    checks += _guard("storage.locking", lambda: ds.check_locking(ctx))
+    checks += _guard("storage.staging", lambda: ds.check_staging(ctx))
     if not ctx.for_run:  # a run probes the server itself, after waiting for it
         checks += _guard("env.server", lambda: dc.check_server(ctx))
     _guard("build.fingerprint", lambda: dc.prepare_model_fingerprint(ctx) and None)
@@ -112,7 +133,7 @@ def _system_checks(ctx: Context, probe: bool) -> list[Check]:
 def _state_checks(ctx: Context, lock_state: LockState | None, previous_owner: dict | None) -> list[Check]:
     """Checks of the build state (through ctx.query) and of the lock."""
     checks = _guard("build.lock", lambda: dc.check_lock(ctx, lock_state, previous_owner))
-    checks += _guard("storage.space", lambda: dc.check_space(ctx))
+    checks += _guard("storage.space", lambda: ds.check_space(ctx))
     if ctx.query is None:
         return checks + [Check("build.state", WARN, f"the event log could not be read: {ctx.query_error}",
                                "try again; if it persists, see `hsbuild status`")]
@@ -175,10 +196,21 @@ def _build_reader(lay: BuildLayout, record: bool) -> Iterator[tuple[str, EventLo
         log.close()
 
 
-def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = True, probe: bool = True,
+def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = False, probe: bool = False,
                gpu_mem_threshold: int = dc.GPU_MEM_THRESHOLD,
                cgroup_reader: Callable[[int], str | None] | None = None) -> DoctorReport:
-    """Standalone doctor. Records a `doctor` event when no run is going (and `record`)."""
+    """Standalone doctor. Writes nothing to the build unless asked: `probe` makes the 4 MB write probe, `record`
+    records the report as a `doctor` event (when no run is going; it takes the build lock for a moment). The
+    build's storage is read first by a child within HSBUILD_STALL_S: a volume that does not answer gives a
+    report naming the stall (storage.stall FAIL) without reading anything else of it.
+
+    A write probe that does not return leaves its create pending in the build directory, which holds every later
+    lookup there: it is made last (`probe`), or, when recording, first (recording writes: a volume whose writes
+    hang records nothing), and then nothing more of the build is read."""
+    limit = stall_limit()
+    seen = space_probe.probe(space_probe.reader_steps(lay), limit, lay.root)
+    if seen.stuck is not None:
+        return _stalled_report(lay, device, seen)
     lay.require()
     cfg = load_config(lay)
     dev = device or cfg.device
@@ -201,7 +233,13 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
             live_status = status_snapshot(lay)
         except HsbuildError:
             live_status = None
-    checks = _system_checks(ctx, probe and not (live_status or {}).get("stalled"))
+    may_write = not (live_status or {}).get("stalled")
+    written = None
+    if record and may_write and not first.held:
+        written = space_probe.probe([space_probe.write_step(lay.root)], limit, lay.root)
+        if written.stuck is not None:
+            return _stalled_report(lay, device, written)
+    checks = _system_checks(ctx)
     with _build_reader(lay, record) as (how, log, state):
         ctx.live = how == "live"
         if how == "live":
@@ -215,9 +253,13 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
         else:
             assert log is not None
             ctx.query = log.query
-        checks.append(dc.check_stall(ctx, live_status if how == "live" else None))
         # `state`: the lock as it was before doctor took it (doctor's own lock would hide a stale one)
         checks += _state_checks(ctx, state, None)
+        if probe and may_write and written is None:  # last: nothing of the build is read after it
+            written = space_probe.probe([space_probe.write_step(lay.root)], limit, lay.root)
+        checks += _guard("storage.probe", lambda: ds.check_probe(ctx, written))
+        checks += _guard("storage.stall", lambda: ds.check_stall(ctx, live_status if how == "live" else None,
+                                                                 written if written is not None else seen))
         report.checks = _ordered(checks)
         if how == "locked" and log is not None:
             try:
@@ -227,6 +269,17 @@ def run_doctor(lay: BuildLayout, *, device: str | None = None, record: bool = Tr
                 report.checks = _ordered(report.checks + [Check(
                     "storage.record", FAIL, f"cannot record this report: {e}",
                     f"free space on the volume of {lay.root}, then `hsbuild resume`", {"recorded": False})])
+    return report
+
+
+def _stalled_report(lay: BuildLayout, device: str | None, seen: space_probe.ProbeResult) -> DoctorReport:
+    """The report for a build whose volume does not answer a read: the stall, and nothing else read of it."""
+    stall = seen.stall() or {}
+    report = DoctorReport(str(lay.root), "doctor", device or "?")
+    report.checks = [ds.stalled(stall), Check(
+        "build.state", WARN, "not read: doctor reads nothing more of a volume that does not answer (the build's "
+        "configuration, lock and log included)", f"once {lay.root} answers again, run `hsbuild doctor` again",
+        {"read": False})]
     return report
 
 
@@ -251,7 +304,12 @@ def preflight_for_run(lay: BuildLayout, cfg: BuildConfig, log: EventLog, force: 
     report = DoctorReport(str(lay.root), "run", dev, run_id=run_id)
     ctx = Context(lay, cfg, dev, set(own_pids) | {os.getpid()}, for_run=True, query=log.query,
                   gpu_mem_threshold=gpu_mem_threshold, cgroup_reader=cgroup_reader)
-    checks = _system_checks(ctx, probe) + _state_checks(ctx, None, previous_owner)
+    checks = _system_checks(ctx) + _state_checks(ctx, None, previous_owner)
+    if probe:  # in a child within HSBUILD_STALL_S: a volume whose writes hang is a FAIL, not a hang here
+        written = space_probe.probe([space_probe.write_step(lay.root)], stall_limit(), lay.root)
+        checks += _guard("storage.probe", lambda: ds.check_probe(ctx, written))
+        if written.stuck is not None:
+            checks += [ds.check_stall(ctx, None, written)]
     report.checks = _ordered(checks)
     report.forced = bool(force and report.problems and not unforceable(report))
     try:
@@ -281,7 +339,8 @@ def render_lines(report: DoctorReport, only_problems: bool = False) -> list[str]
     is referred to instead of repeated."""
     width = max((len(c.name) for c in report.checks), default=8)
     mode = "GPU" if report.gpu_build else "CPU"
-    lines = [f"hsbuild doctor {report.build}: device {report.device} ({mode} build)"]
+    lines = [f"hsbuild doctor {report.build}: device {report.device} ({mode} build)" if report.device != "?" else
+             f"hsbuild doctor {report.build}: its volume does not answer"]
     shown: dict[str, str] = {}
     for c in report.checks:
         if only_problems and c.status == OK:

@@ -1,8 +1,8 @@
 """The build lock: one owner of the event log at a time.
 
-`hsbuild.lock` is held with flock(2) by the owner (a run, a verify sweep, gc, doctor for a moment). The kernel
-releases the flock when the owner dies, even by SIGKILL, so a lock file whose flock is free is stale and safe
-to take over; its JSON record still names the dead owner, which `doctor` reports. A clean exit blanks the
+`hsbuild.lock` is held with flock(2) by the owner (a run, a verify sweep, gc, `doctor --record` for a moment).
+The kernel releases the flock when the owner dies, even by SIGKILL, so a lock file whose flock is free is stale
+and safe to take over; its JSON record still names the dead owner, which `doctor` reports. A clean exit blanks the
 record. What is guaranteed where (local vs network filesystems) is in docs/design.md, "The build lock".
 
 - Inspecting (`status`, `sql`, `doctor`) never takes the lock: on Linux it reads /proc/locks, so a probe can

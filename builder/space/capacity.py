@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from builder.config import load_config
+from builder.config import BuildConfig, load_config
 from builder.humanize import human_bytes, pct
 from builder.layout import BuildLayout
 from builder.log.events import EventLog, open_log
@@ -48,12 +48,19 @@ def _per_token(nbytes: int | None, tokens: int | None) -> float | None:
     return nbytes / tokens if nbytes and tokens else None
 
 
+def capacity_from(lay: BuildLayout, cfg: BuildConfig, progress: dict, meta: dict) -> dict:
+    """The one answer to "how much more space will this build need, and does it fit", for a reader (`status`
+    with no owner, `doctor` with or without one): the projection of `project_from` (retired samples not
+    counted) and the volume's figures, given the build's `progress` row and meta. Reads, writes nothing."""
+    mon = SpaceMonitor(lay, cfg)
+    return {**project_from(progress, mon, meta), **mon.snapshot()}
+
+
 def capacity_of(lay: BuildLayout, log: EventLog, progress: dict | None = None) -> dict:
     """Projection and disk figures for a build no process owns, from its open log (and its `progress` row, if
     read already)."""
-    cfg = load_config(lay)
-    mon = SpaceMonitor(lay, cfg)
-    return {**project(log, mon, progress=progress), **mon.snapshot(), "paused": False, "pause_reason": None}
+    prog = progress if progress is not None else log.progress()
+    return {**capacity_from(lay, load_config(lay), prog, log.meta()), "paused": False, "pause_reason": None}
 
 
 def capacity_for(lay: BuildLayout) -> dict:

@@ -279,15 +279,22 @@ class SpaceMonitor:
                    remaining_samples: int = 0) -> dict:
         """Bytes the rest of the build will take on disk. Measured: allocated bytes per token of what is written
         (block rounding, shard indices and manifests included). Before that: the uncompressed bound plus each
-        sample's padding and per-file costs."""
-        self.size_ballast(remaining_samples)
+        sample's padding and per-file costs.
+
+        Pure: it reads the volume's figures and changes nothing, neither this monitor (its ballast size, its
+        figures) nor the ballast file. A live run's `status` computes it from the query thread while the run's
+        own thread manages the monitor; `preflight` sizes the ballast itself."""
         bpt = measured_bpt or estimate_bytes_per_token(meta)
         need = int(remaining_tokens * bpt)
         if not measured_bpt:
             need += int(remaining_samples * estimate_bytes_per_sample(meta, self.block_size))
-        u = self.refresh()[0]
-        ballast_now = self.lay.ballast.stat().st_size if self.lay.ballast.exists() else 0
-        limit = int(u.total * self.wm.high) - (u.used - ballast_now) - self.ballast_size
+        u = disk_usage(self.lay.root)
+        ballast = ballast_target(u.total, log_bytes(self.lay), remaining_samples)
+        try:
+            ballast_now = self.lay.ballast.stat().st_size
+        except OSError:
+            ballast_now = 0
+        limit = int(u.total * self.wm.high) - (u.used - ballast_now) - ballast
         return {"remaining_tokens": remaining_tokens, "bytes_per_token": round(bpt, 1),
                 "basis": "measured" if measured_bpt else "estimate (uncompressed)", "projected_bytes": need,
                 "free_bytes": u.free, "total_bytes": u.total, "room_below_high": limit, "fits": need <= limit}
@@ -302,6 +309,7 @@ class SpaceMonitor:
     def preflight(self, remaining_tokens: int, meta: dict, measured_bpt: float | None, allow_overcommit: bool,
                   echo, remaining_samples: int = 0) -> dict:
         """Refuse (WontFitError) a run whose projected size does not fit below `high`, unless overcommitting."""
+        self.size_ballast(remaining_samples)  # the run's ballast, for the samples it starts with
         p = self.projection(remaining_tokens, meta, measured_bpt, remaining_samples)
         if not p["fits"]:
             msg = (f"projected {human_bytes(p['projected_bytes'])} more ({p['basis']}: {p['bytes_per_token']} B/token) "

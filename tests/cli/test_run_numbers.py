@@ -21,18 +21,29 @@ def test_runs_and_status_give_duration_and_throughput(make_build, cli):
         [run] = log.query_dicts("SELECT * FROM runs")
         span = log.query("SELECT epoch(max(ts) FILTER (WHERE kind = 'run_finished')) - "
                          "epoch(min(ts) FILTER (WHERE kind = 'run_started')) FROM events")[1][0][0]
+        # no pause: the time spent extracting is from the first sample started to the last one written
+        active = log.query("SELECT epoch(max(ts) FILTER (WHERE kind = 'written')) - "
+                           "epoch(min(ts) FILTER (WHERE kind = 'started')) FROM events")[1][0][0]
         tokens, nbytes = log.query("SELECT sum(num_tokens), sum(nbytes) FROM events WHERE kind = 'written'")[1][0]
     assert run["written"] == 12 and run["tokens"] == tokens and run["nbytes"] == nbytes
     assert run["duration_s"] == pytest.approx(span, abs=0.002) and run["duration_s"] > 0
-    assert run["samples_per_s"] == pytest.approx(12 / span, rel=1e-3)
-    assert run["tokens_per_s"] == pytest.approx(tokens / span, rel=1e-3)
-    assert run["mb_per_s"] == pytest.approx(nbytes / 1e6 / span, rel=1e-2, abs=1e-3)  # (the view rounds to 3 decimals)
+    assert run["active_s"] == pytest.approx(active, abs=0.002) and run["active_s"] < run["duration_s"]
+    if active > 0:
+        assert run["samples_per_s"] == pytest.approx(12 / active, rel=1e-3)
+        assert run["tokens_per_s"] == pytest.approx(tokens / active, rel=1e-3)
+        assert run["mb_per_s"] == pytest.approx(nbytes / 1e6 / active, rel=1e-2, abs=1e-3)  # (rounded: 3 decimals)
+    else:  # every sample started and written within one commit of the log (its times are the commits'): no rate
+        assert run["samples_per_s"] is None and run["tokens_per_s"] is None
 
     st = json.loads(cli("status", build, "--json").stdout)
     assert st["last_run"]["run_id"] == run["run_id"] and st["last_run"]["samples_per_s"] == run["samples_per_s"]
     text = cli("status", build).stdout
     line = next(ln for ln in text.splitlines() if ln.startswith("run:"))
-    assert "last run (completed)" in line and "12 written" in line and "samples/s" in line and "MB/s" in line, text
+    assert "last run (completed)" in line and "12 written" in line and f"{run['duration_s']:.1f} s (wall)" in line
+    if active > 0:
+        assert "samples/s" in line and "MB/s" in line and f"over {run['active_s']:.1f} s extracting" in line, line
+    else:
+        assert "too fast to time" in line, line
 
 
 def test_no_third_party_progress_bars_in_a_run(tmp_path, cli):

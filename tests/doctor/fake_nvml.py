@@ -36,6 +36,9 @@ class FakeGpu:
     util: int = 0
     procs: list[tuple[int, int | None, str]] = field(default_factory=list)  # (pid, used bytes, NVML name)
     fail: set[str] = field(default_factory=set)  # queries that raise NVMLError: memory, utilization, processes
+    # queries that raise something else, as a pynvml built for another driver does (its process struct does not
+    # match the driver's: a TypeError out of ctypes, no NVMLError): a check that crashes
+    crash: set[str] = field(default_factory=set)
 
 
 class FakeNVML:
@@ -83,6 +86,8 @@ class FakeNVML:
     def nvmlDeviceGetComputeRunningProcesses(self, h: FakeGpu) -> list[SimpleNamespace]:  # noqa: N802
         if "processes" in h.fail:
             raise NVMLError_Unknown()
+        if "processes" in h.crash:
+            raise TypeError("c_nvmlProcessInfo_v3_t: expected 4 fields, the driver returned 3")
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used, _ in h.procs]
 
     def nvmlSystemGetProcessName(self, pid: int) -> bytes:  # noqa: N802

@@ -27,6 +27,7 @@ from builder.cli.app import main as cli_main
 from builder.config import load_config
 from builder.doctor import checks as doctor_checks
 from builder.doctor import gpu, procinfo
+from builder.doctor import storage as doctor_storage
 from builder.doctor.report import preflight_for_run, render_lines, run_doctor
 from builder.errors import EXIT_PREFLIGHT, PreflightError, QueryError
 from builder.layout import layout
@@ -117,7 +118,7 @@ def test_eight_gpus_held_by_a_systemd_service(make_build, monkeypatch, spawn):
     fake_gpu_env(monkeypatch, FakeNVML(seed_gpus(pids)))
     lay = layout(make_build(n=5, device="cuda"))
 
-    report = run_doctor(lay, probe=False, cgroup_reader=cgroups_for(set(pids)))
+    report = run_doctor(lay, record=True, cgroup_reader=cgroups_for(set(pids)))
     checks = by_name(report)
     assert report.gpu_build and report.status == "fail"
     g = checks["gpu"]
@@ -269,11 +270,11 @@ def test_filesystem_type_by_longest_mount_prefix(make_build):
               f"tmpfs {root} tmpfs rw 0 0\n"
               f"/dev/sdb {root}x xfs rw 0 0\n")  # a sibling with a common string prefix does not count
     ctx = doctor_checks.Context(lay, load_config(lay), "cpu", set(), for_run=False)
-    c = doctor_checks.check_filesystem(ctx, mounts)
+    c = doctor_storage.check_filesystem(ctx, mounts)
     assert c.status == "warn" and "volatile" in c.summary and c.data["fstype"] == "tmpfs"
-    c = doctor_checks.check_filesystem(ctx, "/dev/vda / ext4 rw 0 0\nceph:/vol /mnt/cephfs ceph rw 0 0\n")
+    c = doctor_storage.check_filesystem(ctx, "/dev/vda / ext4 rw 0 0\nceph:/vol /mnt/cephfs ceph rw 0 0\n")
     assert c.status == "ok" and c.data["mount_point"] == "/"
-    assert doctor_checks.mount_of(Path("/a b/c"), "/dev/x /a\\040b xfs rw 0 0\n").fstype == "xfs"
+    assert doctor_storage.mount_of(Path("/a b/c"), "/dev/x /a\\040b xfs rw 0 0\n").fstype == "xfs"
 
 
 MOUNTINFO = """\
@@ -313,7 +314,7 @@ MOUNTINFO = """\
 def test_lock_safety_by_filesystem_and_mount_options(make_build, tmp_path, path, status, fstype, words):
     lay = layout(make_build(n=3))
     ctx = doctor_checks.Context(layout(path), load_config(lay), "cpu", set(), for_run=False)
-    c = doctor_checks.check_locking(ctx, MOUNTINFO)
+    c = doctor_storage.check_locking(ctx, MOUNTINFO)
     assert (c.name, c.status, c.data["fstype"]) == ("storage.locking", status, fstype)
     assert words in c.summary, c.summary
     assert (c.fix is None) == (status == "ok")
@@ -323,9 +324,9 @@ def test_lock_safety_on_a_real_tmpfs_is_ok(make_build, tmp_path):
     lay = layout(make_build(n=3))
     with mounted_tmpfs(tmp_path / "vol", "1m") as mnt:
         ctx = doctor_checks.Context(layout(mnt / "build"), load_config(lay), "cpu", set(), for_run=False)
-        c = doctor_checks.check_locking(ctx)  # this machine's /proc/self/mountinfo
+        c = doctor_storage.check_locking(ctx)  # this machine's /proc/self/mountinfo
         assert c.status == "ok" and c.data["fstype"] == "tmpfs" and c.data["mount_point"] == str(mnt), c
-    report = run_doctor(lay, probe=False, record=False)  # part of every doctor report
+    report = run_doctor(lay)  # part of every doctor report
     assert by_name(report)["storage.locking"].data["fstype"]
 
 
@@ -343,7 +344,7 @@ def test_started_and_failed_samples_and_changed_config(make_build, monkeypatch):
                    + [Event("started", run_id="crashed", sample_id=s, attempt=1) for s in ids[3:6]]
                    + [Event("failed", run_id="crashed", sample_id=s, attempt=1, reason="nonfinite") for s in ids[3:5]]
                    + [Event("failed", run_id="crashed", sample_id=ids[5], attempt=1, reason="worker_died")])
-    report = run_doctor(lay, probe=False)
+    report = run_doctor(lay, record=True)
     checks = by_name(report)
     assert checks["build.interrupted"].status == "warn" and checks["build.interrupted"].data["started"] == 3
     assert "hsbuild resume" in checks["build.interrupted"].fix
@@ -370,13 +371,13 @@ def test_started_and_failed_samples_and_changed_config(make_build, monkeypatch):
     # a staging directory that is gone
     lay.config.write_text(cfg_text + "")
     lay.config.write_text(cfg_text.replace("[watermarks]", f'staging = "{lay.root / "gone"}"\n\n[watermarks]'))
-    st = by_name(run_doctor(lay, probe=False, record=False))["storage.staging"]
+    st = by_name(run_doctor(lay))["storage.staging"]
     assert st.status == "fail" and "mkdir -p" in st.fix
 
 
 def test_doctor_on_this_machine_cpu_mode_and_real_disk(make_build, cli):
     build = make_build(n=8)
-    cp = cli("doctor", build, "--json")
+    cp = cli("doctor", build, "--json", "--probe", "--record")
     assert cp.returncode == 0, cp.stderr
     rep = json.loads(cp.stdout)
     checks = {c["name"]: c for c in rep["checks"]}
@@ -396,12 +397,15 @@ def test_doctor_on_this_machine_cpu_mode_and_real_disk(make_build, cli):
               check=True)
     assert json.loads(sql.stdout) == [{"reason": rep["status"], "mode": "cpu"}]
     # the table for people: one line per check
-    text = cli("doctor", build, "--no-record", check=True).stdout.splitlines()
+    text = cli("doctor", build, check=True).stdout.splitlines()
     assert text[0].startswith("hsbuild doctor ") and (text[-1] == "all checks OK" or "warning" in text[-1])
     assert any(line.startswith("OK    gpu ") for line in text)
     # an explicit cuda build on a machine without a GPU is blocked
-    cp = cli("doctor", build, "--device", "cuda", "--json", "--no-probe", "--no-record")
+    cp = cli("doctor", build, "--device", "cuda", "--json")
     assert cp.returncode == EXIT_PREFLIGHT and json.loads(cp.stdout)["problems"] >= 1
+    # those two wrote nothing: the one recorded report is still the only one
+    sql = cli("sql", build, "SELECT count(*) AS n FROM events WHERE kind = 'doctor'", "--json", check=True)
+    assert json.loads(sql.stdout) == [{"n": 1}]
 
 
 @pytest.mark.claim("crash")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
-from conftest import fill, mounted_tmpfs, random_rows, write_jsonl
+from conftest import fill, mounted_tmpfs, random_rows, wait_written, write_jsonl
 
 from builder.config import Watermarks, load_config
 from builder.fsutil import dir_size
@@ -105,3 +106,47 @@ def test_the_released_ballast_lets_the_log_commit_through_a_checkpoint(tmp_path,
     log.close()
     with EventLog(lay.events, read_only=True) as ro:
         assert ro.query("SELECT count(*) FROM events WHERE run_id = ?", ["r" * 32])[1][0][0] == committed
+
+
+def test_a_status_request_during_a_run_leaves_the_runs_ballast_alone(make_build, hold, monkeypatch):
+    """`status` asks the run's query thread for its capacity projection while the run's own thread manages the
+    ballast: the projection reads, never resizes the run's monitor (it did: each request re-sized the ballast
+    for the samples left, a race with the run's own ensure/release) nor the .ballast file. 410 samples: the
+    ballast the run starts with (9 MiB) is larger than the one the projection reserves once some are written
+    (8 MiB), so a resize by the request would show. A real run in this process (its coordinator in the main
+    thread, as the CLI runs it, so the test can read its monitor); the requests go through the run's socket,
+    from another thread, while the run's worker is held at its 4th sample."""
+    from builder.log.query import status_snapshot
+    from builder.run import testhook
+    from builder.run.coordinator import Coordinator, RunOptions
+
+    build = make_build(410, rows=random_rows(410, seed=5, lo=5, hi=8))
+    lay = layout(build)
+    h = hold(4)
+    monkeypatch.setenv(testhook.ENV, h.spec)
+    monkeypatch.setenv("HSBUILD_GROUP_SAMPLES", "1")
+    coord = Coordinator(build, RunOptions(workers=1), echo=lambda m: None)
+    seen: dict = {}
+
+    def ask() -> None:
+        try:
+            h.wait(1)
+            wait_written(build, 3)  # the 3 before the held one, committed
+            seen["before"] = coord.space.ballast_size, coord.space.remaining_samples, lay.ballast.stat()
+            seen["answers"] = [status_snapshot(lay) for _ in range(3)]
+            seen["after"] = coord.space.ballast_size, coord.space.remaining_samples, lay.ballast.stat()
+        finally:
+            h.release()
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    report = coord.run()
+    t.join(60)
+    assert report.outcome == "completed" and report.written == 410
+    (size, left, ballast), (size2, left2, ballast2) = seen["before"], seen["after"]
+    assert size == 9 * MiB and left == 410 and ballast.st_size == size
+    assert (size2, left2) == (size, left)
+    assert all(st["running"] and st["todo_samples"] < 410 and "projected_bytes" in st for st in seen["answers"]), \
+        [{k: st.get(k) for k in ("running", "todo_samples", "projected_bytes")} for st in seen["answers"]]
+    assert (ballast2.st_ino, ballast2.st_size, ballast2.st_mtime_ns) == (ballast.st_ino, ballast.st_size,
+                                                                       ballast.st_mtime_ns)

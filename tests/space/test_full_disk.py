@@ -66,8 +66,8 @@ def test_every_command_on_a_full_disk_works_or_refuses_in_one_line(tmp_path, tmp
     cp = cli("gc", build)
     assert_clean(cp, "gc", 0)
     assert "not recorded" in cp.stderr or "could not" in cp.stderr or "full" in cp.stderr, cp.stderr
-    for flags in ([], ["--no-record"]):
-        cp = cli("doctor", build, "--no-probe", "--json", *flags)
+    for flags in ([], ["--record"]):
+        cp = cli("doctor", build, "--json", *flags)
         assert_clean(cp, "doctor", 4)
         rep = json.loads(cp.stdout)
         fails = {c["name"] for c in rep["checks"] if c["status"] == "fail"}
