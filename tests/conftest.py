@@ -371,6 +371,20 @@ def fill(path: Path) -> None:
     assert os.statvfs(path).f_bavail == 0
 
 
+def fill_with_log(log, path: Path) -> None:
+    """`fill(path)`, then commit to the open EventLog `log` until it says the disk is full (the WAL's last page
+    taken too): its next commit certainly fails."""
+    from builder.errors import DiskFullError  # noqa: PLC0415
+    from builder.log.events import Event  # noqa: PLC0415
+
+    fill(path)
+    try:
+        while True:
+            log.append([Event("gpu_stats", run_id="r", detail="x" * 500)])
+    except DiskFullError:
+        pass
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """A real 24 MB tmpfs mounted at tmp_path/vol (root only; skipped with the reason where it cannot mount)."""

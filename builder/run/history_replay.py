@@ -49,8 +49,9 @@ class SourceRow(Protocol):
     def num_tokens(self) -> int: ...
 
 
-class Durable(Protocol):
-    """A manifest entry (builder.run.rebuild.DurableSample)."""
+@dataclass(frozen=True)
+class DurableSample:
+    """One sample as a segment's manifest records it."""
 
     segment: str
     sample_id: str
@@ -60,11 +61,17 @@ class Durable(Protocol):
     num_tokens: int
     nbytes: int
     checksums: dict
-    truncated: int
-    fp8_error: dict | None
+    written_at: float
+    truncated: int = 0
+    fp8_error: dict | None = None  # an fp8 build: the measured error, as its `written` event records it
+    ordinal: int = 0  # the ordinal of the run that wrote it (its history record); 0: a run without one
 
     @property
-    def order(self) -> tuple: ...
+    def order(self) -> tuple:
+        """Its place in write order (the module's docstring); a run without a record comes first, by clock."""
+        if self.ordinal:
+            return (self.ordinal, self.attempt, 0.0, self.segment, self.token_start)
+        return (0, 0, self.written_at, self.segment, self.token_start)
 
 
 @dataclass
@@ -88,7 +95,7 @@ class ReplayReport:
 @dataclass
 class _State:
     kind: str  # written | retired | pending | failed
-    loc: Durable | None = None
+    loc: DurableSample | None = None
     verified: bool = False
 
 
@@ -135,7 +142,7 @@ def tally(states: dict[str, _State], rep: ReplayReport) -> None:
     rep.failed = sum(st.kind == "failed" for st in states.values())
 
 
-def written_events(d: Durable, how: str) -> list[Event]:
+def written_events(d: DurableSample, how: str) -> list[Event]:
     """A durable sample recorded: `written` (detail {how: true}), then `verified` (what adoption records)."""
     return [
         Event("written", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
@@ -149,13 +156,13 @@ def written_events(d: Durable, how: str) -> list[Event]:
     ]
 
 
-def written_event(d: Durable) -> Event:
+def written_event(d: DurableSample) -> Event:
     ev = written_events(d, "rebuilt")[0]  # written only: a verification comes back from a sweep's record
     ev.run_id = RUN_ID
     return ev
 
 
-def _loc(d: Durable) -> dict:
+def _loc(d: DurableSample) -> dict:
     return {"sample_id": d.sample_id, "fingerprint": d.fingerprint, "attempt": d.attempt, "segment": d.segment,
             "token_start": d.token_start, "num_tokens": d.num_tokens}
 
@@ -216,7 +223,7 @@ def read_back(data_root: Path, states: dict[str, _State], rep: ReplayReport, job
         if d.segment not in chunk_tokens:
             chunk_tokens[d.segment] = segment_chunk_tokens(data_root / d.segment) or 1
 
-    def check(d: Durable):
+    def check(d: DurableSample):
         return check_with_retries(lambda: check_sample(data_root, d.segment, d.token_start, d.num_tokens,
                                                        d.checksums, chunk_tokens[d.segment], reader))
 

@@ -31,37 +31,20 @@ from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
 from builder.progress import Progress
-from builder.run.history_replay import RUN_ID, ReplayReport, read_back, replay, tally, written_events
+from builder.run.history_replay import (
+    RUN_ID,
+    DurableSample,
+    ReplayReport,
+    read_back,
+    replay,
+    tally,
+    written_events,
+)
 from builder.store.history import read_history, run_ordinals, segment_run
 from builder.store.reader import SegmentReader
 from builder.store.segment import MANIFEST_DIR, SEAL_NAME, list_segments, read_manifests
 from builder.verify.checks import check_sample, segment_chunk_tokens
 from builder.verify.gc import may_adopt, registered_samples
-
-
-@dataclass(frozen=True)
-class DurableSample:
-    """One sample as a segment's manifest records it."""
-
-    segment: str
-    sample_id: str
-    fingerprint: str
-    attempt: int
-    token_start: int
-    num_tokens: int
-    nbytes: int
-    checksums: dict
-    written_at: float
-    truncated: int = 0
-    fp8_error: dict | None = None  # an fp8 build: the measured error, as its `written` event records it
-    ordinal: int = 0  # the ordinal of the run that wrote it (its history record); 0: a run without one
-
-    @property
-    def order(self) -> tuple:
-        """Its place in write order (the module's docstring); a run without a record comes first, by clock."""
-        if self.ordinal:
-            return (self.ordinal, self.attempt, 0.0, self.segment, self.token_start)
-        return (0, 0, self.written_at, self.segment, self.token_start)
 
 
 def durable_samples(data_root: Path) -> list[DurableSample]:

@@ -7,9 +7,9 @@ import json
 
 import duckdb
 import pytest
-from conftest import ROOMY, fill, random_rows, write_jsonl
+from conftest import ROOMY, fill_with_log, random_rows, write_jsonl
 
-from builder.errors import DiskFullError, LogConflictError
+from builder.errors import LogConflictError
 from builder.layout import layout
 from builder.log.events import Event, EventBatch, EventLog, utcnow
 from builder.run.create import init_build
@@ -100,12 +100,7 @@ def test_a_batch_committed_after_a_full_disk_bears_the_time_of_its_commit(tmp_pa
     batch = EventBatch(log, "r", wait=60)
     batch.emit(Event("run_started"))
     assert batch.flush(force=True)
-    fill(tmpfs / "filler.bin")
-    try:  # the WAL's last page too
-        while True:
-            log.append([Event("gpu_stats", run_id="r", detail="x" * 500)])
-    except DiskFullError:
-        pass
+    fill_with_log(log, tmpfs / "filler.bin")
     top = log._seq
     for i in range(3):
         batch.emit(Event("written", sample_id=f"s{i}", attempt=1))

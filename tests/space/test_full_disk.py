@@ -19,7 +19,7 @@ from pathlib import Path
 
 import forked
 import pytest
-from conftest import ROOMY, fill, random_rows, wait_written, write_jsonl
+from conftest import ROOMY, fill, fill_with_log, random_rows, wait_written, write_jsonl
 
 from builder.errors import DiskFullError
 from builder.layout import layout
@@ -94,12 +94,7 @@ def test_a_batch_is_never_lost_to_a_full_disk(tmp_path, tmpfs):
     batch = EventBatch(log, "r", before_commit=lambda: calls.append(1), wait=1.0)
     batch.emit(Event("run_started"))
     assert batch.flush(force=True)  # the owner is under way
-    fill(tmpfs / "filler.bin")
-    try:  # the WAL's last page too
-        while True:
-            log.append([Event("gpu_stats", run_id="r", detail="x" * 500)])
-    except DiskFullError:
-        pass
+    fill_with_log(log, tmpfs / "filler.bin")
     top = log._seq
     for i in range(20):
         batch.emit(Event("written", sample_id=f"s{i:04d}", attempt=1))
