@@ -34,6 +34,7 @@ from pathlib import Path
 
 from builder.errors import BuildLockedError, BuildReadOnlyError, DiskFullError, ForeignLockError, is_no_space
 from builder.layout import BuildLayout
+from builder.log.holders import describe_pid
 
 RECORD_SIZE = 4096  # bytes reserved for the lock record (JSON padded with spaces)
 ACQUIRE_RETRY_S = 1.0  # an owner retries a busy flock this long before reporting "busy"
@@ -96,9 +97,9 @@ def _dev_ino(st: os.stat_result) -> tuple[int, int, int]:
     return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
 
 
-def flock_holders(st: os.stat_result, text: str | None = None) -> list[int] | None:
-    """PIDs holding an exclusive flock on the file `st` describes, from /proc/locks (no lock is taken).
-    None when /proc/locks cannot be read. Waiters (`->` lines) and shared locks do not count."""
+def flock_holders(st: os.stat_result, text: str | None = None, kind: str = "WRITE") -> list[int] | None:
+    """PIDs holding an exclusive flock (`kind` "READ": a shared one) on the file `st` describes, from /proc/locks
+    (no lock is taken). None when /proc/locks cannot be read. Waiters (`->` lines) do not count."""
     if text is None:
         try:
             text = PROC_LOCKS.read_text()
@@ -109,7 +110,7 @@ def flock_holders(st: os.stat_result, text: str | None = None) -> list[int] | No
     for line in text.splitlines():
         parts = line.split()
         # "1: FLOCK  ADVISORY  WRITE 3704 fe:00:2146501 0 EOF"; a blocked waiter reads "1: -> FLOCK ..."
-        if len(parts) < 6 or parts[1] != "FLOCK" or parts[3] != "WRITE":
+        if len(parts) < 6 or parts[1] != "FLOCK" or parts[3] != kind:
             continue
         try:
             major, minor, ino = parts[5].split(":")
@@ -209,10 +210,22 @@ class BuildLock:
     def _busy(self) -> BuildLockedError:
         st = inspect_lock(self.lay)
         who = st.info or {}
+        if not who.get("pid"):
+            readers = self._shared_holders()
+            if readers:  # no owner: a process that only reads the build holds it shared (export_readonly.py)
+                return BuildLockedError(
+                    f"{self.lay.root}: busy: {', '.join(describe_pid(p) for p in readers)} reads this build "
+                    "under a shared lock (an export of a build it cannot write); wait for it to finish")
         where = f" on host {st.foreign_host}" if st.foreign_host else ""
         return BuildLockedError(
             f"{self.lay.root}: busy: {who.get('purpose', 'another process')} (pid {who.get('pid', '?')}{where}) "
             "owns this build; watch it with `hsbuild status`, or wait for it to finish")
+
+    def _shared_holders(self) -> list[int]:
+        try:
+            return flock_holders(os.stat(self.lay.lock), kind="READ") or []
+        except OSError:
+            return []
 
     def _refuse_foreign(self, prev: dict | None) -> None:
         """A record from another host that was never released: that owner may still be running there (flock on

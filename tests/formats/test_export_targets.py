@@ -174,7 +174,8 @@ def test_a_build_on_a_read_only_mount_is_exported_and_kept_from_owners(make_buil
 
         second = tmp_path / "second"
         assert export_build(ro, second, ExportOptions(format="modelopt", stop=try_to_own)).complete
-        assert refused and "busy" in refused[0]
+        # ... and the refusal names the reader (this process), not "another process (pid ?)"
+        assert refused and "busy" in refused[0] and f"pid {os.getpid()}" in refused[0] and "shared" in refused[0], refused
         assert stamps(build) == before, "the build changed"
         with BuildLock(layout(build), "run"):  # and a live owner makes it busy (exit 5)
             cp = hsbuild("export", ro, tmp_path / "third", "--format", "modelopt", "--no-progress")
