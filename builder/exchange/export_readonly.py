@@ -13,16 +13,14 @@ export only reads the build, so it goes on without owning it (builder/exchange/e
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import threading
-import time
 
-from builder.errors import EXIT_INTERRUPTED, BuildLockedError
+from builder.errors import EXIT_INTERRUPTED
 from builder.layout import BuildLayout
 from builder.log.events import EventLog, open_log
-from builder.log.lock import ACQUIRE_RETRY_S, BuildLock, inspect_lock, parse_record
+from builder.log.lock import BuildLock
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -35,33 +33,11 @@ class ReadOnlyBuild:
         self.stop_requested = 0
         self.status_fn = None  # (no query socket: nobody asks)
         self.log: EventLog | None = None
-        self._fd: int | None = None
+        self._lock: BuildLock | None = None
         self._old_handlers: dict = {}
 
     def __enter__(self) -> ReadOnlyBuild:
-        try:
-            fd = os.open(self.lay.lock, os.O_RDONLY)
-        except FileNotFoundError:  # never owned (a copy without it): nothing to hold
-            return self
-        deadline = time.monotonic() + ACQUIRE_RETRY_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    who = inspect_lock(self.lay).info or {}
-                    raise BuildLockedError(
-                        f"{self.lay.root}: busy: {who.get('purpose', 'another process')} (pid {who.get('pid', '?')}) "
-                        "owns this build; watch it with `hsbuild status`, or wait for it to finish") from None
-                time.sleep(0.01)
-        self._fd = fd
-        try:  # the same refusal as an owner's: an owner on another host may be writing through another mount
-            BuildLock(self.lay, "export", take_over=self.take_over)._refuse_foreign(parse_record(os.pread(fd, 65536, 0)))
-        except BaseException:
-            self.close()
-            raise
+        self._lock = BuildLock(self.lay, "export", take_over=self.take_over).acquire_shared()
         return self
 
     def open(self) -> EventLog:
@@ -81,9 +57,9 @@ class ReadOnlyBuild:
                 self.log.close()
                 self.log = None
         finally:
-            if self._fd is not None:
-                os.close(self._fd)  # (the shared flock goes with it)
-                self._fd = None
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             for sig, handler in self._old_handlers.items():
                 signal.signal(sig, handler)
             self._old_handlers = {}

@@ -164,6 +164,7 @@ class BuildLock:
         self.previous: dict | None = None  # record left by an owner that did not release (dead, or elsewhere)
         self.socket_path = socket_path_for(lay)
         self.record_written = False  # False when the disk was too full to write the record (the lock holds)
+        self.shared = False  # held by `acquire_shared`: a reader, no record
 
     def acquire(self) -> BuildLock:
         try:
@@ -181,16 +182,7 @@ class BuildLock:
                     "volume read-write or fix its permissions (`hsbuild status`/`sql`/`doctor` still read it)"
                 ) from None
             raise
-        deadline = time.monotonic() + ACQUIRE_RETRY_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise self._busy() from None
-                time.sleep(0.01)
+        self._flock(fd, fcntl.LOCK_EX)
         try:
             self.previous = parse_record(os.pread(fd, 65536, 0))
             self._refuse_foreign(self.previous)
@@ -206,6 +198,37 @@ class BuildLock:
             raise
         self.fd = fd
         return self
+
+    def acquire_shared(self) -> BuildLock:
+        """Hold the build as a reader that must not see it change (an export of a build on a read-only mount):
+        flock LOCK_SH on the lock file opened read-only, so nothing is written and a read-only mount works; no
+        owner (LOCK_EX) can start meanwhile, and a live one makes this busy. A record of an owner on another host
+        that never released it is refused as by `acquire`. No lock file (a copy of a build): nothing to hold."""
+        try:
+            fd = os.open(self.lay.lock, os.O_RDONLY)
+        except FileNotFoundError:
+            return self
+        self._flock(fd, fcntl.LOCK_SH)
+        try:
+            self._refuse_foreign(parse_record(os.pread(fd, 65536, 0)))
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd, self.shared = fd, True
+        return self
+
+    def _flock(self, fd: int, op: int) -> None:
+        """flock `op` on `fd`, retried for ACQUIRE_RETRY_S; busy (fd closed) if it is still held then."""
+        deadline = time.monotonic() + ACQUIRE_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, op | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise self._busy() from None
+                time.sleep(0.01)
 
     def _busy(self) -> BuildLockedError:
         st = inspect_lock(self.lay)
@@ -247,7 +270,8 @@ class BuildLock:
         if self.fd is None:
             return
         try:
-            write_record(self.fd, self.previous if keep_previous else None)
+            if not self.shared:  # (a reader wrote no record)
+                write_record(self.fd, self.previous if keep_previous else None)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
         finally:
             os.close(self.fd)
