@@ -54,9 +54,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.config import Watermarks  # noqa: E402
-from builder.exchange.build_info import BuildInfo  # noqa: E402
 from builder.exchange.export import ExportOptions, export_build  # noqa: E402
 from builder.formats.base import Sample  # noqa: E402
+from builder.formats.build_info import BuildInfo  # noqa: E402
 from builder.formats.specforge import SpecForge  # noqa: E402
 from builder.fsutil import dir_size  # noqa: E402
 from builder.layout import layout  # noqa: E402

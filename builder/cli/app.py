@@ -141,8 +141,8 @@ class _BackendNames:
 
 def cmd_init(args: argparse.Namespace) -> int:
     from builder.config import BuildConfig, Watermarks  # noqa: PLC0415
-    from builder.exchange.build_info import BuildInfo  # noqa: PLC0415
     from builder.extract.backends import registry as backends  # noqa: PLC0415
+    from builder.formats.build_info import BuildInfo  # noqa: PLC0415
     from builder.run.create import init_build  # noqa: PLC0415
     from builder.space.capacity import describe_capacity  # noqa: PLC0415
 
@@ -461,7 +461,11 @@ COMMANDS = {"serve-command": cmd_serve_command, "init": cmd_init, "run": cmd_run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except HsbuildError as e:  # HSBUILD_FORMATS names a format that does not load
+        print(f"hsbuild: error: {e}", file=sys.stderr)
+        return e.exit_code
     args = parser.parse_args(argv)
     handler = {**COMMANDS, **cli_verify.COMMANDS, **cli_doctor.COMMANDS, **cli_exchange.COMMANDS,
                **cli_samples.COMMANDS, **cli_rebuild.COMMANDS}[args.cmd]

@@ -22,32 +22,39 @@ from builder.cli.args import fmt_of as _fmt
 from builder.cli.output import print_json, print_rows
 from builder.cli.progress import progress_for
 from builder.errors import EXIT_OK, EXIT_SAMPLES_FAILED
+from builder.formats import registry
+from builder.formats.numbering import LAYER_CONVENTIONS, NUMBERINGS, ids_name
 from builder.humanize import human_bytes
 
-# --dump-layer-convention: the keys of BuildInfo.layer_ids() and their short names (builder/exchange/imports.py
-# CONVENTIONS; a test keeps the three lists equal)
-LAYER_CONVENTIONS = ("hf_hidden_states", "decoder_layer_output", "vllm_eagle_aux_hidden_state_layer_ids", "hf",
-                     "decoder", "vllm")
 
-FORMATS_HELP = ("specforge: rows_*/data_N.ckpt (SpecForge's prepare_hidden_states); speculators: a datasets dir "
-                "+ hidden_states/hs_N.safetensors; modelopt: ID.pt (Model-Optimizer's compute_hidden_states)")
+def formats_help(exports: bool | None = None, imports: bool | None = None) -> str:
+    """Each format's files, from the registry: "specforge: rows_*/data_N.ckpt (...); speculators: ..."."""
+    return "; ".join(f"{f.name}: {f.summary}" for f in registry.formats(exports, imports))
+
+
+def default_conventions() -> str:
+    """Which numbering each importing format's --dump-layers default is in: "specforge, modelopt, pt: decoder; ..."."""
+    by: dict[str, list[str]] = {}
+    for f in registry.formats(imports=True):
+        by.setdefault(NUMBERINGS[f.layer_convention][0], []).append(f.name)
+    return "; ".join(f"{', '.join(names)}: {short}" for short, names in by.items())
 
 
 def add_commands(sub, out) -> None:
     p = sub.add_parser("export", parents=[out], help="write the build's samples in a trainer's own files",
                        description="Writes the live samples (read through their checksums) as the trainer reads "
-                                   "them. " + FORMATS_HELP + ". Run the same command again to bring OUT up to date with "
-                                   "the build (new and changed samples written, those no longer live removed, "
-                                   "files renumbered); it also finishes an interrupted export.")
+                                   "them. " + formats_help(exports=True) + ". Run the same command again to bring OUT "
+                                   "up to date with the build (new and changed samples written, those no longer live "
+                                   "removed, files renumbered); it also finishes an interrupted export.")
     p.add_argument("build")
     p.add_argument("out", help="an empty or new directory, or an earlier export of the same options")
-    p.add_argument("--format", required=True, choices=["specforge", "speculators", "modelopt"])
+    p.add_argument("--format", required=True, choices=registry.names(exports=True))
     p.add_argument("--subset", metavar="n/t", help="export the n-th of t fixed parts of the samples")
     p.add_argument("--limit", type=positive_int, help="export at most N samples")
     p.add_argument("--draft-vocab-size", type=positive_int, metavar="D",
                    help="also write the d2t/t2d mapping of a reduced draft vocabulary of D tokens")
     p.add_argument("--compress", type=int, choices=range(1, 10), metavar="LEVEL",
-                   help="specforge: gzip each file at this level (its --compress; .ckpt.gz)")
+                   help=registry.option_help("compress"))
     p.add_argument("--allow-overcommit", action="store_true",
                    help="start even if the export does not fit below the target's high watermark (it pauses)")
     p.add_argument("--low", type=fraction, help="resume below this usage of the target volume (build's, 0.85)")
@@ -60,14 +67,13 @@ def add_commands(sub, out) -> None:
                        description="Matches each file of DIR to the build's source samples by its token ids, "
                                    "checks it (loads, keys, shapes, dtype, finite, tokens) and writes it into "
                                    "the build with checksums; unusable files are listed and their samples left "
-                                   "for `hsbuild resume`. The files are never modified. " + FORMATS_HELP
-                                   + "; pt: any folder of torch.save dicts (*.pt, *.ckpt, *.pth).")
+                                   "for `hsbuild resume`. The files are never modified. "
+                                   + formats_help(imports=True) + ".")
     p.add_argument("build")
     p.add_argument("dir", help="the dump's folder")
-    p.add_argument("--format", required=True, choices=["specforge", "speculators", "modelopt", "pt"])
+    p.add_argument("--format", required=True, choices=registry.names(imports=True))
     p.add_argument("--dump-final-state", default="post_norm", choices=["post_norm", "pre_norm"],
-                   help="pt: whether the files' final hidden state is after the final norm (HF hidden_states[-1]) "
-                        "or before it")
+                   help=registry.option_help("final_state"))
     p.add_argument("--dump-layers", type=int_list, metavar="IDS",
                    help="the aux layer ids the dump holds, comma-separated, the final state excluded (required "
                         "unless the dump says so itself, as an hsbuild export's hsbuild-export.json does); checked "
@@ -76,8 +82,8 @@ def add_commands(sub, out) -> None:
     p.add_argument("--dump-layer-convention", choices=LAYER_CONVENTIONS, metavar="CONV",
                    help="the numbering of --dump-layers: hf_hidden_states (hf: HF output_hidden_states index), "
                         "decoder_layer_output (decoder: decoder layer index = hf - 1), "
-                        "vllm_eagle_aux_hidden_state_layer_ids (vllm); default: the format's own (specforge, "
-                        "modelopt, pt: decoder; speculators: vllm)")
+                        "vllm_eagle_aux_hidden_state_layer_ids (vllm); default: the format's own ("
+                        + default_conventions() + ")")
     add_run_flags(p)
 
 
@@ -115,7 +121,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             ids = getattr(report, what)
             if ids:
                 print(f"{what}: " + ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else ""))
-        conv = "decoder-layer ids" if report.format != "speculators" else "vLLM layer ids"
+        conv = ids_name(registry.get(report.format).layer_convention)
         print(f"aux layers ({conv}): {report.layer_ids}; final state {report.final_state.replace('_', '-')}")
         if report.layer_flag:  # not the trainer's default layers: it must be told
             print(f"{report.format} must be told these layers: {report.layer_flag}")

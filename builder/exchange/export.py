@@ -53,13 +53,13 @@ from pathlib import Path
 
 from builder.config import Watermarks, load_config
 from builder.errors import BuildReadOnlyError, FormatError, UsageError
-from builder.exchange.build_info import BuildInfo
 from builder.exchange.export_files import JOURNAL, JOURNAL_VERSION, STAGING, TMP_SUFFIX, load_journal
 from builder.exchange.export_readonly import ReadOnlyBuild
 from builder.exchange.export_reconcile import LIVE, Reconcile
 from builder.exchange.export_space import check_target
 from builder.exchange.lossy import export_lossy
 from builder.formats import make_format
+from builder.formats.build_info import BuildInfo
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.session import OwnerSession
@@ -72,7 +72,7 @@ __all__ = ["JOURNAL", "STAGING", "TMP_SUFFIX", "ExportOptions", "ExportReport", 
 
 @dataclass
 class ExportOptions:
-    format: str = "specforge"
+    format: str  # a format that exports (builder/formats/registry.py)
     subset: str | None = None  # "n/t": the n-th of t fixed parts, as verify's --subset
     limit: int | None = None
     max_len: int | None = None  # specforge's dataset: keep this many tokens (data.max_length)
@@ -123,7 +123,7 @@ class ExportReport:
 
 def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> ExportReport:
     lay = layout(build).require()
-    fmt = make_format(opts.format, max_len=opts.max_len, compress=opts.compress)
+    fmt = make_format(opts.format, exports=True, max_len=opts.max_len, compress=opts.compress)
     info = BuildInfo.load(lay)
     info.require(fmt.final_state)
     out = Path(out).absolute()

@@ -21,13 +21,11 @@ from builder.config import Watermarks
 from builder.errors import (
     DamagedSampleError,
     DiskFullError,
-    FormatError,
     Interrupted,
     UsageError,
     is_no_space,
 )
 from builder.exchange import export_space
-from builder.exchange.build_info import BuildInfo
 from builder.exchange.export_files import (
     JOURNAL,
     JOURNAL_VERSION,
@@ -44,6 +42,7 @@ from builder.exchange.export_files import (
 )
 from builder.exchange.export_space import bytes_per_token, preflight
 from builder.formats.base import Exported, Sample, TrainerFormat
+from builder.formats.build_info import BuildInfo
 from builder.fsutil import fsync_path, fsync_paths
 from builder.progress import NoProgress
 from builder.store.reader import SegmentReader
@@ -253,11 +252,8 @@ class Reconcile:
             if s is None:
                 self.progress.update(done=1, note="damaged")
                 continue
-            files = fmt.sample_files(s)
-            if len(files) != 1:
-                raise FormatError(f"{fmt.name}: {len(files)} files for one sample; an export writes one")
-            data = next(iter(files.values()))
-            target = fmt.sample_paths(row, sid)[0]
+            data = fmt.sample_bytes(s)
+            target = fmt.sample_path(row, sid)
             rel = target if target not in occupied else staged_path(sid, fps[sid])
             rep.pauses += export_space.wait_for_space(out, len(data), self.wm, self.opts, self.progress)
             write_file(out / rel, data)
@@ -325,7 +321,7 @@ class Reconcile:
 
     def _layout(self, rows: list[dict], kept: set[str]) -> None:
         out, rep = self.out, self.report
-        target = {e["sample_id"]: self.fmt.sample_paths(i, e["sample_id"])[0] for i, e in enumerate(rows)}
+        target = {e["sample_id"]: self.fmt.sample_path(i, e["sample_id"]) for i, e in enumerate(rows)}
         leaving = sorted(sid for sid in self.entries if sid not in target)
         movers = [sid for sid in target if self.entries[sid].path != target[sid]]
         for sid in leaving:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from builder.config import Watermarks
 from builder.errors import Interrupted, UsageError, WontFitError
-from builder.exchange.build_info import BuildInfo
+from builder.formats.build_info import BuildInfo
 from builder.humanize import human_bytes, pct
 from builder.mounts import mount_of
 from builder.progress import Progress

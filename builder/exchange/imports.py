@@ -32,22 +32,18 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote
 
 import numpy as np
 
 from builder.errors import EXIT_PREFLIGHT, FormatError, HsbuildError, UsageError
-from builder.exchange.build_info import layer_numberings
-from builder.extract.final_norm import FINAL_STATES
 from builder.extract.source import Sample
-from builder.formats import IMPORT_FORMATS, make_format
-from builder.formats.base import Rejected
+from builder.formats import registry
+from builder.formats.base import Rejected, TrainerFormat
+from builder.formats.final_state import FINAL_STATES
+from builder.formats.numbering import CONVENTIONS, NUMBERINGS, layer_numberings
 from builder.layout import BuildLayout
 
 JOURNAL = "hsbuild-export.json"  # an hsbuild export's journal (builder/exchange/export.py): its layers, every numbering
-# --dump-layer-convention: BuildInfo.layer_ids()'s keys, and their short names
-CONVENTIONS = {"hf": "hf_hidden_states", "decoder": "decoder_layer_output",
-               "vllm": "vllm_eagle_aux_hidden_state_layer_ids"}
 WIDTH_PROBES = 3  # matched files read to judge the dump's width (one odd file among them is that file's problem)
 
 
@@ -138,8 +134,7 @@ class DumpIndex:
 
 
 def check_options(opts: ImportOptions) -> Path:
-    if opts.format not in IMPORT_FORMATS:
-        raise UsageError(f"--format {opts.format}: use one of {', '.join(IMPORT_FORMATS)}")
+    registry.get(opts.format, imports=True)  # FormatError (a UsageError) naming the formats that import
     if opts.final_state not in FINAL_STATES:
         raise UsageError(f"--final-state {opts.final_state}: use one of {', '.join(FINAL_STATES)}")
     root = Path(opts.dir).absolute()
@@ -150,16 +145,12 @@ def check_options(opts: ImportOptions) -> Path:
 
 def convention_of(opts: ImportOptions) -> str:
     """The numbering --dump-layers is in: the flag's (a short name allowed), else the format's own."""
-    name = opts.layer_convention or make_format(opts.format, final_state=opts.final_state).layer_convention
+    name = opts.layer_convention or registry.get(opts.format).layer_convention
     full = CONVENTIONS.get(name, name)
-    if full not in CONVENTIONS.values():
+    if full not in NUMBERINGS:
         raise UsageError(f"--dump-layer-convention {name}: use one of "
                          + ", ".join(f"{v} ({k})" for k, v in CONVENTIONS.items()))
     return full
-
-
-# the final state each format's files always hold (`pt` files may say which they hold, file by file)
-POST_NORM_DUMPS = {"specforge": "post_norm", "modelopt": "post_norm"}
 
 
 def check_dump(opts: ImportOptions, lay: BuildLayout) -> LayerClaim:
@@ -169,7 +160,7 @@ def check_dump(opts: ImportOptions, lay: BuildLayout) -> LayerClaim:
     root = check_options(opts)
     conv = convention_of(opts)
     info = BuildGeometry.load(lay)
-    if POST_NORM_DUMPS.get(opts.format) == "post_norm" and info.final_state == "pre_norm":
+    if registry.get(opts.format).dump_final_state == "post_norm" and info.final_state == "pre_norm":
         raise UsageError(f"{root}: {opts.format} dumps hold the final state after the model's norm, which cannot "
                          f"be undone, and {lay.root} stores it before the norm (final_state = pre_norm, the default "
                          f"of new builds); make the build for this dump with `hsbuild init ... --final-state "
@@ -277,7 +268,7 @@ def index_dump(opts: ImportOptions, samples: Iterable[Sample], max_tokens: int |
     """Read every file's token ids (in threads) and match them to the source's samples; with the checked `claim`
     (`check_dump`), refuse the dump (DumpRefused) unless its first matched files are as wide as the build's."""
     root = check_options(opts)
-    fmt = make_format(opts.format, final_state=opts.final_state)
+    fmt = registry.make_format(opts.format, imports=True, final_state=opts.final_state)
     paths = fmt.scan(root)
     if not paths:
         raise FormatError(f"{root}: no {opts.format} files found (see `hsbuild import --help` for what each format's "
@@ -305,14 +296,14 @@ def index_dump(opts: ImportOptions, samples: Iterable[Sample], max_tokens: int |
     with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
         for p, got in zip(paths, pool.map(read, paths), strict=True):
             if isinstance(got, Rejected):
-                out.problems.append(FileProblem(str(p), got.reason, str(got), _hint(opts.format, p, by_row, ids_of)))
+                out.problems.append(FileProblem(str(p), got.reason, str(got), _hint(fmt, p, by_row, ids_of)))
                 continue
             ids, mask = got
             matched = _match(ids.numpy(), None if mask is None else mask.numpy(), by_key)
             if not matched:
                 out.problems.append(FileProblem(str(p), "token_mismatch",
                                                 f"its {ids.shape[0]} token ids are no source row of the build",
-                                                _hint(opts.format, p, by_row, ids_of)))
+                                                _hint(fmt, p, by_row, ids_of)))
                 continue
             holders.setdefault(tuple(matched), []).append(str(p))
         for sids, files in holders.items():
@@ -325,7 +316,8 @@ def index_dump(opts: ImportOptions, samples: Iterable[Sample], max_tokens: int |
     return out
 
 
-def settle(fmt, sids: tuple[str, ...], files: list[str], n: int, out: DumpIndex, pool=None) -> str | None:
+def settle(fmt: TrainerFormat, sids: tuple[str, ...], files: list[str], n: int, out: DumpIndex,
+           pool=None) -> str | None:
     """Several files hold the tokens of `sids` (n tokens as stored): which one to import, if any. Each is loaded
     and its states hashed (`states_digest`; only for such samples: a clean dump pays nothing). All the same bit
     for bit: the first is imported, the others are `duplicate` (out.duplicates, harmless). Any two different:
@@ -377,7 +369,7 @@ def states_digest(got, n: int) -> bytes:
     return h.digest()
 
 
-def check_width(fmt, root: Path, index: DumpIndex, claim: LayerClaim) -> None:
+def check_width(fmt: TrainerFormat, root: Path, index: DumpIndex, claim: LayerClaim) -> None:
     """The dump's width from its first matched files (at most WIDTH_PROBES read): unless one of them holds aux
     states n_aux*H wide and a final state H wide, the dump is refused as a whole. A file that does not load, or
     one odd file beside a good one, is left to the workers' per-file checks (`bad_shape`, ...)."""
@@ -421,12 +413,9 @@ def _match(ids: np.ndarray, mask: np.ndarray | None, by_key: dict) -> list[str]:
     return []
 
 
-def _hint(fmt: str, path: Path, by_row: dict[int, str], ids: set[str]) -> str | None:
+def _hint(fmt: TrainerFormat, path: Path, by_row: dict[int, str], ids: set[str]) -> str | None:
     """The sample a file's name points at, where its format names files by sample (for the report only)."""
-    stem = path.name.split(".")[0]
-    if fmt == "modelopt" or fmt == "pt":
-        sid = unquote(stem)
-        return sid if sid in ids else None
-    if fmt == "speculators" and stem.startswith("hs_") and stem[3:].isdigit():
-        return by_row.get(int(stem[3:]))
-    return None
+    named = fmt.named_sample(path)
+    if isinstance(named, int):
+        return by_row.get(named)
+    return named if named in ids else None

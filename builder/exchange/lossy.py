@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from builder.exchange.build_info import BuildInfo
+from builder.formats.build_info import BuildInfo
 from builder.fsutil import atomic_write_bytes
 
 LOSSY_FILE = "hsbuild-lossy.json"

@@ -1,11 +1,6 @@
-"""The model's final norm, kept in the build so that either final-state convention can be derived.
-
-Engines return the last decoder layer's output BEFORE the final norm (vLLM's layer id L); Hugging Face's
-`hidden_states[L]` and SpecForge's `hidden_state` are AFTER it. A build records which one it stores
-(`final_state`: pre_norm | post_norm) and keeps the norm's weight and epsilon in `final_norm.safetensors`, so
-post-norm is one call away from pre-norm (`FinalNorm.apply`), computed exactly as transformers' LlamaRMSNorm
-computes it (float32 statistics, then the weight in the model dtype): bit-exact to the model's own output. The
-reverse is impossible, so a new build stores pre_norm by default (builder/run/create.py, choose_final_state).
+"""The model's final norm, read from its checkpoint at `init` to be kept in the build (`final_norm.safetensors`),
+so that either final-state convention can be derived (builder/formats/final_state.py: `FinalNorm`, what the norm
+is and does once kept). Only the norm's one tensor is read, never the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -17,42 +12,13 @@ from typing import TYPE_CHECKING
 
 from builder.errors import ModelError
 from builder.extract.safetensors_raw import DTYPE_CODES, RawTensor, read_header, read_raw, write_raw
-from builder.fsutil import atomic_write_bytes
+from builder.formats.final_state import FinalNorm
 
 if TYPE_CHECKING:  # (torch: imported where a tensor is made; `init` copies the norm's bytes without it)
     import torch
 
-FINAL_STATES = ("post_norm", "pre_norm")
 NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
              "transformer.norm.weight", "norm.weight")
-
-
-@dataclass(frozen=True)
-class FinalNorm:
-    weight: torch.Tensor  # [H], the model dtype
-    eps: float
-
-    def apply(self, pre: torch.Tensor) -> torch.Tensor:
-        """pre-norm states [n, H] -> post-norm, as LlamaRMSNorm.forward computes them."""
-        import torch  # noqa: PLC0415
-
-        dtype = pre.dtype
-        h = pre.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight.to(dtype) * h.to(dtype)
-
-    def save(self, path: Path) -> None:
-        from safetensors.torch import save  # noqa: PLC0415
-
-        atomic_write_bytes(path, save({"weight": self.weight.contiguous()}, metadata={"eps": repr(self.eps)}))
-
-    @classmethod
-    def load(cls, path: Path) -> FinalNorm:
-        from safetensors import safe_open  # noqa: PLC0415
-
-        with safe_open(str(path), framework="pt") as f:
-            return cls(f.get_tensor("weight"), float(f.metadata()["eps"]))
 
 
 def _norm_candidates(model_dir: Path) -> tuple[float, list[tuple[str, Path]]]:

@@ -22,7 +22,7 @@ from torch import nn
 
 from builder.errors import ModelError, SampleError
 from builder.extract.backends.base import check_finite
-from builder.extract.final_norm import FinalNorm, read_final_norm
+from builder.extract.final_norm import read_final_norm
 from builder.extract.spec import (  # noqa: F401 - re-exported: the torch-free half (builder/extract/spec.py)
     CONVENTION,
     BuiltinSpec,
@@ -41,6 +41,7 @@ from builder.extract.spec import (  # noqa: F401 - re-exported: the torch-free h
     suggest_chunk_tokens,
 )
 from builder.extract.threads import FIXED_THREADING, fix_threading  # noqa: F401 - re-exported
+from builder.formats.final_state import FinalNorm
 from builder.store.dtypes import torch_dtype
 
 # ---------------------------------------------------------------------------------------------------

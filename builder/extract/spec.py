@@ -167,7 +167,7 @@ class HfTokenizer:
 
 def check_dtype_and_final_state(dtype: str, final_state: str) -> None:
     """ModelError naming --dtype or --final-state for a value hsbuild does not know."""
-    from builder.extract.final_norm import FINAL_STATES  # noqa: PLC0415
+    from builder.formats.final_state import FINAL_STATES  # noqa: PLC0415
 
     if dtype not in STATE_DTYPES:
         raise ModelError(f"--dtype '{dtype}': use one of {sorted(STATE_DTYPES)}")

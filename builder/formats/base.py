@@ -1,6 +1,12 @@
-"""One interface for every trainer format: what the trainer's dataset yields for a sample (`item`), the files an
-export writes for it (`sample_files`) and at the end (`finish_files`), and, for import, where a dump keeps each
-sample (`scan`) and what one file holds (`load`).
+"""What a trainer format is: one class (`TrainerFormat`) in one module, registered by name (formats/registry.py).
+
+Its class attributes say what the rest of hsbuild shows and checks without an instance (and without torch: a
+format module is imported by the CLI and by `init`): its name, its trainer, its files, what it is for (export,
+import), its final state and layer numbering, the trainer's default aux layers and the flag that names others,
+the options it takes, and its row of the table in docs/design.md. Its methods are the trainer's conventions:
+what the trainer's dataset yields for a sample (`item`), the file an export writes for it (`sample_path`,
+`sample_bytes`) and at the end (`finish_files`), and, for import, where a dump keeps each sample (`scan`) and
+what one file holds (`tokens`, `load`).
 
 A format never touches the build: the export/import drivers read and write it, with checksums, atomic files and
 the event log. A format module only knows its trainer's conventions (layout, keys, dtypes, shapes, layer
@@ -10,12 +16,13 @@ numbering, final state before or after the norm), each checked against the train
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+if TYPE_CHECKING:  # (torch: imported by the methods that make or read a tensor, never by importing a format)
+    import torch
 
 
 @dataclass
@@ -64,39 +71,94 @@ class Rejected(ValueError):  # noqa: N818 - a file that is not a usable sample: 
         self.reason = reason
 
 
-class TrainerFormat(Protocol):
-    name: str
-    final_state: str  # the final state its files and items hold: "post_norm" or "pre_norm"
-    layer_convention: str  # the key of BuildInfo.layer_ids() its configs use
+@dataclass(frozen=True)
+class DocRow:
+    """A format's row of the trainer-format table in docs/design.md (section 13), in Markdown, column by column
+    (`registry.docs_table` writes the table; a test keeps the document equal to it)."""
 
+    trainer: str  # the trainer, the version its conventions were checked against, and the code they come from
+    files: str  # what `hsbuild export` writes (or an import reads) for a sample
+    tensors: str  # what one sample's file holds
+    numbering: str  # how its aux layer ids count (and its default layers)
+    final_state: str  # before or after the final norm
+    yields: str  # what its dataset yields for a sample
+    vocab: str  # its token frequencies and reduced draft vocabulary files
+
+
+class TrainerFormat:
+    """One trainer's file format. Subclasses set the class attributes and implement the methods of what they
+    are for: `exports` (item, sample_path, sample_bytes, finish_files) and `imports` (scan, tokens, load)."""
+
+    # -- read without an instance (the registry, the CLI, `init`, the docs table) -----------------------------
+    name: ClassVar[str]  # `--format NAME`, `HiddenStateDataset(format=NAME)`
+    summary: ClassVar[str]  # its files and who writes them, one phrase (`hsbuild export/import --help`)
+    doc: ClassVar[DocRow]
+    exports: ClassVar[bool] = True  # `hsbuild export` writes it, HiddenStateDataset(format=) yields its items
+    imports: ClassVar[bool] = True  # `hsbuild import` reads its dumps
+    final_state: str = "post_norm"  # the final state its files and items hold: "post_norm" or "pre_norm"
+    # what every file of its dumps holds, as its trainer's tools write them: an import of a "post_norm" dump into
+    # a build that stores pre_norm is refused before anything is read (the norm cannot be undone). None: its
+    # files say, or `--dump-final-state` does (checked file by file)
+    dump_final_state: ClassVar[str | None] = None
+    layer_convention: ClassVar[str]  # the numbering its configs use: a key of formats.numbering.NUMBERINGS
+    # the options it takes besides the build: name (an export flag or a dataset keyword) -> what it does, for
+    # --help; make_format refuses any other option given
+    options: ClassVar[Mapping[str, str]] = {}
+
+    def __init__(self, **options: object):
+        """An instance with `options` (keys of `options`; the others keep their class defaults)."""
+        for key, value in options.items():
+            if key not in self.options:
+                raise TypeError(f"{type(self).__name__}: no option {key!r} (it takes {', '.join(self.options)})")
+            setattr(self, key, value)
+
+    @classmethod
+    def default_layers(cls, num_layers: int) -> list[int] | None:
+        """The aux layers its trainer takes when none are named, for a `num_layers`-layer target, in its own
+        numbering; None: its trainer needs no flag (nothing to tell it)."""
+        return None
+
+    @classmethod
+    def layer_flag(cls, ids: list[int]) -> str:
+        """What tells its trainer to take the aux layers `ids` (its own numbering): a flag or a config key."""
+        raise NotImplementedError(f"{cls.name}: names no layer flag")
+
+    # -- export (and HiddenStateDataset(format=)) -----------------------------------------------------------
     def item(self, s: Sample) -> dict[str, torch.Tensor]:
         """Exactly what the trainer's own dataset yields for this sample."""
-        ...
+        raise NotImplementedError(f"{self.name}: an import-only format")
 
-    def sample_paths(self, index: int, sample_id: str) -> list[str]:
-        """Export: the relative path of the one file a sample has at row `index` (a row's path is the same on
+    def sample_path(self, index: int, sample_id: str) -> str:
+        """The relative path of the one file the sample at export row `index` has (a row's path is the same on
         every run: the export moves a file when its sample's row changes)."""
-        ...
+        raise NotImplementedError(f"{self.name}: an import-only format")
 
-    def sample_files(self, s: Sample) -> dict[str, bytes]:
-        """Export: {its `sample_paths` path: file bytes}, one file a sample. The bytes never depend on `s.index`:
-        a file renumbered by a later export is moved, never written again."""
-        ...
+    def sample_bytes(self, s: Sample) -> bytes:
+        """The bytes of the sample's file (at `sample_path(s.index, s.sample_id)`). They never depend on
+        `s.index`: a file renumbered by a later export is moved, never written again."""
+        raise NotImplementedError(f"{self.name}: an import-only format")
 
     def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,
                      draft_vocab_size: int | None) -> dict[str, bytes | Callable[[Path], None]]:
-        """Export: the files written once every sample is out (dataset index, token frequencies, vocab map),
-        in order; a callable value writes a big file itself (to the temp path it is given)."""
-        ...
+        """The dataset-wide files written once every sample is out (dataset index, token frequencies over
+        loss-masked tokens `freq`, vocab mapping), in order; a callable value writes a big file itself (to the
+        temp path it is given). `rows` streams the exported rows in order (read once, at most)."""
+        raise NotImplementedError(f"{self.name}: an import-only format")
 
+    # -- import ---------------------------------------------------------------------------------------------
     def scan(self, root: Path) -> list[Path]:
-        """Import: the dump's sample files."""
-        ...
+        """The dump's sample files (an export also removes any such file it does not vouch for)."""
+        raise NotImplementedError(f"{self.name}: reads no dumps")
 
     def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Import: a file's token ids (and loss mask, if it keeps one), cheaply; raises Rejected."""
-        ...
+        """A file's token ids (and loss mask, if it keeps one), cheaply; raises Rejected."""
+        raise NotImplementedError(f"{self.name}: reads no dumps")
 
     def load(self, path: Path) -> Loaded:
-        """Import: read and check one file; raises Rejected(reason, message)."""
-        ...
+        """Read and check one file; raises Rejected(reason, message)."""
+        raise NotImplementedError(f"{self.name}: reads no dumps")
+
+    def named_sample(self, path: Path) -> str | int | None:
+        """The sample a dump file's name points at, where this format names files by sample: its id (str) or
+        its source row (int); the import report shows it for a file it cannot use. None: names say nothing."""
+        return None

@@ -25,23 +25,50 @@ import json
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from urllib.parse import quote
+from typing import TYPE_CHECKING
+from urllib.parse import quote, unquote
 
-import torch
+from builder.formats.base import DocRow, Exported, Loaded, Rejected, Sample, TrainerFormat
 
-from builder.formats.base import Exported, Loaded, Rejected, Sample
-from builder.formats.torchfile import int_1d, load_dict, save_bytes
-from builder.formats.vocab import vocab_mapping
+if TYPE_CHECKING:
+    import torch
 
 NAME_BYTES = 200  # a longer file name is shortened (file_name): NAME_MAX is 255 bytes, the export's temp name longer
 
 
-class ModelOpt:
+class ModelOpt(TrainerFormat):
     name = "modelopt"
+    summary = "ID.pt (Model-Optimizer's compute_hidden_states)"
     final_state = "post_norm"
+    dump_final_state = "post_norm"
     layer_convention = "decoder_layer_output"
+    doc = DocRow(
+        trainer="Model-Optimizer 0.47.0 (`compute_hidden_states_hf.py`; `OfflineSupervisedDataset`)",
+        files="`{conversation_id}.pt` (the sample id, URL-quoted; a name over 200 bytes: its first bytes, `+` and a "
+              "blake2b-128 of the id, so every id fits a file name), one `torch.save` dict",
+        tensors="`input_ids` int64 [n], `hidden_states` [n, H], `aux_hidden_states` [n, kH], `loss_mask` int64 "
+                "[n], `conversation_id`",
+        numbering="decoder layer (as SpecForge)",
+        final_state="after the norm (`hidden_states_prenorm: True` would mark it before)",
+        yields="(answer_only_loss=True) `input_ids`, `base_model_hidden_states`, `aux_hidden_states`, "
+               "`attention_mask`, `loss_mask`, `labels` (shifted), `base_hidden_prenorm`",
+        vocab="`token_freq.json`; `d2t.torch` = bare int64 [D] (`data.draft_vocab_cache`; not `.pt`: every `.pt` "
+              "is read as a sample)")
+
+    @classmethod
+    def default_layers(cls, num_layers: int) -> list[int]:
+        # plugins/hf_eagle.py default_eagle_aux_layer_ids: the SET of decoder ids 1, L//2-1, L-4 (fewer than
+        # three below 7 layers)
+        return sorted({1, max(0, num_layers // 2 - 1), max(0, num_layers - 4)})
+
+    @classmethod
+    def layer_flag(cls, ids: list[int]) -> str:
+        return (f"eagle_architecture_config: {{eagle_aux_hidden_state_layer_ids: [{', '.join(map(str, ids))}]}} "
+                "(its EAGLE config)")
 
     def item(self, s: Sample) -> dict[str, torch.Tensor | bool]:
+        import torch  # noqa: PLC0415
+
         labels = torch.full_like(s.input_ids, -100)
         labels[:-1] = s.input_ids[1:]
         return {"input_ids": s.input_ids, "base_model_hidden_states": s.final, "aux_hidden_states": s.aux,
@@ -65,16 +92,21 @@ class ModelOpt:
             cut = name.rindex("%", 0, cut)
         return f"{name[:cut]}+{h}.pt"
 
-    def sample_paths(self, index: int, sample_id: str) -> list[str]:  # noqa: ARG002
-        return [self.file_name(sample_id)]
+    def sample_path(self, index: int, sample_id: str) -> str:  # noqa: ARG002
+        return self.file_name(sample_id)
 
-    def sample_files(self, s: Sample) -> dict[str, bytes]:
+    def sample_bytes(self, s: Sample) -> bytes:
+        from builder.formats.torchfile import save_bytes  # noqa: PLC0415
+
         rec = {"input_ids": s.input_ids, "hidden_states": s.final, "aux_hidden_states": s.aux,
                "loss_mask": s.loss_mask, "conversation_id": s.sample_id}
-        return {self.file_name(s.sample_id): save_bytes(rec)}
+        return save_bytes(rec)
 
     def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,  # noqa: ARG002
                      draft_vocab_size: int | None) -> dict[str, bytes]:
+        from builder.formats.torchfile import save_bytes  # noqa: PLC0415
+        from builder.formats.vocab import vocab_mapping  # noqa: PLC0415
+
         files = {"token_freq.json": json.dumps({str(k): v for k, v in sorted(freq.items())}).encode()}
         if draft_vocab_size:
             d2t, _ = vocab_mapping(freq, draft_vocab_size, vocab_size)
@@ -84,12 +116,21 @@ class ModelOpt:
     def scan(self, root: Path) -> list[Path]:
         return sorted(p for p in root.rglob("*.pt") if p.is_file())
 
+    def named_sample(self, path: Path) -> str:
+        return unquote(path.name.split(".")[0])
+
     def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from builder.formats.torchfile import int_1d, load_dict  # noqa: PLC0415
+
         d = load_dict(path)
-        mask = d.get("loss_mask")
-        return int_1d(d, ("input_ids",), batch_axis=False), (int_1d(d, ("loss_mask",), batch_axis=False) if mask is not None else None)
+        ids = int_1d(d, ("input_ids",), batch_axis=False)
+        return ids, (int_1d(d, ("loss_mask",), batch_axis=False) if d.get("loss_mask") is not None else None)
 
     def load(self, path: Path) -> Loaded:
+        import torch  # noqa: PLC0415
+
+        from builder.formats.torchfile import int_1d, load_dict  # noqa: PLC0415
+
         d = load_dict(path)
         ids = int_1d(d, ("input_ids",), batch_axis=False)
         mask = int_1d(d, ("loss_mask",), batch_axis=False) if d.get("loss_mask") is not None else None

@@ -5,17 +5,19 @@ Keys are recognised by their usual names: the tokens in `input_ids` or `token_id
 `aux_hidden_state(s)` ([n, k*H] or [1, n, k*H]) or a stacked `hidden_states` [n, k+1, H] (aux slots, then the
 final state); the final state in `hidden_state` / `hidden_states` / `last_hidden_state` ([n, H] or [1, n, H]);
 an optional `loss_mask`. The final state is taken as AFTER the norm (Hugging Face hidden_states[-1]) unless the
-file says `hidden_states_prenorm: True`; `hsbuild import --final-state pre_norm` says so for a whole dump.
+file says `hidden_states_prenorm: True`; `hsbuild import --dump-final-state pre_norm` says so for a whole dump.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import unquote
 
-import torch
+from builder.formats.base import DocRow, Loaded, Rejected, TrainerFormat
 
-from builder.formats.base import Loaded, Rejected
-from builder.formats.torchfile import int_1d, load_file
+if TYPE_CHECKING:
+    import torch
 
 SUFFIXES = (".pt", ".ckpt", ".pth", ".pt.gz", ".ckpt.gz", ".pth.gz")
 TOKENS = ("input_ids", "token_ids")
@@ -23,22 +25,45 @@ AUX = ("aux_hidden_state", "aux_hidden_states")
 FINAL = ("hidden_state", "hidden_states", "last_hidden_state", "last_hidden_states")
 
 
-class PlainPt:
+class PlainPt(TrainerFormat):
     name = "pt"
-    final_state = "post_norm"
+    summary = "any folder of torch.save dicts (*.pt, *.ckpt, *.pth)"
+    exports = False
     layer_convention = "decoder_layer_output"
+    options = {"final_state": "whether the files' final hidden state is after the final norm (HF hidden_states[-1]) "
+                              "or before it"}
+    doc = DocRow(
+        trainer="home-grown extraction scripts (import only)",
+        files="`*.pt`, `*.ckpt`, `*.pth` (also gzipped) anywhere under the folder, one `torch.save` dict",
+        tensors="tokens in `input_ids` or `token_ids`; aux states in `aux_hidden_state(s)` [n, kH] or a stacked "
+                "`hidden_states` [n, k+1, H]; the final state in `hidden_state(s)` / `last_hidden_state` [n, H] "
+                "(or [1, n, ...]); an optional `loss_mask`",
+        numbering="decoder layer (as SpecForge)",
+        final_state="after the norm, unless the file says `hidden_states_prenorm: True`, holds a stacked "
+                    "`hidden_states` (before it), or `--dump-final-state pre_norm` says so for the dump",
+        yields="(import only)", vocab="(import only)")
 
-    def __init__(self, final_state: str = "post_norm"):
-        self.final_state = final_state
+    final_state = "post_norm"  # what files that do not say hold (`hsbuild import --dump-final-state`)
 
     def scan(self, root: Path) -> list[Path]:
         return sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
 
+    def named_sample(self, path: Path) -> str:
+        return unquote(path.name.split(".")[0])
+
     def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+        import torch  # noqa: PLC0415
+
+        from builder.formats.torchfile import int_1d, load_file  # noqa: PLC0415
+
         d = load_file(path)
         return int_1d(d, TOKENS), (int_1d(d, ("loss_mask",)) if isinstance(d.get("loss_mask"), torch.Tensor) else None)
 
     def load(self, path: Path) -> Loaded:
+        import torch  # noqa: PLC0415
+
+        from builder.formats.torchfile import int_1d, load_file  # noqa: PLC0415
+
         d = load_file(path)
         ids = int_1d(d, TOKENS)
         mask = int_1d(d, ("loss_mask",)) if isinstance(d.get("loss_mask"), torch.Tensor) else None

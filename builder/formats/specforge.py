@@ -20,32 +20,56 @@ specforge/algorithms/eagle3/data.py, specforge/training/vocab_mapping.py):
 
 from __future__ import annotations
 
-import gzip
 import re
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from builder.formats.base import DocRow, Exported, Loaded, Rejected, Sample, TrainerFormat
 
-from builder.formats.base import Exported, Loaded, Rejected, Sample
-from builder.formats.torchfile import int_1d, load_file, save_bytes
-from builder.formats.vocab import specforge_counts, specforge_vocab_mapping
+if TYPE_CHECKING:
+    import torch
 
 GROUP = 2000
 NAME = re.compile(r"data_(\d+)\.ckpt(\.gz)?$")
 
 
-class SpecForge:
+class SpecForge(TrainerFormat):
     name = "specforge"
+    summary = "rows_*/data_N.ckpt (SpecForge's prepare_hidden_states)"
     final_state = "post_norm"
+    dump_final_state = "post_norm"
     layer_convention = "decoder_layer_output"
+    options = {"max_len": "keep this many tokens of a sample, as its dataset's data.max_length",
+               "compress": "gzip each file at this level (its --compress; .ckpt.gz)"}
+    doc = DocRow(
+        trainer="SpecForge 0.2.0 (`scripts/prepare_hidden_states.py`; `OfflineEagle3Dataset`, "
+                "`normalize_offline_sample`)",
+        files="`rows_{g}-{g+2000}/data_{i}.ckpt` (`.ckpt.gz` with `--compress`), one `torch.save` dict",
+        tensors="`input_ids` int64 [n], `loss_mask` int64 [n], `aux_hidden_state` [1, n, 3H], `hidden_state` "
+                "[1, n, H]",
+        numbering="decoder layer: id k = output of layer k = HF `hidden_states[k+1]` (default `1, L//2-1, L-4`)",
+        final_state="after the norm (the lm_head input)",
+        yields="`input_ids`, `loss_mask` (last position 0), `attention_mask` [1, n'], `hidden_state` (the aux "
+               "states), `target` (the final state); n' = min(n, max_len)",
+        vocab="`token_freq.pt`; `vocab_mapping/vocab_mapping.pt` = `{\"d2t\", \"t2d\"}` (`model.vocab_mapping_path`)")
 
-    def __init__(self, max_len: int | None = None, compress: int | None = None):
-        self.max_len = max_len  # what the trainer's data.max_length keeps (None: the whole sample)
-        self.compress = compress  # gzip level for export (SpecForge's --compress), None: plain .ckpt
+    max_len: int | None = None  # what the trainer's data.max_length keeps (None: the whole sample)
+    compress: int | None = None  # gzip level for export (SpecForge's --compress), None: plain .ckpt
+
+    @classmethod
+    def default_layers(cls, num_layers: int) -> list[int]:
+        # algorithms/model_providers.py resolve_eagle_capture_layers: decoder ids 1, L//2-1, L-4
+        return [1, num_layers // 2 - 1, num_layers - 4]
+
+    @classmethod
+    def layer_flag(cls, ids: list[int]) -> str:
+        return f"model.aux_hidden_state_layer_ids=[{','.join(map(str, ids))}] (a `specforge train` override)"
 
     def item(self, s: Sample) -> dict[str, torch.Tensor]:
+        import torch  # noqa: PLC0415
+
         n = s.num_tokens if self.max_len is None else min(s.num_tokens, self.max_len)
         loss_mask = s.loss_mask[:n].clone().unsqueeze(0)
         if loss_mask.numel() > 0:
@@ -59,19 +83,26 @@ class SpecForge:
         g = index // GROUP * GROUP
         return f"rows_{g}-{g + GROUP}/data_{index}.ckpt" + (".gz" if gz else "")
 
-    def sample_paths(self, index: int, sample_id: str) -> list[str]:  # noqa: ARG002
-        return [self.path_for(index, gz=self.compress is not None)]
+    def sample_path(self, index: int, sample_id: str) -> str:  # noqa: ARG002
+        return self.path_for(index, gz=self.compress is not None)
 
-    def sample_files(self, s: Sample) -> dict[str, bytes]:
+    def sample_bytes(self, s: Sample) -> bytes:
+        import gzip  # noqa: PLC0415
+
+        from builder.formats.torchfile import save_bytes  # noqa: PLC0415
+
         rec = {"input_ids": s.input_ids, "loss_mask": s.loss_mask,
                "aux_hidden_state": s.aux.unsqueeze(0), "hidden_state": s.final.unsqueeze(0)}
         data = save_bytes(rec)
         if self.compress is not None:
             data = gzip.compress(data, compresslevel=self.compress, mtime=0)
-        return {self.path_for(s.index, gz=self.compress is not None): data}
+        return data
 
     def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,
                      draft_vocab_size: int | None) -> dict[str, bytes]:
+        from builder.formats.torchfile import save_bytes  # noqa: PLC0415
+        from builder.formats.vocab import specforge_counts, specforge_vocab_mapping  # noqa: PLC0415
+
         files = {"token_freq.pt": save_bytes(dict(sorted(freq.items())))}
         if not draft_vocab_size:
             for _ in rows:  # nothing per row: the feature files are the dataset
@@ -89,10 +120,16 @@ class SpecForge:
         return sorted(p for p in root.rglob("*") if p.is_file() and NAME.search(p.name))
 
     def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from builder.formats.torchfile import int_1d, load_file  # noqa: PLC0415
+
         d = load_file(path)
         return int_1d(d, ("input_ids",)), int_1d(d, ("loss_mask",))
 
     def load(self, path: Path) -> Loaded:
+        import torch  # noqa: PLC0415
+
+        from builder.formats.torchfile import int_1d, load_file  # noqa: PLC0415
+
         d = load_file(path)
         ids = int_1d(d, ("input_ids",))
         mask = int_1d(d, ("loss_mask",))
@@ -105,4 +142,3 @@ class SpecForge:
                 raise Rejected("bad_shape", f"'{key}' has shape {list(t.shape)}, expected [1, {n}, ...] "
                                             f"for its {n} input_ids")
         return Loaded(ids, mask, aux[0], final[0], self.final_state)
-

@@ -19,37 +19,56 @@ speculators/train/cli.py, hs_connectors/transfer.py FileTransfer / FP8Transfer):
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import pyarrow as pa
-import torch
+from builder.formats.base import DocRow, Exported, Loaded, Rejected, Sample, TrainerFormat
 
-from builder.formats.base import Exported, Loaded, Rejected, Sample
-from builder.formats.torchfile import save_bytes
-from builder.formats.vocab import vocab_mapping
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
+    import torch
 
 NAME = re.compile(r"hs_(\d+)\.safetensors$")
 ARROW = "data-00000-of-00001.arrow"
 FEATURES = {"input_ids": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"},
             "loss_mask": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"},
             "seq_len": {"dtype": "int64", "_type": "Value"}}
-SCHEMA = pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
-                    ("seq_len", pa.int64())],
-                   metadata={"huggingface": json.dumps({"info": {"features": FEATURES}})})
 
 
-class Speculators:
+class Speculators(TrainerFormat):
     name = "speculators"
+    summary = "a datasets dir + hidden_states/hs_N.safetensors"
     final_state = "pre_norm"
+    dump_final_state = "pre_norm"
     layer_convention = "vllm_eagle_aux_hidden_state_layer_ids"
+    doc = DocRow(
+        trainer="speculators 0.9.0 (`ArrowDataset`, `hs_connectors.FileTransfer`)",
+        files="a `datasets` directory (`input_ids`, `loss_mask`, `seq_len`) + `hidden_states/hs_{i}.safetensors`",
+        tensors="`token_ids` int64 [n], `hidden_states` [n, k+1, H]",
+        numbering="vLLM `extract_hidden_states` id: k = HF `hidden_states[k]`",
+        final_state="before the norm (vLLM's id L; the trainer applies the verifier's norm)",
+        yields="`hidden_states` [n, kH], `input_ids`, `verifier_last_hidden_states` [n, H], `loss_mask`, "
+               "`lengths`, `position_ids`",
+        vocab="`token_freq.pt` (read by training from the data dir); `d2t-{D}.npy`, `t2d-{D}.npy` (the names its "
+              "training loads with `--draft-vocab-size D`)")
+
+    @classmethod
+    def default_layers(cls, num_layers: int) -> list[int]:
+        # models/utils.py resolve_target_layer_ids: vLLM ids 2, L//2, L-3 (refused when repeated or out of range)
+        return [2, num_layers // 2, num_layers - 3]
+
+    @classmethod
+    def layer_flag(cls, ids: list[int]) -> str:
+        return "--target-layer-ids " + " ".join(map(str, ids))
 
     def item(self, s: Sample) -> dict[str, torch.Tensor]:
+        import torch  # noqa: PLC0415
+
         n = s.num_tokens
         return {"hidden_states": s.aux, "input_ids": s.input_ids, "verifier_last_hidden_states": s.final,
                 "loss_mask": s.loss_mask, "lengths": torch.tensor([n], dtype=torch.long),
@@ -57,21 +76,25 @@ class Speculators:
 
     @staticmethod
     def stacked(s: Sample) -> torch.Tensor:
+        import torch  # noqa: PLC0415
+
         n, h = s.final.shape
         return torch.cat([s.aux.reshape(n, -1, h), s.final.unsqueeze(1)], dim=1)  # [n, k+1, H]
 
-    def sample_paths(self, index: int, sample_id: str) -> list[str]:  # noqa: ARG002
-        return [f"hidden_states/hs_{index}.safetensors"]
+    def sample_path(self, index: int, sample_id: str) -> str:  # noqa: ARG002
+        return f"hidden_states/hs_{index}.safetensors"
 
-    def sample_files(self, s: Sample) -> dict[str, bytes]:
+    def sample_bytes(self, s: Sample) -> bytes:
         from safetensors.torch import save  # noqa: PLC0415
 
-        data = save({"hidden_states": self.stacked(s).contiguous(), "token_ids": s.input_ids.contiguous()})
-        return {f"hidden_states/hs_{s.index}.safetensors": data}
+        return save({"hidden_states": self.stacked(s).contiguous(), "token_ids": s.input_ids.contiguous()})
 
     def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,  # noqa: ARG002
                      draft_vocab_size: int | None) -> dict[str, bytes | Callable[[Path], None]]:
         """The Arrow dataset (streamed to its file), then state.json last: `load_from_disk` needs both."""
+        from builder.formats.torchfile import save_bytes  # noqa: PLC0415
+        from builder.formats.vocab import vocab_mapping  # noqa: PLC0415
+
         files: dict[str, bytes | Callable[[Path], None]] = {ARROW: lambda path: write_arrow(path, rows)}
         files["dataset_info.json"] = json.dumps({"citation": "", "description": "", "features": FEATURES,
                                                  "homepage": "", "license": ""}, indent=2).encode()
@@ -90,6 +113,10 @@ class Speculators:
     def scan(self, root: Path) -> list[Path]:
         base = root / "hidden_states" if (root / "hidden_states").is_dir() else root
         return sorted(p for p in base.iterdir() if p.is_file() and NAME.search(p.name))
+
+    def named_sample(self, path: Path) -> int | None:
+        m = NAME.search(path.name)
+        return int(m.group(1)) if m else None
 
     def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
         with _open(path) as f:
@@ -140,20 +167,35 @@ def _ids(t: torch.Tensor) -> torch.Tensor:
 
 
 def _npy(a: np.ndarray) -> bytes:
+    import io  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
     buf = io.BytesIO()
     np.save(buf, a)
     return buf.getvalue()
 
 
+def schema() -> pa.Schema:
+    """The dataset's Arrow schema, with the features `datasets` reads back."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    return pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
+                      ("seq_len", pa.int64())], metadata={"huggingface": json.dumps({"info": {"features": FEATURES}})})
+
+
 def write_arrow(path: Path, rows: Iterable[Exported], batch: int = 1024) -> None:
     """The dataset's Arrow stream, written a batch of rows at a time (a 1M-row export never holds all rows)."""
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, SCHEMA) as w:
+    import pyarrow as pa  # noqa: PLC0415
+
+    sch = schema()
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, sch) as w:
         buf: list[Exported] = []
 
         def put() -> None:
             w.write_batch(pa.record_batch([pa.array([r.input_ids for r in buf], pa.list_(pa.int64())),
                                            pa.array([r.loss_mask for r in buf], pa.list_(pa.int64())),
-                                           pa.array([len(r.input_ids) for r in buf], pa.int64())], schema=SCHEMA))
+                                           pa.array([len(r.input_ids) for r in buf], pa.int64())], schema=sch))
             buf.clear()
 
         for r in rows:

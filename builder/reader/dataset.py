@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import Dataset
 
 from builder.errors import DamagedSampleError, FormatError
-from builder.exchange.build_info import BuildInfo
+from builder.formats import registry
+from builder.formats.build_info import BuildInfo
 from builder.layout import layout
 from builder.log.query import run_query
 from builder.store.reader import SegmentReader
@@ -27,7 +28,8 @@ class HiddenStateDataset(Dataset):
     """Items are dicts: sample_id, input_ids (int64 [n]), loss_mask (int64 [n]), hidden_state [n, H] and
     aux_hidden_state [n, n_aux*H] in the build's logical dtype (bfloat16 restored bit-exact).
 
-    With `format="specforge" | "speculators" | "modelopt"` an item is exactly the dict that trainer's own
+    With `format=F` (a format that exports: "specforge", "speculators", "modelopt", or one registered with
+    `builder.formats.register`) an item is exactly the dict that trainer's own
     dataset yields for the same sample (its keys, shapes, dtypes, layer order and final state before or after
     the norm; `max_len` truncates as specforge's dataset does; modelopt's items are its dataset's with
     answer_only_loss=True, the build's own loss mask), so a training script swaps its
@@ -45,14 +47,11 @@ class HiddenStateDataset(Dataset):
         self.format = None
         self._info: BuildInfo | None = None
         if format is not None:
-            from builder.formats import EXPORT_FORMATS, make_format  # noqa: PLC0415
-
-            if format not in EXPORT_FORMATS:
-                raise FormatError(f"format '{format}': use one of {', '.join(EXPORT_FORMATS)}")
-            self.format = make_format(format, max_len=max_len)
+            self.format = registry.make_format(format, flag="format", exports=True, max_len=max_len)
             self.info.require(self.format.final_state)
         elif max_len is not None:
-            raise FormatError("max_len: only with format='specforge'")
+            takers = [f.name for f in registry.formats(exports=True) if "max_len" in f.options]
+            raise FormatError("max_len: only with " + " or ".join(f"format={t!r}" for t in takers))
         states = "('written', 'verified')" if include_unverified else "('verified')"
         cols, rows = run_query(self.lay, "SELECT sample_id, row_idx, segment, token_start, num_tokens, checksums "
                                          "FROM samples "

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
-from builder.formats.speculators import Speculators
 from builder.reader.dataset import HiddenStateDataset
 
 
@@ -50,7 +49,7 @@ class HsbuildTransfer(HiddenStatesTransfer):
         if i is None:
             return None
         s = self._ds.sample(i)
-        return {"hidden_states": Speculators.stacked(s), "token_ids": s.input_ids}
+        return {"hidden_states": self._ds.format.stacked(s), "token_ids": s.input_ids}  # the speculators format's
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:  # noqa: ARG002
         return None  # a build is filled by `hsbuild run`, not by the trainer's requests

@@ -22,15 +22,9 @@ import torch
 from conftest import ROOMY, hsbuild, write_jsonl
 
 from builder.config import load_config
-from builder.exchange.build_info import (
-    TRAINER_DEFAULT_LAYERS,
-    TRAINER_FINAL_STATE,
-    TRAINER_NUMBERING,
-    TRAINERS,
-    BuildInfo,
-)
 from builder.exchange.export import ExportOptions, export_build
-from builder.formats import make_format
+from builder.formats import registry
+from builder.formats.build_info import BuildInfo
 from builder.layout import layout
 from builder.reader import HiddenStateDataset
 from builder.run.coordinator import RunOptions, run_build
@@ -38,6 +32,7 @@ from builder.run.create import init_build
 
 SMALL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 DEEP = "builtin:hidden=64,layers=8,vocab=1024,heads=2,kv_heads=1,intermediate=128"
+TRAINERS = ("specforge", "speculators", "modelopt")  # the formats hsbuild exports to, in the registry's order
 INSTALL = ("pip install -e .[trainers] && pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 "
            "specforge==0.2.0 nvidia-modelopt==0.47.0")
 
@@ -159,23 +154,21 @@ def test_init_says_which_trainers_a_build_feeds(tmp_path):
 
 
 def test_the_trainer_tables_are_the_trainers_own(monkeypatch):
-    """TRAINER_DEFAULT_LAYERS is each trainer's own default, computed by its own code; the final state and layer
-    numbering are the format modules' own."""
+    """Each format's `default_layers` is its trainer's own default, computed by its own code."""
     providers = trainer("specforge.algorithms.model_providers")
     mutils = trainer("speculators.models.utils")
     eagle = trainer("modelopt.torch.speculative.plugins.hf_eagle")
-    for name in TRAINERS:
-        fmt = make_format(name)
-        assert (TRAINER_FINAL_STATE[name], TRAINER_NUMBERING[name]) == (fmt.final_state, fmt.layer_convention)
+    assert registry.names(exports=True) == list(TRAINERS)
+    default = {name: registry.get(name).default_layers for name in TRAINERS}
     for n in range(4, 81):
         cfg = SimpleNamespace(model=SimpleNamespace(aux_hidden_state_layer_ids=None))
         assert providers.resolve_eagle_capture_layers(cfg, {}, SimpleNamespace(num_hidden_layers=n)) == \
-            TRAINER_DEFAULT_LAYERS["specforge"](n)
-        assert eagle.default_eagle_aux_layer_ids(n) == TRAINER_DEFAULT_LAYERS["modelopt"](n)
+            default["specforge"](n)
+        assert eagle.default_eagle_aux_layer_ids(n) == default["modelopt"](n)
         monkeypatch.setattr(mutils, "get_verifier_config", lambda *a, n=n, **k: SimpleNamespace(num_hidden_layers=n))
         if n >= 7:
             with pytest.warns(UserWarning):
-                assert mutils.resolve_target_layer_ids(None, "verifier") == TRAINER_DEFAULT_LAYERS["speculators"](n)
+                assert mutils.resolve_target_layer_ids(None, "verifier") == default["speculators"](n)
         else:  # its own default is refused below 7 layers
             with pytest.raises(ValueError, match="--target-layer-ids"):
                 mutils.resolve_target_layer_ids(None, "verifier")
@@ -191,7 +184,7 @@ def test_exports_name_the_layer_flag_each_trainer_needs_and_the_trainers_take_it
     b = init_build(tmp_path / "b", src, model=model, watermarks=ROOMY).root
     assert run_build(b, RunOptions(workers=1), echo=lambda m: None).written == 2
     info = BuildInfo.load(layout(b))
-    ids = {t: info.layer_ids()[TRAINER_NUMBERING[t]][:-1] for t in TRAINERS}
+    ids = {t: info.layer_ids()[registry.get(t).layer_convention][:-1] for t in TRAINERS}
     monkeypatch.setattr(mutils, "get_verifier_config", lambda *a, **k: SimpleNamespace(num_hidden_layers=layers))
     target = SimpleNamespace(num_hidden_layers=layers)
     for fmt in TRAINERS:

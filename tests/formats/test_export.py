@@ -30,8 +30,8 @@ from conftest import ROOMY, hsbuild, random_rows, write_jsonl
 
 from builder.config import Watermarks
 from builder.errors import FormatError, UsageError, WontFitError
-from builder.exchange.build_info import BuildInfo
 from builder.exchange.export import JOURNAL, TMP_SUFFIX, ExportOptions, export_build
+from builder.formats.build_info import BuildInfo
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.reader import HiddenStateDataset

@@ -21,11 +21,11 @@ import torch
 from conftest import ROOMY, random_rows, write_jsonl
 
 from builder.errors import UsageError
-from builder.exchange.build_info import BuildInfo
 from builder.exchange.export import JOURNAL, ExportOptions, export_build
 from builder.exchange.imports import CONVENTIONS, BuildGeometry, DumpRefused, ImportOptions
 from builder.formats import make_format
 from builder.formats.base import Sample as TrainerSample
+from builder.formats.build_info import BuildInfo
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.reader import HiddenStateDataset
@@ -359,12 +359,12 @@ def test_a_file_cut_short_is_reported_truncated_in_every_format(source, tmp_path
         it = source.states[sid]
         s = TrainerSample(sid, index, index, it["input_ids"], it["loss_mask"], it["aux_hidden_state"],
                           it["hidden_state"])
-        for rel, data in writer.sample_files(s).items():
-            if fmt == "pt":
-                rel = f"sample_{index}.pt"
-            (dump / rel).parent.mkdir(parents=True, exist_ok=True)
-            (dump / rel).write_bytes(data)
-            written[sid] = dump / rel
+        rel, data = writer.sample_path(index, sid), writer.sample_bytes(s)
+        if fmt == "pt":
+            rel = f"sample_{index}.pt"
+        (dump / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dump / rel).write_bytes(data)
+        written[sid] = dump / rel
     whole, cut = sids
     raw = written[cut].read_bytes()
     written[cut].write_bytes(raw[: len(raw) // 2])

@@ -1,6 +1,7 @@
 """What a trainer format needs to know about a build: its geometry, its layer numbering in every convention,
 which final state it stores (with the final norm that derives the other one), which trainers it can feed and
-the layer flag each needs, and whether its states are stored lossy (`--quantize fp8`).
+the layer flag each needs (asked of each exporting format in the registry), and whether its states are stored
+lossy (`--quantize fp8`). Export, import and the reader all use it.
 
 Read from `data/zarr.json` (the data describes itself, `init` writes the whole metadata there), so it needs
 neither the event log nor its lock: it works during a run and on a build whose log is being rebuilt.
@@ -15,51 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from builder.errors import BuildNotFoundError, FormatError
-from builder.extract.final_norm import FinalNorm
+from builder.formats import registry
+from builder.formats.final_state import FinalNorm
+from builder.formats.numbering import layer_numberings
 from builder.layout import BuildLayout
 
 if TYPE_CHECKING:  # (torch: imported where a tensor is made; `init` describes a build without it)
     import torch
-
-TRAINERS = ("specforge", "speculators", "modelopt")
-
-
-def layer_numberings(aux_layers: list[int] | tuple[int, ...], num_layers: int) -> dict[str, list[int]]:
-    """The aux layers (Hugging Face hidden_states indices), then the final state, of a `num_layers`-layer model in
-    each numbering trainers and engines use (what an export's journal records and an import's claim is read in)."""
-    L, aux = num_layers, list(aux_layers)
-    return {
-        # Hugging Face output_hidden_states index: 0 is the embeddings, k the output of decoder layer k-1
-        "hf_hidden_states": [*aux, L],
-        # SpecForge / Model-Optimizer / EAGLE-3 configs ("eagle_aux_hidden_state_layer_ids"): decoder layer index
-        "decoder_layer_output": [i - 1 for i in aux] + [L - 1],
-        # vLLM's extract_hidden_states layer ids: k = hidden_states[k] (L is the final state before the norm)
-        "vllm_eagle_aux_hidden_state_layer_ids": [*aux, L],
-    }
-
-# What each trainer assumes the aux layers are when nothing names them, for an L-layer target, in its own numbering,
-# and how to name them. Checked against SpecForge 0.2.0 (algorithms/model_providers.py,
-# resolve_eagle_capture_layers: decoder ids 1, L//2-1, L-4; `specforge train -c CFG key=value` overrides),
-# speculators 0.9.0 (models/utils.py, resolve_target_layer_ids: vLLM ids 2, L//2, L-3, refused when repeated or
-# out of range, i.e. below 7 layers) and Model-Optimizer 0.47.0 (plugins/hf_eagle.py, default_eagle_aux_layer_ids:
-# the SET of decoder ids 1, L//2-1, L-4, so fewer than three below 7 layers and its first step fails on
-# three-layer states). From 7 layers on all three equal hsbuild's default (2, L//2, L-3 as hidden_states indices).
-TRAINER_DEFAULT_LAYERS = {
-    "specforge": lambda n: [1, n // 2 - 1, n - 4],
-    "speculators": lambda n: [2, n // 2, n - 3],
-    "modelopt": lambda n: sorted({1, max(0, n // 2 - 1), max(0, n - 4)}),
-}
-TRAINER_LAYER_FLAGS = {
-    "specforge": lambda ids: f"model.aux_hidden_state_layer_ids=[{','.join(map(str, ids))}] (a `specforge train` "
-                             "override)",
-    "speculators": lambda ids: "--target-layer-ids " + " ".join(map(str, ids)),
-    "modelopt": lambda ids: f"eagle_architecture_config: {{eagle_aux_hidden_state_layer_ids: "
-                            f"[{', '.join(map(str, ids))}]}} (its EAGLE config)",
-}
-# a trainer's final state (before or after the norm) and layer numbering: the trainer modules' own attributes
-TRAINER_FINAL_STATE = {"specforge": "post_norm", "speculators": "pre_norm", "modelopt": "post_norm"}
-TRAINER_NUMBERING = {"specforge": "decoder_layer_output", "speculators": "vllm_eagle_aux_hidden_state_layer_ids",
-                     "modelopt": "decoder_layer_output"}
 
 
 @dataclass(frozen=True)
@@ -119,8 +82,8 @@ class BuildInfo:
     def trainers(self) -> dict[str, str | None]:
         """Each trainer hsbuild exports to: None when this build can feed it, else why not and what fixes it."""
         out: dict[str, str | None] = {}
-        for name in TRAINERS:
-            want = TRAINER_FINAL_STATE[name]
+        for fmt in registry.formats(exports=True):
+            name, want = fmt.name, fmt.final_state
             if self.derives(want):
                 out[name] = None
             elif want == "pre_norm":
@@ -134,10 +97,11 @@ class BuildInfo:
     def layer_flag(self, trainer: str) -> str | None:
         """What `trainer` must be told so that it takes this build's aux layers (its flag or config key, in its own
         numbering), or None when its default is exactly them."""
-        ids = self.layer_ids()[TRAINER_NUMBERING[trainer]][:-1]
-        if TRAINER_DEFAULT_LAYERS[trainer](self.num_layers) == ids:
+        fmt = registry.get(trainer)
+        ids = self.layer_ids()[fmt.layer_convention][:-1]
+        if fmt.default_layers(self.num_layers) in (None, ids):
             return None
-        return TRAINER_LAYER_FLAGS[trainer](ids)
+        return fmt.layer_flag(ids)
 
     def feeds(self) -> list[str]:
         """What `init` says about a new build: the final state it stores, the trainers it can feed (naming the one
