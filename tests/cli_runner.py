@@ -53,7 +53,8 @@ import builder.cli
 # is imported: an environment that changes only these can run in this process.
 CALL_TIME_ENV = {"HSBUILD_GROUP_SAMPLES", "HSBUILD_GROUP_SECONDS", "HSBUILD_COMMITS_IN_FLIGHT",
                  "HSBUILD_COMMIT_OVERLAP", "HSBUILD_STALL_S", "HSBUILD_STOP_GRACE", "HSBUILD_SERVER_TIMEOUT",
-                 "HSBUILD_CACHE_DIR", "HSBUILD_TEST_HOLD", "PYTHONUNBUFFERED"}
+                 "HSBUILD_CACHE_DIR", "HSBUILD_TEST_HOLD", "PYTHONUNBUFFERED",
+                 "HSBUILD_FORMATS"}  # (the format registry reads it at every lookup)
 # set in this process by libraries as they are imported or work (vllm's env_override, torch's inductor, hsbuild's
 # own setdefault for huggingface_hub): a real process started now inherits them too; not a test's change
 SET_BY_LIBRARIES = {"LD_LIBRARY_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_DUPLICATE_LIB_OK",
