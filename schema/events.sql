@@ -20,15 +20,20 @@ CREATE TABLE IF NOT EXISTS source_samples (
 CREATE TABLE IF NOT EXISTS events (
     seq         BIGINT    NOT NULL,   -- strictly increasing, unique (index below); the order of the log
     ts          TIMESTAMP NOT NULL,   -- UTC
-    kind        VARCHAR   NOT NULL,   -- sample: started, written, verified, failed;
-                                      --   source changes: superseded (the row changed or came back: the
-                                      --   sample starts over), retired (removed from the source, or skipped),
-                                      --   row_moved (same tokens, another row)
+    kind        VARCHAR   NOT NULL,   -- exactly builder.log.kinds.EventKind (tests/log/test_event_kinds.py):
+                                      -- sample: started, written, verified, failed, check_error (its bytes'
+                                      --   check could not run: its state unchanged);
+                                      -- source changes: superseded (the row changed or came back: the sample
+                                      --   starts over), retired (removed from the source, or skipped),
+                                      --   row_moved (same tokens, another row);
+                                      -- build: init, log_rebuilt, doctor, gc, export, verify_started,
+                                      --   verify_finished;
                                       -- run: run_started, run_finished, segment_sealed, paused, resumed,
-                                      --      verify_started, verify_finished, doctor, gpu_stats, gc, export, import,
-                                      --      source_changed, source_moved;
-                                      --      --ray runs: nodes_probed, worker_placed ({node, host, pid}),
-                                      --      worker_lost (a node or actor gone: {message, requeued})
+                                      --   stalled, unstalled (a commit the volume held), adopted (samples a
+                                      --   previous run left durable), engine_probe, engine_refused, gpu_stats,
+                                      --   import, source_changed, source_moved;
+                                      -- --ray runs: nodes_probed, worker_placed ({node, host, pid}),
+                                      --   worker_lost (a node or actor gone: {message, requeued})
     run_id      VARCHAR,              -- the run (or verify sweep) that wrote the event
     sample_id   VARCHAR,              -- NULL for run events
     fingerprint VARCHAR,              -- the sample's token fingerprint at the time of the event
@@ -41,11 +46,17 @@ CREATE TABLE IF NOT EXISTS events (
     nbytes      BIGINT,               -- written: compressed bytes of its chunk files; verified: bytes read
     checksums   VARCHAR,              -- written: JSON {field: "crc32c:xxxxxxxx"} of uncompressed bytes
     reason      VARCHAR,              -- failed: nonfinite, token_out_of_range, empty_sample, too_long,
-                                      --   worker_died, worker_lost, no_space, error, checksum_mismatch, missing_data,
-                                      --   unreadable (verify: segment/token_start locate the damaged bytes);
-                                      -- paused: high_watermark, flood, disk_full, min_free;
+                                      --   token_mismatch, bad_states, too_big_for_volume, interrupted_too_often,
+                                      --   worker_died, error, import_* (a dump file refused);
+                                      --   the environment's (builder.log.kinds.TRANSIENT_REASONS: the sample
+                                      --   goes back to pending): no_space, server_unavailable, worker_lost;
+                                      --   verify's: checksum_mismatch, missing_data, unreadable
+                                      --   (segment/token_start locate the damaged bytes);
+                                      -- check_error: check_error;
+                                      -- paused: high_watermark, flood, disk_full, min_free, server_unavailable,
+                                      --   staging_full;
                                       -- run_finished: completed, interrupted, error;
-                                      -- verify_finished: completed, damage_found, continued;
+                                      -- verify_finished: completed, damage_found, check_errors, continued;
                                       -- doctor: ok, warn, fail;
                                       -- superseded: source_changed, returned, unskipped;
                                       -- retired: removed_from_source, skipped

@@ -1,4 +1,7 @@
 -- Views users query with `hsbuild sql`. Re-created on every open (they hold no data).
+-- They call `is_transient(reason)`: true for a failure reason that is the environment's fault, not the sample's
+-- (a full volume, the server down, a lost Ray node). builder/log/schema.py makes that macro, before these views,
+-- from the one list of those reasons, builder.log.kinds.TRANSIENT_REASONS (tests/log/test_transient_reasons.py).
 
 -- Per sample with events: the fold's state (what `samples` reads), from the checkpoint (fold_checkpoint, the
 -- events up to fold_checkpoint_mark.upto, schema/events.sql) combined with the events after it. Every part of
@@ -15,8 +18,7 @@ WITH tail AS (
     SELECT seq, ts, kind, sample_id, fingerprint, num_tokens, nbytes, detail, segment, token_start, checksums, reason,
            CASE WHEN kind = 'started' AND detail IS NOT NULL
                 THEN coalesce(json_extract_string(detail, '$.origin') = 'import', false) ELSE false END AS imported,
-           -- the transient reasons: exactly builder.log.fold.TRANSIENT_REASONS (tests/log/test_transient_reasons.py)
-           kind = 'failed' AND coalesce(reason IN ('no_space', 'server_unavailable', 'worker_lost'), false) AS transient
+           kind = 'failed' AND is_transient(reason) AS transient
     FROM events
     WHERE seq > (SELECT coalesce(max(upto), 0) FROM fold_checkpoint_mark) AND sample_id IS NOT NULL
       AND kind IN ('started', 'written', 'verified', 'failed', 'superseded', 'retired', 'row_moved')
@@ -110,8 +112,7 @@ SELECT
     CASE
         WHEN f.mkind IS NULL OR f.mkind = 'superseded' THEN 'pending'
         WHEN f.mkind = 'written' AND f.vseq > f.mseq THEN 'verified'
-        -- the transient reasons: exactly builder.log.fold.TRANSIENT_REASONS (tests/log/test_transient_reasons.py)
-        WHEN f.mkind = 'failed' AND coalesce(f.m_reason IN ('no_space', 'server_unavailable', 'worker_lost'), false) THEN 'pending'
+        WHEN f.mkind = 'failed' AND is_transient(f.m_reason) THEN 'pending'
         ELSE f.mkind
     END AS state,
     coalesce(f.attempts, 0) AS attempts,  -- starts since the restart, less those a transient failure ended
@@ -216,7 +217,7 @@ per_run AS (
            count(*) FILTER (WHERE kind = 'written') AS written,
            count(*) FILTER (WHERE kind = 'verified') AS verified,
            -- (a transient failure sent its sample back to pending: not a failure of the run's, as it says)
-           count(*) FILTER (WHERE kind = 'failed' AND NOT coalesce(reason IN ('no_space', 'server_unavailable', 'worker_lost'), false)) AS failed,
+           count(*) FILTER (WHERE kind = 'failed' AND NOT is_transient(reason)) AS failed,
            count(*) FILTER (WHERE kind = 'paused') AS pauses,
            coalesce(sum(num_tokens) FILTER (WHERE kind = 'written'), 0) AS tokens,
            coalesce(sum(nbytes) FILTER (WHERE kind = 'written'), 0) AS nbytes,

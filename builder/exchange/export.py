@@ -65,7 +65,7 @@ from builder.log.events import Event, EventLog, detail
 from builder.log.session import OwnerSession
 from builder.progress import Progress
 from builder.store.reader import SegmentReader
-from builder.verify.sweep import parse_subset, stable_part
+from builder.subset import parse_subset, stable_part
 
 __all__ = ["JOURNAL", "STAGING", "TMP_SUFFIX", "ExportOptions", "ExportReport", "export_build"]
 

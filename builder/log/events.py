@@ -36,7 +36,8 @@ from builder.errors import (
 )
 from builder.fsutil import fsync_path
 from builder.log.holders import locked_error
-from builder.log.schema import read_with_current_views, schema_digest, schema_dir, views_failed
+from builder.log.kinds import EventKind
+from builder.log.schema import read_with_current_views, schema_digest, schema_dir, views_failed, views_sql
 
 
 class RegisteredSample(Protocol):
@@ -54,9 +55,12 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC).replace(tzinfo=None)
 
 
+KINDS = frozenset(EventKind)
+
+
 @dataclass
 class Event:
-    kind: str
+    kind: str  # an EventKind (a member, or its string)
     run_id: str | None = None
     sample_id: str | None = None
     fingerprint: str | None = None
@@ -71,6 +75,10 @@ class Event:
     detail: str | None = None
     ts: dt.datetime | None = None
     seq: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:  # the code's mistake: said where the event is made, before anything is written
+            raise ValueError(f"event kind {self.kind!r} is not one of builder.log.kinds.EventKind")
 
 
 COLUMNS = ["seq", "ts", "kind", "run_id", "sample_id", "fingerprint", "attempt", "worker", "segment", "token_start",
@@ -165,7 +173,7 @@ class EventLog:
             # the fold's checkpoint is derived (emptying it changes no answer): made anew in the new layout
             self.con.execute("DROP TABLE IF EXISTS fold_checkpoint; DROP TABLE IF EXISTS fold_checkpoint_mark")
             self.con.execute((d / "events.sql").read_text())
-            self.con.execute((d / "views.sql").read_text())
+            self.con.execute(views_sql())
             self.set_meta({"schema_digest": digest})
         except duckdb.ConstraintException as e:
             raise LogConflictError(

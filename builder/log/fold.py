@@ -8,17 +8,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 from builder.log.events import Event
+from builder.log.kinds import TRANSIENT_REASONS, EventKind
 
-# Failures of the environment, not of the sample (a full volume, an inference server down, a Ray node or actor
-# gone): the start they end is no attempt, so it never counts against --max-attempts nor toward the limit on
-# interrupted starts (builder/run/plan.py). The one list: schema/views.sql (`sample_fold`) spells out the same,
-# and tests/log/test_transient_reasons.py fails when the two differ.
-TRANSIENT_REASONS = frozenset({"no_space", "server_unavailable", "worker_lost"})
+__all__ = ["TRANSIENT_REASONS", "SampleState", "fold", "is_import_start"]
+
+# a sample's main events: its state is the last one's (docs/design.md section 3, "The fold")
+MAIN_KINDS = (EventKind.STARTED, EventKind.WRITTEN, EventKind.FAILED, EventKind.SUPERSEDED, EventKind.RETIRED)
 
 
 def is_import_start(ev: Event) -> bool:
     """A `started` event of an import (reading a dump file: no extraction attempt; the plan leaves these out)."""
-    if ev.kind != "started" or ev.detail is None:
+    if ev.kind != EventKind.STARTED or ev.detail is None:
         return False
     try:
         d = json.loads(ev.detail)
@@ -56,28 +56,28 @@ def fold(events: Iterable[Event]) -> SampleState:
     main: Event | None = None
     last_verified: int | None = None
     for ev in events:
-        if ev.kind == "started":
+        if ev.kind == EventKind.STARTED:
             s.attempts += 1
-        if (ev.kind == "failed" and ev.reason in TRANSIENT_REASONS and main is not None and main.kind == "started"
-                and not is_import_start(main)):
+        if (ev.kind == EventKind.FAILED and ev.reason in TRANSIENT_REASONS and main is not None
+                and main.kind == EventKind.STARTED and not is_import_start(main)):
             s.attempts -= 1  # the environment's failure: that start was no attempt
-        if ev.kind == "superseded":
+        if ev.kind == EventKind.SUPERSEDED:
             s.attempts = 0
-        if ev.kind == "verified":
+        if ev.kind == EventKind.VERIFIED:
             last_verified = ev.seq
-        elif ev.kind in ("started", "written", "failed", "superseded", "retired"):
+        elif ev.kind in MAIN_KINDS:
             main = ev
-    if main is None or main.kind == "superseded":
+    if main is None or main.kind == EventKind.SUPERSEDED:
         return s
-    s.state = main.kind
-    if main.kind == "retired":
+    s.state = str(main.kind)
+    if main.kind == EventKind.RETIRED:
         s.retired_reason = main.reason
-    if main.kind == "written":
+    if main.kind == EventKind.WRITTEN:
         s.segment, s.token_start, s.num_tokens = main.segment, main.token_start, main.num_tokens
         if last_verified is not None and main.seq is not None and last_verified > main.seq:
             s.state = "verified"
             s.verified_seq = last_verified
-    elif main.kind == "failed":
+    elif main.kind == EventKind.FAILED:
         s.error = main.reason
         if main.reason in TRANSIENT_REASONS:  # the environment's fault: back to pending, retried uncounted
             s.state = "pending"

@@ -135,10 +135,12 @@ class _TempViews:
     """schema/views.sql's TEMP views, by name: a live query's throwaway instance gets only the views its SQL
     names, with the views those read (creating all of them takes ~25 ms of CPU, more than most queries; a poll
     of `events` needs none). A name is matched anywhere in the SQL, string literals included, so a view is
-    never missing where it is read; one created and not read changes no answer."""
+    never missing where it is read; one created and not read changes no answer. What comes before the first
+    view (the macro they call, `is_transient`) is made every time: the user's SQL may call it too."""
 
     def __init__(self, ddl: str):
         parts = re.split(r"(?=^CREATE\s+OR\s+REPLACE\s+TEMP\s+VIEW\s)", ddl, flags=re.MULTILINE | re.IGNORECASE)
+        self._preamble = parts[0]
         self._sql: dict[str, str] = {}
         for part in parts:
             m = re.match(r"CREATE\s+OR\s+REPLACE\s+TEMP\s+VIEW\s+(\w+)", part, flags=re.IGNORECASE)
@@ -161,7 +163,7 @@ class _TempViews:
             if name not in need:
                 need.add(name)
                 todo.extend(self._reads[name])
-        return "".join(body for name, body in self._sql.items() if name in need)
+        return self._preamble + "".join(body for name, body in self._sql.items() if name in need)
 
 
 SNAPSHOT_WAIT_S = 0.5  # a snapshot the owner's log does not give in this long: answered from the last one

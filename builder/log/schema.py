@@ -1,5 +1,6 @@
-"""The event log's schema: schema/*.sql (tables, views), its digest, and this version's views over a log an
-older hsbuild wrote (TEMP views on a read-only connection), or the one-line refusal where they cannot be made."""
+"""The event log's schema: schema/*.sql (tables, views) with the macro the views call (`is_transient`, made from
+builder.log.kinds.TRANSIENT_REASONS), its digest, and this version's views over a log an older hsbuild wrote
+(TEMP views on a read-only connection), or the one-line refusal where they cannot be made."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import duckdb
 
 from builder.errors import LogDamagedError
+from builder.log.kinds import TRANSIENT_REASONS
 
 
 def schema_dir() -> Path:
@@ -24,16 +26,32 @@ def schema_dir() -> Path:
 
 
 def schema_digest() -> str:
-    """The digest of schema/*.sql an owner records in meta `schema_digest` once the log has that schema."""
-    d = schema_dir()
-    ddl = (d / "events.sql").read_text() + (d / "views.sql").read_text()
+    """The digest of the schema (schema/*.sql and the views' macro) an owner records in meta `schema_digest` once
+    the log has that schema: a change to the transient reasons changes it too, so the views are made anew."""
+    ddl = (schema_dir() / "events.sql").read_text() + views_sql()
     return hashlib.blake2b(ddl.encode(), digest_size=8).hexdigest()
 
 
-def temp_views_sql() -> str:
-    """schema/views.sql with every view a TEMP view (which shadows a view of the same name in the file)."""
+def transient_macro(temp: bool = False) -> str:
+    """The macro `is_transient(reason)` the views call: the reason is one of TRANSIENT_REASONS (NULL: false).
+    `temp`: a TEMP macro (which shadows one of the same name in the file)."""
+    reasons = ", ".join(f"'{r}'" for r in sorted(TRANSIENT_REASONS))
+    return (f"CREATE OR REPLACE {'TEMP ' if temp else ''}MACRO is_transient(reason) AS "
+            f"coalesce(reason IN ({reasons}), false);\n\n")
+
+
+def views_sql(temp: bool = False) -> str:
+    """What makes the views: the macro they call, then schema/views.sql. `temp`: every view and the macro TEMP
+    (which shadow those of the same names in the file)."""
     views = (schema_dir() / "views.sql").read_text()
-    return re.sub(r"CREATE\s+OR\s+REPLACE\s+VIEW", "CREATE OR REPLACE TEMP VIEW", views, flags=re.IGNORECASE)
+    if temp:
+        views = re.sub(r"CREATE\s+OR\s+REPLACE\s+VIEW", "CREATE OR REPLACE TEMP VIEW", views, flags=re.IGNORECASE)
+    return transient_macro(temp) + views
+
+
+def temp_views_sql() -> str:
+    """The macro and the views as TEMP objects, which shadow those of the same names in the file."""
+    return views_sql(temp=True)
 
 
 def read_with_current_views(con: duckdb.DuckDBPyConnection, path: Path | str) -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from builder.layout import BuildLayout
 from builder.log.events import Event, EventBatch, EventLog, detail, open_log
+from builder.log.kinds import EventKind
 from builder.log.lock import BuildLock, note_interrupted
 from builder.log.metrics import MetricsServer
 from builder.log.server import QueryServer
@@ -240,12 +241,12 @@ class OwnerSession:
             self._said_at = time.monotonic()
             self.echo(f"\nSTALLED: {new.describe()}; no new work is sent until it returns, nothing is lost "
                       f"(`hsbuild doctor {self.lay.root}` names the likely causes)")
-            ev = Event("stalled", detail=detail(**new.as_dict()))
+            ev = Event(EventKind.STALLED, detail=detail(**new.as_dict()))
         else:
             assert old is not None
             took = old.pending_s()
             self.echo(f"\nunstalled: {old.what} on {old.path} returned after {took:.0f} s")
-            ev = Event("unstalled", detail=detail(**old.as_dict(), duration_s=round(took, 1)))
+            ev = Event(EventKind.UNSTALLED, detail=detail(**old.as_dict(), duration_s=round(took, 1)))
         with self._events_lock:
             self._pending_events.append(ev)
 

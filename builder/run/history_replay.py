@@ -34,8 +34,7 @@ from builder.errors import UsageError
 from builder.log.events import Event, detail
 from builder.progress import NoProgress, Progress
 from builder.store.history import LOST_RECORD, VERDICTS, HistoryRecord
-from builder.verify.checks import check_sample, check_with_retries, segment_chunk_tokens
-from builder.verify.sweep import SharedReader
+from builder.store.readback import SharedReader, check_sample, check_with_retries, segment_chunk_tokens
 
 RUN_ID = "rebuild"  # the run id of every event rebuild-log writes
 

@@ -41,9 +41,9 @@ from builder.run.history_replay import (
     written_events,
 )
 from builder.store.history import read_history, run_ordinals, segment_run
+from builder.store.readback import check_sample, segment_chunk_tokens
 from builder.store.reader import SegmentReader
 from builder.store.segment import MANIFEST_DIR, SEAL_NAME, list_segments, read_manifests
-from builder.verify.checks import check_sample, segment_chunk_tokens
 from builder.verify.gc import may_adopt, registered_samples
 
 

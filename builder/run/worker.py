@@ -368,7 +368,7 @@ class _Group:
                     self._fail(t, "error", f"writing its group: {type(e).__name__}: {e}")
             return
         self._settled(no)  # on disk now: the volume's own figures count it (not twice in a projection)
-        retries = None  # the check's default (builder.verify.checks.RETRIES)
+        retries = None  # the check's default (builder.store.readback.RETRIES)
         for i, it in enumerate(items):
             t, loc = it.task, it.location
             verified, check_error = False, None
@@ -391,15 +391,15 @@ class _Group:
         """--verify-after-write: read the durable sample back and compare its checksums (`SampleCheck`). A read
         that cannot run (EIO, EMFILE, ENOMEM, ...) is retried with a short backoff (`check_with_retries`), then
         returned as `error`: that says nothing about the bytes (docs/design.md section 9)."""
-        from builder.verify import checks  # noqa: PLC0415
+        from builder.store import readback  # noqa: PLC0415
 
         s = self.settings
 
         def check():
-            return checks.check_sample(Path(s.data_root), loc.segment, loc.token_start, loc.num_tokens,
+            return readback.check_sample(Path(s.data_root), loc.segment, loc.token_start, loc.num_tokens,
                                        loc.checksums, s.chunk_tokens)
 
-        return checks.check_with_retries(check, **({} if retries is None else {"retries": retries}))
+        return readback.check_with_retries(check, **({} if retries is None else {"retries": retries}))
 
     def seal(self) -> None:
         self.drain()

@@ -40,6 +40,7 @@ from builder.config import load_config
 from builder.errors import DiskFullError
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
+from builder.log.kinds import EventKind
 from builder.log.session import OwnerSession
 from builder.store.history import history_dir
 from builder.store.segment import DIMS, FIELDS, MANIFEST_DIR, MANIFEST_FORMAT, field_geometry, list_segments
@@ -364,7 +365,7 @@ def collect_garbage(build: str | Path, dry_run: bool = False, take_over: bool = 
             report.removed_files, report.removed_bytes = remove_orphans(lay, report.orphans)
             report.seconds = time.monotonic() - t0
             try:
-                log.append([Event("gc", run_id=gc_id, detail=detail(
+                log.append([Event(EventKind.GC, run_id=gc_id, detail=detail(
                     removed_files=report.removed_files, removed_bytes=report.removed_bytes,
                     items=report.orphans.count, by_kind=report.orphans.by_kind(),
                     kept_adoptable=report.orphans.adoptable_samples, pid=os.getpid()))])

@@ -15,307 +15,53 @@ and, before its last commit, its verdicts as a history record under data/history
 so that a rebuilt log keeps them.
 
 A sample whose check could not run (EMFILE, ENOMEM, EIO, ... after retries with backoff; see
-`checks.check_with_retries`) gets no event at all: it keeps its state, is reported as `not_checked`, and a later
+`store.readback.check_with_retries`) gets no event at all: it keeps its state, is reported as `not_checked`, and a later
 sweep checks it again.
 
 An interrupted sweep (Ctrl-C, SIGKILL, an error) has no `verify_finished`; `--continue` takes the newest such
 sweep, reuses its selection, and skips every sample a sweep of its chain already recorded.
+
+Its options and the selection they make: verify/selection.py; what it finds and its summary: verify/findings.py.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
-import random
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from builder.config import load_config
-from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED, UsageError
+from builder.errors import UsageError
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
+from builder.log.kinds import EventKind
 from builder.log.lock import BuildLock
 from builder.log.session import OwnerSession
-from builder.progress import NoProgress, Progress
+from builder.progress import NoProgress
 from builder.store.history import Verdicts
-from builder.store.reader import SegmentReader
-from builder.verify.checks import (
+from builder.store.readback import (
     MISMATCH,
     MISSING,
     UNREADABLE,
     SampleCheck,
+    SharedReader,
     check_files,
     check_sample,
     check_with_retries,
     field_specs,
 )
-from builder.verify.gc import OrphanReport, scan_orphans
+from builder.verify.findings import MB, Damage, NotChecked, SweepSummary, find_overlaps
+from builder.verify.gc import scan_orphans
+from builder.verify.selection import Selection, SweepOptions, parse_jobs, parse_rate
 
-MB = 1_000_000
 STOP_WHAT = "stopping the sweep (Ctrl-C again to exit at once; continue later with --continue)"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Options and selection
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SweepOptions:
-    quick: bool = False
-    subset: str | None = None  # "n/t": the n-th of t fixed parts (1-based)
-    fraction: float | str | None = None  # a random fraction of the samples, 0 < F <= 1
-    seed: int | str | None = None  # for --fraction; recorded so --continue picks the same samples
-    not_verified_since: str | dt.datetime | None = None  # ISO timestamp; naive means UTC
-    segments: list[str] | None = None
-    max_rate: float | str | None = None  # MB/s (10^6 bytes) of chunk-file bytes read
-    jobs: int | str | None = None
-    resume: bool = False  # --continue
-    progress: Progress | None = None  # where progress is reported (the CLI draws a bar); None: nowhere
-    take_over: bool = False  # take the lock over from an owner on another host (--take-over)
-
-
-def parse_subset(s: str) -> tuple[int, int]:
-    n_s, sep, t_s = str(s).partition("/")
-    try:
-        n, t = int(n_s), int(t_s)
-    except ValueError:
-        n = t = 0
-    if not sep or not 1 <= n <= t:
-        raise UsageError(f"--subset '{s}': give n/t with 1 <= n <= t, e.g. 1/3 (t sweeps 1/t .. t/t cover all)")
-    return n, t
-
-
-def parse_fraction(s: float | str) -> float:
-    try:
-        f = float(s)
-    except ValueError:
-        f = -1.0
-    if not 0.0 < f <= 1.0:
-        raise UsageError(f"--fraction '{s}': give a number in (0, 1], e.g. 0.05")
-    return f
-
-
-def parse_time(s: str | dt.datetime) -> dt.datetime:
-    """An ISO timestamp as naive UTC (the log's convention). Naive input is taken as UTC."""
-    if isinstance(s, dt.datetime):
-        t = s
-    else:
-        try:
-            t = dt.datetime.fromisoformat(str(s).strip())
-        except ValueError:
-            raise UsageError(f"--not-verified-since '{s}': give an ISO timestamp in UTC, "
-                             "e.g. 2025-05-01T12:00:00Z") from None
-    if t.tzinfo is not None:
-        t = t.astimezone(dt.UTC).replace(tzinfo=None)
-    return t
-
-
-def parse_rate(s: float | str) -> float:
-    try:
-        r = float(s)
-    except ValueError:
-        r = -1.0
-    if not r > 0:
-        raise UsageError(f"--max-rate '{s}': give MB/s as a positive number, e.g. 200")
-    return r
-
-
-def parse_jobs(s: int | str | None) -> int:
-    if s is None:
-        return max(1, min(4, os.cpu_count() or 1))
-    try:
-        j = int(s)
-    except ValueError:
-        j = 0
-    if not 1 <= j <= 256:
-        raise UsageError(f"--jobs '{s}': give a number of parallel readers from 1 to 256")
-    return j
-
-
-def parse_seed(s: int | str) -> int:
-    try:
-        return int(s)
-    except ValueError:
-        raise UsageError(f"--seed '{s}': give an integer") from None
-
-
-def stable_part(sample_id: str, parts: int) -> int:
-    """0-based part of a sample among `parts`, the same on every machine and every run."""
-    h = hashlib.blake2b(sample_id.encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") % parts
-
-
-def _draw(sample_id: str, seed: int) -> float:
-    h = hashlib.blake2b(f"{seed}:{sample_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") / 2.0**64
-
-
-@dataclass
-class Selection:
-    """Which samples a sweep covers. Stored in `verify_started` so `--continue` selects the same ones."""
-
-    mode: str = "full"  # full | quick
-    subset: str | None = None
-    fraction: float | None = None
-    seed: int | None = None
-    not_verified_since: str | None = None  # ISO, naive UTC
-    segments: list[str] | None = None
-
-    @classmethod
-    def from_options(cls, o: SweepOptions) -> Selection:
-        sel = cls(mode="quick" if o.quick else "full")
-        if o.subset is not None:
-            n, t = parse_subset(o.subset)
-            sel.subset = f"{n}/{t}"
-        if o.fraction is not None:
-            sel.fraction = parse_fraction(o.fraction)
-            sel.seed = parse_seed(o.seed) if o.seed is not None else random.SystemRandom().randrange(1 << 31)
-        elif o.seed is not None:
-            raise UsageError("--seed: only meaningful with --fraction")
-        if o.not_verified_since is not None:
-            sel.not_verified_since = parse_time(o.not_verified_since).isoformat()
-        if o.segments:
-            sel.segments = sorted(set(o.segments))
-        return sel
-
-    @classmethod
-    def from_detail(cls, d: dict) -> Selection:
-        return cls(**{k: d.get(k) for k in ("mode", "subset", "fraction", "seed", "not_verified_since", "segments")})
-
-    def matches(self, sample_id: str, segment: str, verified_at: dt.datetime | None) -> bool:
-        if self.segments and segment not in self.segments:
-            return False
-        if self.subset:
-            n, t = parse_subset(self.subset)
-            if stable_part(sample_id, t) != n - 1:
-                return False
-        if self.fraction is not None and _draw(sample_id, int(self.seed or 0)) >= self.fraction:
-            return False
-        if self.not_verified_since is not None and verified_at is not None:
-            if verified_at >= dt.datetime.fromisoformat(self.not_verified_since):
-                return False
-        return True
-
-    def describe(self) -> str:
-        parts = [self.mode]
-        if self.subset:
-            parts.append(f"subset {self.subset}")
-        if self.fraction is not None:
-            parts.append(f"fraction {self.fraction:g} (seed {self.seed})")
-        if self.not_verified_since:
-            parts.append(f"not verified since {self.not_verified_since}Z")
-        if self.segments:
-            parts.append("segment " + ", ".join(self.segments))
-        return ", ".join(parts)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Findings and the summary
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Damage:
-    """A sample whose stored bytes are not what its `written` event recorded."""
-
-    sample_id: str
-    reason: str  # checksum_mismatch | missing_data | unreadable
-    message: str
-    segment: str
-    token_start: int
-    num_tokens: int
-
-
-@dataclass
-class NotChecked:
-    """A sample whose check could not run (resources or I/O, not its data): nothing was recorded for it."""
-
-    sample_id: str
-    message: str
-    segment: str
-    token_start: int
-    num_tokens: int
-    reason: str = "check_error"
-
-
-@dataclass
-class Overlap:
-    """Two live samples whose chunk ranges in one segment overlap: at most one of them holds its own bytes."""
-
-    segment: str
-    first: str
-    second: str
-    first_chunks: tuple[int, int]
-    second_chunks: tuple[int, int]
-
-
-@dataclass
-class SweepSummary:
-    sweep_id: str
-    mode: str
-    selection: Selection
-    started_at: dt.datetime  # UTC, naive
-    continues: str | None = None
-    selected: int = 0  # samples the selection covers now
-    skipped: int = 0  # already checked by the sweep being continued
-    checked: int = 0  # samples whose check ran (ok + damaged)
-    check_errors: int = 0  # samples whose check could not run (not_checked)
-    ok: int = 0
-    mismatched: int = 0
-    missing: int = 0
-    unreadable: int = 0
-    bytes_read: int = 0  # compressed chunk-file bytes read (what --max-rate limits)
-    raw_bytes: int = 0  # uncompressed bytes checksummed
-    seconds: float = 0.0  # the reading phase
-    outcome: str = "completed"  # completed | damage_found | check_errors | interrupted
-    damaged: list[Damage] = field(default_factory=list)
-    not_checked: list[NotChecked] = field(default_factory=list)
-    overlaps: list[Overlap] = field(default_factory=list)
-    orphans: OrphanReport = field(default_factory=OrphanReport)
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes_read / self.seconds / MB if self.seconds > 0 else 0.0
-
-    @property
-    def raw_mb_per_s(self) -> float:
-        return self.raw_bytes / self.seconds / MB if self.seconds > 0 else 0.0
-
-    @property
-    def damage_found(self) -> bool:
-        return bool(self.damaged or self.overlaps)
-
-    @property
-    def exit_code(self) -> int:
-        """130 interrupted; 1 damage found, or some samples could not be checked (good is not established;
-        nothing was condemned: retry); 0 every selected sample was checked and is good."""
-        if self.outcome == "interrupted":
-            return EXIT_INTERRUPTED
-        return EXIT_SAMPLES_FAILED if self.damage_found or self.not_checked else EXIT_OK
-
-    def counts(self) -> dict:
-        return {"selected": self.selected, "skipped": self.skipped, "checked": self.checked,
-                "check_errors": self.check_errors, "ok": self.ok,
-                "mismatched": self.mismatched, "missing": self.missing, "unreadable": self.unreadable,
-                "overlaps": len(self.overlaps), "bytes_read": self.bytes_read, "raw_bytes": self.raw_bytes,
-                "seconds": round(self.seconds, 3), "mb_per_s": round(self.mb_per_s, 3),
-                "raw_mb_per_s": round(self.raw_mb_per_s, 3)}
-
-    def as_dict(self) -> dict:
-        return {"sweep_id": self.sweep_id, "mode": self.mode, "outcome": self.outcome,
-                "started_at": self.started_at.isoformat() + "Z", "continues": self.continues,
-                "selection": asdict(self.selection), **self.counts(),
-                "damaged": [asdict(d) for d in self.damaged], "not_checked": [asdict(n) for n in self.not_checked],
-                "overlaps": [asdict(o) for o in self.overlaps],
-                "reclaimable": self.orphans.as_dict()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -354,18 +100,6 @@ class RateLimiter:
         delay = due - time.monotonic()
         if delay > 0:
             self.stop.wait(delay)
-
-
-class SharedReader(SegmentReader):
-    """A SegmentReader whose cache of opened segments is safe to share between reader threads."""
-
-    def __init__(self, data_root: Path):
-        super().__init__(data_root)
-        self._lock = threading.Lock()
-
-    def arrays(self, segment: str) -> dict:
-        with self._lock:
-            return super().arrays(segment)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -436,9 +170,9 @@ class Sweep:
                                         dt.datetime.now(dt.UTC).replace(tzinfo=None, microsecond=0), continues,
                                         selected=len(targets) + skipped, skipped=skipped)
         if continues:
-            self.emit(Event("verify_finished", run_id=continues, reason="continued",
+            self.emit(Event(EventKind.VERIFY_FINISHED, run_id=continues, reason="continued",
                             detail=detail(continued_by=self.sweep_id)))
-        self.emit(Event("verify_started", detail=detail(
+        self.emit(Event(EventKind.VERIFY_STARTED, detail=detail(
             mode=self.selection.mode, selection=asdict(self.selection), jobs=self.jobs,
             max_rate_mb_s=self.rate / MB if self.rate else None, planned=len(targets), skipped=skipped,
             continues=continues, chain=chain, pid=os.getpid(), previous_owner=lock.previous)))
@@ -461,7 +195,7 @@ class Sweep:
             s.outcome = "interrupted"  # no verify_finished: --continue picks this sweep up
             return s
         s.outcome = "damage_found" if s.damage_found else "check_errors" if s.not_checked else "completed"
-        self.emit(Event("verify_finished", reason=s.outcome, detail=detail(
+        self.emit(Event(EventKind.VERIFY_FINISHED, reason=s.outcome, detail=detail(
             **s.counts(), reclaimable=s.orphans.as_dict(), damaged=[d.sample_id for d in s.damaged][:1000],
             not_checked=[n.sample_id for n in s.not_checked][:1000])))
         self.flush(force=True)
@@ -577,7 +311,7 @@ class Sweep:
         if res.finding is None:
             s.ok += 1
             if s.mode == "full":
-                self.emit(Event("verified", nbytes=res.file_bytes, detail=detail(mode="sweep"), **loc))
+                self.emit(Event(EventKind.VERIFIED, nbytes=res.file_bytes, detail=detail(mode="sweep"), **loc))
                 self.verdicts.add(t.segment, t.token_start, "verified")
             return
         reason, message = res.finding
@@ -588,24 +322,8 @@ class Sweep:
         elif reason == UNREADABLE:
             s.unreadable += 1
         s.damaged.append(Damage(t.sample_id, reason, message, t.segment, t.token_start, t.num_tokens))
-        self.emit(Event("failed", reason=reason, detail=detail(message=message, mode=s.mode), **loc))
+        self.emit(Event(EventKind.FAILED, reason=reason, detail=detail(message=message, mode=s.mode), **loc))
         self.verdicts.add(t.segment, t.token_start, reason)
-
-
-def find_overlaps(log: EventLog, chunk_tokens: Callable[[str], int]) -> list[Overlap]:
-    """Live samples sharing a chunk: the log says two samples own the same bytes."""
-    _, rows = log.query("SELECT segment, token_start, num_tokens, sample_id FROM samples "
-                        "WHERE state IN ('written', 'verified') ORDER BY segment, token_start, sample_id")
-    out: list[Overlap] = []
-    prev: tuple[str, str, int, int] | None = None  # segment, sample, first chunk, last chunk
-    for seg, start, n, sid in rows:
-        ct = chunk_tokens(seg)
-        first, last = start // ct, (start + max(n, 1) - 1) // ct
-        if prev is not None and prev[0] == seg and first <= prev[3]:
-            out.append(Overlap(seg, prev[1], sid, (prev[2], prev[3]), (first, last)))
-        if prev is None or prev[0] != seg or last > prev[3]:
-            prev = (seg, sid, first, last)
-    return out
 
 
 def last_unfinished_sweep(log: EventLog) -> dict | None:

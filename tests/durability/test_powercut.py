@@ -68,7 +68,7 @@ EVENTLOG_CHILD = textwrap.dedent("""
     for cycle in range(4):          # open / append / close, as init, run and verify do; the last stays open
         log = EventLog(path)
         for _ in range(3):
-            log.append([Event("note", detail=str(acked))]); acked += 1
+            log.append([Event("gc", detail=str(acked))]); acked += 1
         print(acked, flush=True)
         if cycle < 3:
             log.close()
@@ -93,7 +93,7 @@ def test_eventlog_commits_survive_power_cut(powercut):
     check = subprocess.run([sys.executable, "-c", (
         "import sys; from pathlib import Path; from builder.log.events import EventLog\n"
         "with EventLog(Path(sys.argv[1]), read_only=True) as log:\n"
-        "    print(log.query(\"SELECT count(*) FROM events WHERE kind = 'note'\")[1][0][0])"),
+        "    print(log.query(\"SELECT count(*) FROM events WHERE kind = 'gc'\")[1][0][0])"),
         fs.path("B", "events.duckdb")], capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, f"the log does not open after the cut: {check.stderr[-600:]}"
     assert int(check.stdout) == acked

@@ -1,18 +1,26 @@
 """The transient failure reasons (the environment's fault, not the sample's: the start they end is no attempt)
-are one list, `builder.log.fold.TRANSIENT_REASONS`, which schema/views.sql (`sample_fold`) spells out: the two
-must not drift apart. Checked on the text of the view and on what it answers, reason by reason, with the fold
-checkpointed between a start and its failure or not."""
+are one list, `builder.log.kinds.TRANSIENT_REASONS`: the Python fold and the plan read it, and the views call the
+macro `is_transient(reason)` made from it (builder/log/schema.py); no SQL or Python spells the reasons out
+anywhere else. Checked on the text of the schema and the code, on the macro a log holds, and on what the views
+answer, reason by reason, with the fold checkpointed between a start and its failure or not."""
 
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 
+import duckdb
 import numpy as np
 import pytest
 
+import builder
 from builder.extract.source import Sample
+from builder.log import fold as fold_module
 from builder.log.events import Event, EventLog, detail, schema_dir
-from builder.log.fold import TRANSIENT_REASONS, fold
+from builder.log.fold import fold
+from builder.log.kinds import TRANSIENT_REASONS
+from builder.log.schema import schema_digest
 from builder.run import plan
 
 # reasons a `failed` event may carry that are the sample's fault (or verify's finding): each start counts
@@ -21,16 +29,53 @@ OTHER_REASONS = ["error", "worker_died", "nonfinite", "too_long", "empty_sample"
                  "missing_data", "unreadable", "import_truncated"]
 
 
-def test_the_view_spells_out_exactly_the_transient_reasons():
-    sql = (schema_dir() / "views.sql").read_text()
-    lists = re.findall(r"kind = 'failed' AND coalesce\(reason IN \(([^)]*)\), false\) AS transient", sql)
-    assert len(lists) == 1, "sample_fold must name the transient reasons in exactly one place"
-    assert set(re.findall(r"'([^']*)'", lists[0])) == set(TRANSIENT_REASONS)
-    # every other list of them (`progress` counts a sample failed for one of them as pending) is the same
-    others = [m for m in re.findall(r"IN \(([^)]*)\)", sql) if "server_unavailable" in m]
-    assert len(others) >= 2 and all(set(re.findall(r"'([^']*)'", m)) == set(TRANSIENT_REASONS) for m in others)
-    assert plan.TRANSIENT_REASONS is TRANSIENT_REASONS  # the plan decides with the same list
-    assert not set(OTHER_REASONS) & TRANSIENT_REASONS
+def test_no_sql_spells_out_the_transient_reasons():
+    """The views name no transient reason: each place that asks calls `is_transient`."""
+    for sql_file in schema_dir().glob("*.sql"):
+        text = sql_file.read_text()
+        for reason in TRANSIENT_REASONS - {"worker_lost"}:  # (worker_lost is an event kind too)
+            assert f"'{reason}'" not in text, f"{sql_file.name} spells out '{reason}': call is_transient(reason)"
+        lists = [m for m in re.findall(r"IN \(([^)]*)\)", text) if "'worker_lost'" in m]
+        assert not lists, f"{sql_file.name} lists transient reasons: {lists}"
+    views = (schema_dir() / "views.sql").read_text()
+    assert len(re.findall(r"\bis_transient\(", views)) >= 3  # sample_fold, samples, runs
+    assert plan.TRANSIENT_REASONS is TRANSIENT_REASONS is fold_module.TRANSIENT_REASONS  # the same list
+
+
+def test_no_python_module_spells_out_the_transient_reasons():
+    """Only builder/log/kinds.py writes the three reasons down together; the rest import them."""
+    pkg = Path(builder.__file__).resolve().parent
+    for path in sorted(pkg.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Set | ast.List | ast.Tuple):
+                names = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                if TRANSIENT_REASONS <= names:
+                    assert path == pkg / "log" / "kinds.py", f"{path}:{node.lineno} lists the transient reasons"
+
+
+def test_the_macro_answers_exactly_the_transient_reasons(tmp_path):
+    """The log's `is_transient` (a writer's, and the TEMP one a read-only open of an older log makes) says yes
+    to exactly TRANSIENT_REASONS, and no to NULL."""
+    path = tmp_path / "events.duckdb"
+    with EventLog(path) as log:
+        con = log.con
+        for reason in [*TRANSIENT_REASONS, *OTHER_REASONS]:
+            assert con.execute("SELECT is_transient(?)", [reason]).fetchone()[0] is (reason in TRANSIENT_REASONS)
+        assert con.execute("SELECT is_transient(NULL)").fetchone()[0] is False
+    con = duckdb.connect(str(path))
+    con.execute("CREATE OR REPLACE MACRO is_transient(reason) AS false")  # an older version's list
+    con.execute("UPDATE meta SET value = '\"older\"' WHERE key = 'schema_digest'")
+    con.close()
+    with EventLog(path, read_only=True) as log:
+        answers = {r: log.query("SELECT is_transient(?)", [r])[1][0][0] for r in [*TRANSIENT_REASONS, "error"]}
+    assert answers == {**{r: True for r in TRANSIENT_REASONS}, "error": False}
+
+
+def test_the_schema_digest_covers_the_list(monkeypatch):
+    """A change of the list is a change of the schema: an owner makes the views (and the macro) anew."""
+    before = schema_digest()
+    monkeypatch.setattr("builder.log.schema.TRANSIENT_REASONS", TRANSIENT_REASONS | {"error"})
+    assert schema_digest() != before
 
 
 @pytest.mark.parametrize("reason", sorted(TRANSIENT_REASONS) + OTHER_REASONS)

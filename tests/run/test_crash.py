@@ -19,7 +19,7 @@ from test_run import assert_bit_exact
 
 from builder.layout import layout
 from builder.log.events import EventLog
-from builder.verify.checks import check_location
+from builder.store.readback import check_location
 
 KILLS = 8
 WORKERS = 2  # each killed run's workers (--workers)

@@ -22,7 +22,7 @@ from builder.layout import layout
 from builder.log.events import EventLog
 from builder.reader import HiddenStateDataset, collate_concat
 from builder.run.coordinator import RunOptions, run_build
-from builder.verify.checks import check_location
+from builder.store.readback import check_location
 
 MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=128"
 

@@ -3,7 +3,7 @@ reported as a `check_error` (the sample stays written, no attempt counted), neve
 the bytes (a checksum mismatch) fails a sample. docs/design.md section 9.
 
 The workers are spawned processes: the read errors are injected into them by a `sitecustomize` module on their
-PYTHONPATH that wraps `builder.verify.checks.check_sample` (what the worker's check calls), keyed by the
+PYTHONPATH that wraps `builder.store.readback.check_sample` (what the worker's check calls), keyed by the
 sample's place in its segment: nothing in hsbuild knows it is being tested."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from builder.layout import layout
 from builder.log.events import COLUMNS, Event, EventLog
 from builder.log.fold import fold
 from builder.run.coordinator import RunOptions, run_build
-from builder.verify.checks import RETRIES
+from builder.store.readback import RETRIES
 from builder.verify.sweep import SweepOptions, run_sweep
 
 N = 12
@@ -31,7 +31,7 @@ SITECUSTOMIZE = textwrap.dedent('''
     import errno, json, os, threading
     _plan = os.environ.get("HSBUILD_TEST_CHECK_FAULTS")
     if _plan:
-        from builder.verify import checks as _checks
+        from builder.store import readback as _checks
         _faults, _seen, _lock, _real = json.loads(_plan), {}, threading.Lock(), _checks.check_sample
 
         def _check_sample(data_root, segment, token_start, *a, **k):

@@ -23,7 +23,7 @@ from conftest import random_rows, write_jsonl
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.log.query import status_snapshot
-from builder.verify.checks import check_location
+from builder.store.readback import check_location
 
 MODEL = "builtin:hidden=256,layers=4,vocab=1024,heads=4,kv_heads=2,intermediate=256"
 

@@ -26,9 +26,9 @@ from owner_proc import own_and_commit
 from builder.extract.source import Sample
 from builder.log.events import Event, EventLog
 from builder.run.worker_start import worker_context
+from builder.store.readback import check_location
 from builder.store.reader import SegmentReader
 from builder.store.segment import SegmentWriter, init_data_group, new_segment_name
-from builder.verify.checks import check_location
 
 IDS = [f"s{i}" for i in range(6)]
 H, N_AUX, C = 8, 3, 4

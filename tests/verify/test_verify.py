@@ -39,9 +39,10 @@ from builder.log.lock import BuildLock
 from builder.log.query import run_query, status_snapshot
 from builder.run.coordinator import RunOptions, run_build
 from builder.store import reader as store_reader
+from builder.store.readback import RETRIES
 from builder.store.reader import SegmentReader
-from builder.verify.checks import RETRIES
-from builder.verify.sweep import parse_time, stable_part
+from builder.subset import stable_part
+from builder.verify.selection import parse_time
 
 ALL = {f"s{i:04d}" for i in range(N_SAMPLES)}
 

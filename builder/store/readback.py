@@ -1,4 +1,5 @@
-"""Reading samples back and checking them against the checksums recorded in their `written` events.
+"""Reading samples back and checking them against the checksums recorded in their `written` events: what a
+verify sweep, a worker's --verify-after-write and the log's rebuild from the data (its read-back) all run.
 
 Two levels, like restic's `check` and `check --read-data`:
 
@@ -21,6 +22,7 @@ Each returns a `SampleCheck`: a `Finding` (reason, message) when the data is bad
 from __future__ import annotations
 
 import errno
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,8 +48,8 @@ from builder.store.zarr_meta import read_array_meta
 
 Finding = tuple[str, str]  # (reason, message)
 
-__all__ = ["MISMATCH", "MISSING", "UNREADABLE", "Finding", "SampleCheck", "check_files", "check_sample",
-           "check_with_retries", "check_location", "metadata_paths"]
+__all__ = ["MISMATCH", "MISSING", "UNREADABLE", "Finding", "SampleCheck", "SharedReader", "check_files",
+           "check_sample", "check_with_retries", "check_location", "metadata_paths"]
 
 # The check could not run, and trying again may work: a full descriptor table, memory pressure, an interrupted
 # or would-block call, an I/O error a flaky device or network filesystem may not repeat.
@@ -95,6 +97,18 @@ def field_specs(seg_dir: Path) -> dict[str, FieldSpec] | None:
 def segment_chunk_tokens(seg_dir: Path) -> int | None:
     specs = field_specs(seg_dir)
     return specs["input_ids"].chunk_tokens if specs else None
+
+
+class SharedReader(SegmentReader):
+    """A SegmentReader whose cache of opened segments is safe to share between threads checking samples."""
+
+    def __init__(self, data_root: Path):
+        super().__init__(data_root)
+        self._lock = threading.Lock()
+
+    def arrays(self, segment: str) -> dict:
+        with self._lock:
+            return super().arrays(segment)
 
 
 @dataclass
