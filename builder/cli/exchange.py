@@ -126,7 +126,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if report.layer_flag:  # not the trainer's default layers: it must be told
             print(f"{report.format} must be told these layers: {report.layer_flag}")
         if report.lossy:
-            from builder.exchange.lossy import LOSSY_FILE, describe  # noqa: PLC0415
+            from builder.formats.lossy import LOSSY_FILE, describe  # noqa: PLC0415
 
             print(f"{describe(report.lossy)} (in {LOSSY_FILE})")
         if report.files:

@@ -1,1 +1,1 @@
-"""A build in and out of trainers' files: `export` (with `lossy`) and `imports` (dumps in)."""
+"""A build in and out of trainers' files: `export` and `imports` (dumps in)."""

@@ -57,9 +57,9 @@ from builder.exchange.export_files import JOURNAL, JOURNAL_VERSION, STAGING, TMP
 from builder.exchange.export_readonly import ReadOnlyBuild
 from builder.exchange.export_reconcile import LIVE, Reconcile
 from builder.exchange.export_space import check_target
-from builder.exchange.lossy import export_lossy
 from builder.formats import make_format
 from builder.formats.build_info import BuildInfo
+from builder.formats.lossy import export_lossy
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.session import OwnerSession

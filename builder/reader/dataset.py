@@ -72,12 +72,12 @@ class HiddenStateDataset(Dataset):
     @property
     def lossy(self) -> dict | None:
         """None for a build that stores its states exactly; an fp8 build (`init --quantize fp8`): its scheme and
-        the error measured when its samples were written, over this dataset's samples (builder/exchange/lossy.py;
+        the error measured when its samples were written, over this dataset's samples (builder/formats/lossy.py;
         what an export writes to hsbuild-lossy.json)."""
         if self.info.lossy is None:
             return None
         if self._lossy is None:
-            from builder.exchange.lossy import ERRORS_SQL, summarize  # noqa: PLC0415
+            from builder.formats.lossy import ERRORS_SQL, summarize  # noqa: PLC0415
 
             want = self.format.final_state if self.format is not None else None
             self._lossy = summarize(self.info, run_query(self.lay, ERRORS_SQL)[1],

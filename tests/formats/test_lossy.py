@@ -11,8 +11,8 @@ import pytest
 from conftest import ROOMY, hsbuild, random_rows, write_jsonl
 
 from builder.exchange.export import ExportOptions, export_build
-from builder.exchange.lossy import LOSSY_FILE
 from builder.formats.build_info import BuildInfo
+from builder.formats.lossy import LOSSY_FILE
 from builder.layout import layout
 from builder.log.query import run_query
 from builder.reader import HiddenStateDataset
