@@ -14,7 +14,7 @@ import builder
 PKG = Path(builder.__file__).resolve().parent
 
 LAYERS = [
-    {"errors", "layout", "fsutil", "mounts", "humanize", "progress", "config"},  # foundation: plain modules
+    {"errors", "layout", "fsutil", "mounts", "procfs", "humanize", "progress", "config"},  # foundation: plain modules
     {"log", "store", "formats"},  # formats: one module per trainer file format
     {"extract", "space"},
     {"verify", "doctor"},

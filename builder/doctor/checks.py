@@ -27,6 +27,7 @@ from builder.humanize import human_bytes
 from builder.layout import BuildLayout
 from builder.log.lock import LockState, pid_alive
 from builder.log.query import jsonable, run_query
+from builder.procfs import listening_pids
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 GPU_MEM_THRESHOLD = 1 << 30  # foreign GPU memory above this on a device the build uses is blocking
@@ -672,7 +673,7 @@ def _other_gpu_holders(ctx: Context, url: str) -> list:
     if not inv.available:
         return []
     port = urlparse(url).port
-    server = procinfo.listening_pids(port) if port else set()
+    server = listening_pids(port) if port else set()
     mine = server | ctx.own_pids
     seen: dict[int, procinfo.ProcInfo] = {}
     for d in inv.devices:

@@ -1,4 +1,5 @@
-"""Who is a process: command line, name, systemd unit (from /proc/PID/cgroup), and is it one of ours.
+"""Who is a process: command line, name, systemd unit (from /proc/PID/cgroup), and is it one of ours. (The plain
+/proc readers: builder/procfs.py.)
 
 Everything reads /proc and never raises for a process that is gone or invisible (another PID namespace,
 e.g. a GPU process NVML reports with a host PID inside a container). `read_cgroup_text` is the boundary
@@ -12,59 +13,20 @@ import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
-PROC = Path("/proc")
+from builder.procfs import PROC, ancestors, cmdline, holds_any, listening_sockets, read
 
 # Units that are not a service someone started on purpose: stopping them would end a login or the user manager.
 _NOT_A_SERVICE_PREFIXES = ("user@", "user-runtime-dir@", "session-", "init.scope", "systemd-")
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
 
 
 def exists(pid: int) -> bool:
     return (PROC / str(pid)).is_dir()
 
 
-def cmdline(pid: int) -> list[str] | None:
-    raw = _read(PROC / str(pid) / "cmdline")
-    if not raw:
-        return None
-    return [a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0")]
-
-
 def process_name(pid: int) -> str | None:
-    raw = _read(PROC / str(pid) / "comm")
+    raw = read(PROC / str(pid) / "comm")
     return raw.decode(errors="replace").strip() if raw else None
-
-
-def parent_pid(pid: int) -> int | None:
-    raw = _read(PROC / str(pid) / "stat")
-    if not raw:
-        return None
-    # pid (comm) state ppid ...; comm may hold spaces and parentheses, so split after the last ')'
-    rest = raw[raw.rfind(b")") + 2 :].split()
-    try:
-        return int(rest[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def ancestors(pid: int, limit: int = 64) -> list[int]:
-    """Parent, grandparent, ... up to init (or as far as /proc shows)."""
-    out: list[int] = []
-    cur: int | None = pid
-    while len(out) < limit:
-        cur = parent_pid(cur) if cur is not None else None
-        if not cur or cur in out:
-            break
-        out.append(cur)
-    return out
 
 
 def is_ours(pid: int, own_pids: Iterable[int]) -> bool:
@@ -74,7 +36,7 @@ def is_ours(pid: int, own_pids: Iterable[int]) -> bool:
 
 
 def read_cgroup_text(pid: int) -> str | None:
-    raw = _read(PROC / str(pid) / "cgroup")
+    raw = read(PROC / str(pid) / "cgroup")
     return raw.decode(errors="replace") if raw is not None else None
 
 
@@ -135,44 +97,6 @@ def describe(pid: int, own_pids: Iterable[int] = (), cgroup_reader: Callable[[in
                     ours=is_ours(pid, own_pids))
 
 
-def _listening_sockets(port: int | None = None) -> set[str]:
-    """'socket:[INODE]' of the listening TCP sockets (on `port`, or any) in /proc/net/tcp{,6}."""
-    inodes: set[str] = set()
-    for name in ("tcp", "tcp6"):
-        raw = _read(PROC / "net" / name)
-        for line in (raw or b"").decode(errors="replace").splitlines()[1:]:
-            parts = line.split()
-            if len(parts) > 9 and parts[3] == "0A" and (port is None or int(parts[1].rsplit(":", 1)[1], 16) == port):
-                inodes.add(f"socket:[{parts[9]}]")
-    return inodes
-
-
-def _holds_any(pid: int, links: set[str]) -> bool | None:
-    """Whether one of pid's open files is one of `links` (readlink of /proc/PID/fd/N); None when its open files
-    cannot be read (another user's process: not ours to judge), False when it is gone."""
-    try:
-        fds = list((PROC / str(pid) / "fd").iterdir())
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return None
-    for fd in fds:
-        try:
-            if os.readlink(fd) in links:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def listening_pids(port: int) -> set[int]:
-    """The processes holding a listening TCP socket on `port` (from /proc/net/tcp{,6} and /proc/PID/fd)."""
-    wanted = _listening_sockets(port)
-    if not wanted:
-        return set()
-    return {int(d.name) for d in PROC.iterdir() if d.name.isdigit() and _holds_any(int(d.name), wanted)}
-
-
 # ---------------------------------------------------------------------------------------------------
 # vLLM / SGLang engine processes left behind by their server (`env.engine_orphans`, docs/doctor.md)
 # ---------------------------------------------------------------------------------------------------
@@ -216,7 +140,7 @@ class Proc:
 
 
 def read_proc(pid: int) -> Proc | None:
-    raw = _read(PROC / str(pid) / "stat")
+    raw = read(PROC / str(pid) / "stat")
     if not raw:
         return None
     close = raw.rfind(b")")
@@ -366,9 +290,9 @@ def engine_orphans(own_pids: Iterable[int] = (), *, gpu_memory: Mapping[int, tup
             if any("--headless" in (procs[a].cmdline or ()) for a in servers):
                 continue  # vLLM's engine-only nodes of a multi-node server listen nowhere, on purpose
             if listening is None:
-                listening = _listening_sockets()
+                listening = listening_sockets()
             extra = [q.pid for q in procs.values() if q.ppid in servers and fronts.get(q.pid) == fam]
-            if any(_holds_any(a, listening) is not False for a in servers + extra):
+            if any(holds_any(a, listening) is not False for a in servers + extra):
                 continue  # it listens (or its open files cannot be read: not ours to judge)
             reason, server = "no_listener", servers[-1]
         else:

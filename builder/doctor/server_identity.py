@@ -24,7 +24,7 @@ import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from builder.doctor.procinfo import ancestors, cmdline, listening_pids
+from builder.procfs import ancestors, cmdline, listening_pids
 
 # connectors that stage each build into its own subfolder (builder/extract/backends/vllm_connector.py)
 BUILD_CONNECTORS = ("HsbuildHiddenStatesConnector", "CpuHiddenStatesConnector")

@@ -53,11 +53,12 @@ from vllm_fixture import (
 )
 
 from builder.config import Watermarks
-from builder.doctor.procinfo import listening_pids, scan_processes
+from builder.doctor.procinfo import scan_processes
 from builder.doctor.server_identity import staging_name
 from builder.extract.backends.http_client import healthy, served_model
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.procfs import listening_pids
 from builder.run.create import init_build
 
 pytestmark = [pytest.mark.slow, needs_vllm]
