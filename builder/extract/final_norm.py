@@ -1,6 +1,6 @@
 """The model's final norm, kept in the build so that either final-state convention can be derived.
 
-Engines return the last decoder layer's output BEFORE the final norm (vLLM's layer id L); Hugging Face's
+Engines return the last decoder layer's output BEFORE the final norm (an engine's layer id L); Hugging Face's
 `hidden_states[L]` and SpecForge's `hidden_state` are AFTER it. A build records which one it stores
 (`final_state`: pre_norm | post_norm) and keeps the norm's weight and epsilon in `final_norm.safetensors`, so
 post-norm is one call away from pre-norm (`FinalNorm.apply`), computed exactly as transformers' LlamaRMSNorm

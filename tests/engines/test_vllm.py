@@ -17,13 +17,13 @@ import forked
 import numpy as np
 import pytest
 import torch
-from builder.doctor.server_identity import staging_name
 from conftest import POLL_OWNER_S, hsbuild, random_rows, write_jsonl, written_count
 from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm
 
 from builder.extract.backends.base import Failure, Request
 from builder.extract.backends.http_client import complete, served_model
-from builder.extract.backends.vllm import VllmBackend, VllmSettings, read_and_remove
+from builder.extract.backends.staging import read_and_remove, staging_name
+from builder.extract.backends.vllm.backend import VllmBackend, VllmSettings
 from builder.extract.final_norm import FinalNorm
 from builder.layout import layout
 from builder.log.events import EventLog
@@ -245,7 +245,7 @@ def _doctor_in_process(build: Path) -> dict:
 
 def _transformers_signature(model_dir: Path, vocab: int) -> list[list[float]]:
     """The probe signature (per token, per returned layer id: the state's L2 norm) computed by transformers."""
-    from builder.extract.backends.vllm_server import probe_ids
+    from builder.extract.backends.vllm.probe import probe_ids
 
     forward = _reference(model_dir)
     hs, pre = forward(torch.tensor(probe_ids(vocab)))

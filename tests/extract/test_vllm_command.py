@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from builder.extract.backends.vllm_server import EngineSpec, serve_command
+from builder.extract.backends.vllm.command import EngineSpec, serve_command
 
 
 def _cmd(cpu: bool, *engine_args: str) -> list[str]:
