@@ -71,15 +71,15 @@ class BuildConfig:
     staging: str | None = None
     verify_after_write: bool = False
     # which backend runs the forward passes (builder/extract/backends/registry.py: each declares the keys below
-    # it reads, and their defaults); inprocess: the workers load the model; vllm: a vLLM server runs it
+    # it reads, and their defaults; `hsbuild init --help` lists them)
     backend: str = "inprocess"
     server: str | None = None  # a server backend's URL (http://127.0.0.1:8000)
-    inflight: int | None = None  # a server backend: requests in flight (vllm: 16)
+    inflight: int | None = None  # a server backend: requests in flight (default: its spec's)
     batch_tokens: int | None = None  # inprocess: samples packed into one forward pass up to this many tokens
     final_state: str = "post_norm"  # what `hidden_state` holds: the final norm's output, or its input
     quantize: str = "none"  # none: states stored exactly; fp8: float8_e4m3fn with a float32 scale a token (lossy)
-    # the server's KV connector (serve-command, --launch); None: hsbuild's, which stages each build into its own
-    # subfolder (builder/extract/backends/vllm_connector.py; the stock ExampleHiddenStatesConnector cannot)
+    # the server's KV connector (serve-command, --launch); None: the engine's own default (hsbuild's, which stages
+    # each build into its own subfolder: docs/design.md section 12)
     engine_connector: str | None = None
     engine_connector_module: str | None = None  # its module (kv_connector_module_path), with engine_connector
     engine_args: list[str] = field(default_factory=list)  # appended to the server command (--tensor-parallel-size 8)

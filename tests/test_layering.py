@@ -17,7 +17,7 @@ import builder
 PKG = Path(builder.__file__).resolve().parent
 
 # the foundation: plain modules, each importing only those before it
-FOUNDATION = ["errors", "humanize", "progress", "mounts", "fsutil", "subset", "layout", "config"]
+FOUNDATION = ["errors", "humanize", "progress", "mounts", "procfs", "fsutil", "subset", "layout", "config"]
 LAYERS = [
     set(FOUNDATION),
     {"log", "store", "formats"},  # formats: one module per trainer file format

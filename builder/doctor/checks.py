@@ -7,8 +7,6 @@ start unless --force). See docs/doctor.md.
 from __future__ import annotations
 
 import ast
-import contextlib
-import dataclasses
 import importlib.util
 import json
 import os
@@ -26,7 +24,7 @@ from builder.extract.spec import is_builtin
 from builder.humanize import human_bytes
 from builder.layout import BuildLayout
 from builder.log.lock import LockState, pid_alive
-from builder.log.query import jsonable, run_query
+from builder.log.query import jsonable
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 GPU_MEM_THRESHOLD = 1 << 30  # foreign GPU memory above this on a device the build uses is blocking
@@ -186,79 +184,12 @@ def check_source(ctx: Context) -> Check:
                  {"path": str(src)})
 
 
-def check_engine_orphans(ctx: Context) -> Check:
-    """vLLM/SGLang engine processes whose server is gone (`kill -9` of an API server leaves its EngineCore and
-    Workers running, holding host and GPU memory), or that hold GPU memory under a server that listens on no
-    port; see procinfo.engine_orphans. Never this process's own (ctx.own_pids).
-
-    FAIL (in doctor and in a run's preflight) when orphans (reason 'orphan') hold more than
-    ctx.gpu_mem_threshold on one GPU the build uses: for an in-process build the GPUs of its device (as `gpu`),
-    for an engine build all visible GPUs (its server's, started by `--launch` or by hand, needs them, and which
-    ones it takes cannot be told). An orphan can do no work any more, so ending it is always safe. Else WARN:
-    orphans without GPU memory (or without NVML to tell), and 'no_listener' engines (their server may still be
-    loading)."""
-    inv = gpu.inventory()
-    held: dict[int, tuple[int | None, list[int]]] = {}
-    for d in inv.devices if inv.available else []:
-        for p in d.processes:
-            total, where = held.get(p.pid, (None, []))
-            if p.used_bytes is not None:
-                total = (total or 0) + p.used_bytes
-            held[p.pid] = (total, [*where, d.index])
-    found = procinfo.engine_orphans(ctx.own_pids, gpu_memory=held if inv.available else None,
-                                    cgroup_reader=ctx.cgroup_reader)
-    data: dict = {"processes": [o.as_dict() for o in found], "nvml": inv.available}
-    if not found:
-        return Check("env.engine_orphans", OK, "no vLLM/SGLang engine process without its server", data=data)
-    from builder.extract.backends.registry import of_config  # noqa: PLC0415
-
-    engine = of_config(ctx.cfg, ctx.lay.config).server
-    usable = (ctx.cuda or cuda_probe())[0]
-    gpu_build = _explicit_cuda(ctx.device) or (ctx.device == "auto" and usable)
-    used = devices_used("cuda" if engine else ctx.device, inv.devices) if (engine or gpu_build) else set()
-    orphans = {o.pid for o in found if o.reason == "orphan"}
-    blocking = sorted(d.index for d in inv.devices if d.index in used and sum(
-        p.used_bytes or 0 for p in d.processes if p.pid in orphans) > ctx.gpu_mem_threshold)
-    data.update(devices_used=sorted(used), blocking_gpus=blocking)
-
-    def mem(o: procinfo.EngineOrphan) -> str:
-        on = f" on GPU {spans(o.gpus)}" if o.gpus else ""
-        return f"RSS {human_bytes(o.rss_bytes)}" + (f", GPU {gib(o.gpu_bytes)}{on}" if o.gpu_bytes else "")
-
-    engines = "/".join(dict.fromkeys(o.engine for o in found))
-    parts = []
-    for reason in ("orphan", "no_listener"):
-        group = [o for o in found if o.reason == reason]
-        if not group:
-            continue
-        procs = ", ".join(f"pid {o.pid} {o.title} ({mem(o)})" for o in group)
-        if reason == "orphan":
-            parts.append(f"{plural(len(group), f'{engines} engine process', 'es')} left without "
-                         f"{'its' if len(group) == 1 else 'their'} server: {procs}")
-        else:
-            servers = ", ".join(str(s) for s in dict.fromkeys(o.server_pid for o in group))
-            parts.append(f"{plural(len(group), f'{engines} engine process', 'es')} holding GPU memory under a "
-                         f"server that listens on no port (pid {servers}: hung, or still loading): {procs}")
-    summary = "; ".join(parts)
-    if len(found) > 1:
-        gpu_total = sum(o.gpu_bytes or 0 for o in found)
-        summary += f"; {human_bytes(sum(o.rss_bytes for o in found))} RSS in all" + (
-            f", {gib(gpu_total)} of GPU memory" if gpu_total else "")
-    if blocking:
-        summary += f"; GPU {spans(blocking)} of the build's GPUs held by them"
-    details = [f"pid {o.pid} {o.title}: parent pid {o.ppid} ({o.parent or '?'})"
-               + (f", server pid {o.server_pid}" if o.server_pid else "")
-               + (f" [{o.unit.name}]" if o.unit else "") + f", {mem(o)}" for o in found]
-    fix = "; ".join(dict.fromkeys(o.kill for o in found))
-    return Check("env.engine_orphans", FAIL if blocking else WARN, summary, fix, data, details)
-
-
 # ---------------------------------------------------------------------------------------------------
 # GPUs
 # ---------------------------------------------------------------------------------------------------
 
 
-def _explicit_cuda(device: str) -> bool:
+def explicit_cuda(device: str) -> bool:
     return device.startswith("cuda")
 
 
@@ -284,7 +215,7 @@ def devices_used(device: str, devs: list[gpu.GpuDevice]) -> set[int]:
 
 def check_gpus(ctx: Context) -> list[Check]:
     usable, _count, desc = ctx.cuda or cuda_probe()
-    explicit = _explicit_cuda(ctx.device)
+    explicit = explicit_cuda(ctx.device)
     gpu_build = explicit or (ctx.device == "auto" and usable)
     inv = gpu.inventory()
     mode = {"device": ctx.device, "gpu_build": gpu_build, "cuda_usable": usable}
@@ -557,126 +488,3 @@ def check_fingerprints(ctx: Context) -> Check:
                      "`hsbuild init NEWDIR --source ...` (--force does not override this)", data)
     how = "config and model match the build" if fp else "config matches the build (model checked when loaded)"
     return Check("build.fingerprint", OK, how, data=data)
-
-
-def check_server(ctx: Context) -> Check | None:
-    """Engine backends: the server is reachable, is the build's by its own command line (a local server: the
-    model, layer ids, staging folder, connector, dtype and flags, as a run checks them with
-    builder/doctor/server_identity.py), and returns the build's layers (one probe request with a fixed prompt,
-    whose file goes into the build's own staging subfolder and is removed after). A run waits for an unreachable
-    server, and runs a server whose command line cannot be read only with --trust-server: both are warnings."""
-    from builder.extract.backends.registry import of_config  # noqa: PLC0415
-
-    if not of_config(ctx.cfg, ctx.lay.config).server:
-        return None
-    from builder.doctor.server_identity import (  # noqa: PLC0415
-        Expected,
-        config_problems,
-        in_server_cwd,
-        read_server_config,
-        staging_name,
-    )
-    from builder.extract.backends.http_client import EngineRejected, EngineUnavailable, healthy, served_model  # noqa: PLC0415
-    from builder.extract.backends.vllm import engine_layer_ids  # noqa: PLC0415
-    from builder.extract.backends.vllm_server import probe, probe_problems, signature_differs  # noqa: PLC0415
-
-    url = ctx.cfg.server or "?"
-    fix = f"start it with the command `hsbuild serve-command {ctx.lay.root}` prints, or run with --launch"
-    if not healthy(url):
-        return Check("env.server", WARN, f"{ctx.cfg.backend} server {url} is not reachable (a run waits for it)",
-                     fix, {"server": url, "healthy": False})
-    try:
-        m = served_model(url)
-    except (EngineUnavailable, EngineRejected) as e:
-        return Check("env.server", WARN, f"{url}: cannot list its model ({e})", fix, {"server": url})
-    data: dict = {"server": url, "healthy": True, "model_id": m.id, "root": m.root, "max_model_len": m.max_model_len}
-
-    from builder.extract.model import Extractor  # noqa: PLC0415
-
-    ex = Extractor(ctx.cfg.model, ctx.cfg.aux_layers or None, ctx.cfg.dtype, device="cpu", load_weights=False)
-    query = ctx.query or (lambda sql: run_query(ctx.lay, sql))  # standalone doctor, before it takes the lock
-    meta = meta_of(query)
-    want = Expected(model=str(Path(ctx.cfg.model).absolute()), staging=str(Path(ctx.cfg.staging or "").absolute()),
-                    layer_ids=list(meta.get("engine_layer_ids") or engine_layer_ids(ex.aux_layers, ex.num_layers)),
-                    dtype=ctx.cfg.dtype)  # as builder/extract/backends/vllm_server.py's engine_spec
-    data["expected"] = dataclasses.asdict(want)
-    conf = read_server_config(url)
-    if isinstance(conf, str):  # another host, namespace or a proxy: judged by its answers alone
-        data["unreadable"] = conf
-        unread = (f"; its configuration cannot be read ({conf}): a run refuses it unless --trust-server "
-                  "(then judged by its answers alone)")
-    else:
-        conf = dataclasses.replace(conf, model=in_server_cwd(conf.pid, conf.model), staging=in_server_cwd(conf.pid, conf.staging))
-        data["process"] = conf.as_dict()
-        problems = config_problems(conf, want)
-        if problems:
-            return Check("env.server", FAIL, f"{url} (pid {conf.pid}) " + "; ".join(problems), fix, data)
-        unread = ""
-    trust_fix = (f"run the server on this machine, where its command line can be read, or pass --trust-server to "
-                 f"`hsbuild run {ctx.lay.root}`") if unread else None
-    if ctx.live:  # a run is using it: no probe request of ours in its staging folder
-        return Check("env.server", WARN if unread else OK,
-                     f"{url} serves {m.root} (a run is using it; not probed){unread}", trust_fix, data)
-
-    staging = Path(want.staging) / staging_name(meta)  # the build's own subfolder: the server writes only there
-    made = not staging.exists()
-    try:
-        staging.mkdir(exist_ok=True)  # (the staging folder itself is storage.staging's)
-        p = probe(url, ex.vocab_size, 60.0, staging=staging)
-    except (EngineRejected, HsbuildError, KeyError, OSError) as e:  # OSError: EngineUnavailable, a timeout, mkdir
-        return Check("env.server", FAIL, f"{url} serves {m.root}, but the probe request failed: {e}", fix, data)
-    finally:
-        for f in staging.glob("probe-*"):  # a probe that failed half-way leaves its file
-            f.unlink(missing_ok=True)
-        if made:
-            with contextlib.suppress(OSError):
-                staging.rmdir()
-    data.update(layers=p.layers, hidden=p.hidden, dtype=p.dtype, want_layer_ids=want.layer_ids)
-    problems = probe_problems(p, want.layer_ids, ex.hidden_size, ctx.cfg.dtype)
-    ref = _reference_probe(query)
-    if not problems and ref:
-        rel = signature_differs(p.signature, ref)
-        if rel is not None:
-            problems.append(f"returns other states for the probe prompt than the build's reference probe (largest "
-                            f"relative difference {rel:.1%}): another model or other layers")
-    if problems:
-        return Check("env.server", FAIL, f"{url} serves {m.root} but " + "; ".join(problems), fix, data)
-    summary = (f"{url} serves {m.root}: {p.layers} layer slots (ids {want.layer_ids}), hidden {p.hidden}, "
-               f"{p.dtype}{unread}")
-    others = _other_gpu_holders(ctx, url)
-    data["foreign"] = [o.as_dict() for o in others]
-    if others:  # the incident's rogue second server: GPUs held by something that is not this build's server
-        return Check("env.server", WARN, summary + f"; but {plural(len(others), 'other process', 'es')} "
-                     f"{'holds' if len(others) == 1 else 'hold'} GPUs "
-                     f"too (e.g. pid {others[0].pid}: {others[0].command or others[0].name})",
-                     "; ".join(dict.fromkeys([*([trust_fix] if trust_fix else []),
-                                              *(o.stop_command() for o in others)])), data,
-                     [f"pid {o.pid}: {o.command or o.name}" for o in others])
-    return Check("env.server", WARN if unread else OK, summary, trust_fix, data)
-
-
-def _reference_probe(query: Query) -> list[list[float]] | None:
-    """The signature of the build's first probe (a run's reference; a re-check's or a trusted one never is)."""
-    rows = query("SELECT detail FROM events WHERE kind = 'engine_probe' AND coalesce(json_extract(detail, "
-                 "'$.recheck')::BOOLEAN, false) = false ORDER BY seq LIMIT 1")[1]
-    found = rows[0][0] if rows else None
-    return (json.loads(found) if isinstance(found, str) else found or {}).get("signature")
-
-
-def _other_gpu_holders(ctx: Context, url: str) -> list:
-    """GPU processes that are neither the server (the process listening on its port, and its children) nor
-    this process."""
-    from urllib.parse import urlparse  # noqa: PLC0415
-
-    inv = gpu.inventory()
-    if not inv.available:
-        return []
-    port = urlparse(url).port
-    server = procinfo.listening_pids(port) if port else set()
-    mine = server | ctx.own_pids
-    seen: dict[int, procinfo.ProcInfo] = {}
-    for d in inv.devices:
-        for p in d.processes:
-            if p.pid not in seen and not procinfo.is_ours(p.pid, mine):
-                seen[p.pid] = procinfo.describe(p.pid, (), ctx.cgroup_reader, p.name)
-    return list(seen.values())

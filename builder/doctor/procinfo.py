@@ -1,4 +1,5 @@
-"""Who is a process: command line, name, systemd unit (from /proc/PID/cgroup), and is it one of ours.
+"""Who is a process: command line, name, systemd unit (from /proc/PID/cgroup), is it one of ours, and is it an
+engine's process left without its server. (The plain /proc readers: builder/procfs.py.)
 
 Everything reads /proc and never raises for a process that is gone or invisible (another PID namespace,
 e.g. a GPU process NVML reports with a host PID inside a container). `read_cgroup_text` is the boundary
@@ -12,59 +13,22 @@ import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
-PROC = Path("/proc")
+from builder.extract.backends import registry as backends
+from builder.extract.backends.serving import EngineProcesses
+from builder.procfs import PROC, ancestors, cmdline, holds_any, listening_sockets, read
 
 # Units that are not a service someone started on purpose: stopping them would end a login or the user manager.
 _NOT_A_SERVICE_PREFIXES = ("user@", "user-runtime-dir@", "session-", "init.scope", "systemd-")
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
 
 
 def exists(pid: int) -> bool:
     return (PROC / str(pid)).is_dir()
 
 
-def cmdline(pid: int) -> list[str] | None:
-    raw = _read(PROC / str(pid) / "cmdline")
-    if not raw:
-        return None
-    return [a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0")]
-
-
 def process_name(pid: int) -> str | None:
-    raw = _read(PROC / str(pid) / "comm")
+    raw = read(PROC / str(pid) / "comm")
     return raw.decode(errors="replace").strip() if raw else None
-
-
-def parent_pid(pid: int) -> int | None:
-    raw = _read(PROC / str(pid) / "stat")
-    if not raw:
-        return None
-    # pid (comm) state ppid ...; comm may hold spaces and parentheses, so split after the last ')'
-    rest = raw[raw.rfind(b")") + 2 :].split()
-    try:
-        return int(rest[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def ancestors(pid: int, limit: int = 64) -> list[int]:
-    """Parent, grandparent, ... up to init (or as far as /proc shows)."""
-    out: list[int] = []
-    cur: int | None = pid
-    while len(out) < limit:
-        cur = parent_pid(cur) if cur is not None else None
-        if not cur or cur in out:
-            break
-        out.append(cur)
-    return out
 
 
 def is_ours(pid: int, own_pids: Iterable[int]) -> bool:
@@ -74,7 +38,7 @@ def is_ours(pid: int, own_pids: Iterable[int]) -> bool:
 
 
 def read_cgroup_text(pid: int) -> str | None:
-    raw = _read(PROC / str(pid) / "cgroup")
+    raw = read(PROC / str(pid) / "cgroup")
     return raw.decode(errors="replace") if raw is not None else None
 
 
@@ -135,64 +99,38 @@ def describe(pid: int, own_pids: Iterable[int] = (), cgroup_reader: Callable[[in
                     ours=is_ours(pid, own_pids))
 
 
-def _listening_sockets(port: int | None = None) -> set[str]:
-    """'socket:[INODE]' of the listening TCP sockets (on `port`, or any) in /proc/net/tcp{,6}."""
-    inodes: set[str] = set()
-    for name in ("tcp", "tcp6"):
-        raw = _read(PROC / "net" / name)
-        for line in (raw or b"").decode(errors="replace").splitlines()[1:]:
-            parts = line.split()
-            if len(parts) > 9 and parts[3] == "0A" and (port is None or int(parts[1].rsplit(":", 1)[1], 16) == port):
-                inodes.add(f"socket:[{parts[9]}]")
-    return inodes
-
-
-def _holds_any(pid: int, links: set[str]) -> bool | None:
-    """Whether one of pid's open files is one of `links` (readlink of /proc/PID/fd/N); None when its open files
-    cannot be read (another user's process: not ours to judge), False when it is gone."""
-    try:
-        fds = list((PROC / str(pid) / "fd").iterdir())
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return None
-    for fd in fds:
-        try:
-            if os.readlink(fd) in links:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def listening_pids(port: int) -> set[int]:
-    """The processes holding a listening TCP socket on `port` (from /proc/net/tcp{,6} and /proc/PID/fd)."""
-    wanted = _listening_sockets(port)
-    if not wanted:
-        return set()
-    return {int(d.name) for d in PROC.iterdir() if d.name.isdigit() and _holds_any(int(d.name), wanted)}
-
-
 # ---------------------------------------------------------------------------------------------------
-# vLLM / SGLang engine processes left behind by their server (`env.engine_orphans`, docs/doctor.md)
+# Engine processes left behind by their server (`env.engine_orphans`, docs/doctor.md)
 # ---------------------------------------------------------------------------------------------------
 
-# The engines title their processes with setproctitle as PREFIX::NAME: vLLM `VLLM::EngineCore`,
-# `VLLM::EngineCore_DP0`, `VLLM::Worker`, `VLLM::Worker_TP0`, `VLLM::DPCoordinator`, and its extra API servers
-# `VLLM::APIServer_0` (vllm/utils/system_utils.py set_process_title; the prefix is VLLM_PROCESS_NAME_PREFIX);
-# SGLang `sglang::scheduler`, `sglang::scheduler_TP0`, `sglang::detokenizer`, ... With setproctitle the title is
-# the whole /proc/PID/cmdline and, cut to 15 bytes, /proc/PID/comm.
-ENGINE_FAMILIES = {"vllm": "vLLM", "sglang": "SGLang"}
+# Engines title their processes with setproctitle as PREFIX::NAME; with setproctitle the title is the whole
+# /proc/PID/cmdline and, cut to 15 bytes, /proc/PID/comm. Each registered engine says how its processes look
+# (`EngineProcesses`, builder/extract/backends/serving.py); the engines hsbuild has no backend for are named here:
+# SGLang titles `sglang::scheduler`, `sglang::scheduler_TP0`, `sglang::detokenizer`, ..., and serves with
+# `python -m sglang.launch_server` or `sglang serve`.
+OTHER_ENGINES = (EngineProcesses(family="sglang", name="SGLang", title_prefixes=("sglang",), modules=("sglang",),
+                                 scripts=("sglang",)),)
 _TITLE = re.compile(r"([A-Za-z0-9_.-]+)::(\S+)")
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _title_prefixes() -> dict[str, str]:
-    out = {"VLLM": "vllm", "sglang": "sglang"}
-    custom = os.environ.get("VLLM_PROCESS_NAME_PREFIX")
-    if custom:
-        out[custom] = "vllm"
-    return out
+def engine_families() -> list[EngineProcesses]:
+    """The engines whose processes doctor recognizes: the registered ones' (builder/extract/backends/registry.py),
+    then OTHER_ENGINES."""
+    out: dict[str, EngineProcesses] = {}
+    for f in [*backends.engine_processes(), *OTHER_ENGINES]:
+        out.setdefault(f.family, f)
+    return list(out.values())
+
+
+def _titled(text: str) -> tuple[EngineProcesses, re.Match] | None:
+    """The engine whose title PREFIX::NAME `text` carries, and the match."""
+    m = _TITLE.match(text.strip())
+    if m:
+        for fam in engine_families():
+            if m.group(1) in fam.prefixes():
+                return fam, m
+    return None
 
 
 @dataclass(frozen=True)
@@ -216,7 +154,7 @@ class Proc:
 
 
 def read_proc(pid: int) -> Proc | None:
-    raw = _read(PROC / str(pid) / "stat")
+    raw = read(PROC / str(pid) / "stat")
     if not raw:
         return None
     close = raw.rfind(b")")
@@ -245,34 +183,36 @@ def scan_processes() -> dict[int, Proc]:
 
 
 def engine_title(p: Proc) -> tuple[str, str] | None:
-    """(family, title) of a vLLM or SGLang engine process (an `engine core`, a worker, a scheduler, ...) by its
-    process title; None for anything else, the API servers included."""
-    prefixes = _title_prefixes()
+    """(family, title) of an engine process (an `engine core`, a worker, a scheduler, ...) by its process title;
+    None for anything else, the API servers included."""
     for text in ((p.cmdline[0] if p.cmdline else ""), p.comm):
-        m = _TITLE.match(text.strip())
-        fam = prefixes.get(m.group(1)) if m else None
-        if m and fam:
-            if fam == "vllm" and m.group(2).startswith("APIServer"):
+        found = _titled(text)
+        if found is not None:
+            fam, m = found
+            if fam.server_titles and m.group(2).startswith(fam.server_titles):
                 return None
-            return fam, m.group(0)
+            return fam.family, m.group(0)
     return None
 
 
 def front_end_family(p: Proc) -> str | None:
-    """The engine whose server (or other entry point) p runs: `python -m vllm.entrypoints.openai.api_server`,
-    `vllm serve ...` (the console script: `python .../bin/vllm serve`), `python -m sglang.launch_server`,
-    `sglang serve`, vLLM's extra API servers `VLLM::APIServer_N`; None for anything else."""
+    """The engine whose server (or other entry point) p runs: `python -m MODULE...` of one of the engines'
+    modules, one of their console scripts (`python .../bin/SCRIPT serve`), a process titled as one of their servers
+    (an extra API server); None for anything else."""
     argv = p.cmdline or ()
-    head = argv[0] if argv else p.comm
-    m = _TITLE.match(head)
-    if m and _title_prefixes().get(m.group(1)) == "vllm" and m.group(2).startswith("APIServer"):
-        return "vllm"
+    titled = _titled(argv[0] if argv else p.comm)
+    if titled is not None and titled[0].server_titles and titled[1].group(2).startswith(titled[0].server_titles):
+        return titled[0].family
+    families = engine_families()
     for i, a in enumerate(argv[:-1]):
-        if a == "-m" and argv[i + 1].split(".", 1)[0] in ENGINE_FAMILIES:
-            return argv[i + 1].split(".", 1)[0]
+        if a == "-m":
+            fam = next((f for f in families if argv[i + 1].split(".", 1)[0] in f.modules), None)
+            if fam is not None:
+                return fam.family
     for a in argv[:2]:
-        if os.path.basename(a) in ENGINE_FAMILIES:
-            return os.path.basename(a)
+        fam = next((f for f in families if os.path.basename(a) in f.scripts), None)
+        if fam is not None:
+            return fam.family
     return None
 
 
@@ -281,8 +221,8 @@ class EngineOrphan:
     """An engine process whose server is gone (reason 'orphan'), or that holds GPU memory under a server that
     does not listen (reason 'no_listener'), with the command that ends it and the rest of its group."""
     pid: int
-    family: str  # 'vllm' | 'sglang'
-    title: str  # its process title, e.g. 'VLLM::EngineCore'
+    family: str  # its engine's (EngineProcesses.family)
+    title: str  # its process title (PREFIX::NAME)
     reason: str  # 'orphan' | 'no_listener'
     ppid: int  # its parent now: init or a subreaper for an orphan
     parent: str | None  # the parent's command line
@@ -296,7 +236,7 @@ class EngineOrphan:
 
     @property
     def engine(self) -> str:
-        return ENGINE_FAMILIES[self.family]
+        return next((f.name for f in engine_families() if f.family == self.family), self.family)
 
     def as_dict(self) -> dict:
         return {"pid": self.pid, "family": self.family, "title": self.title, "reason": self.reason,
@@ -329,14 +269,14 @@ def _python(p: Proc) -> bool:
 def engine_orphans(own_pids: Iterable[int] = (), *, gpu_memory: Mapping[int, tuple[int | None, list[int]]] | None
                    = None, cgroup_reader: Callable[[int], str | None] | None = None,
                    procs: dict[int, Proc] | None = None) -> list[EngineOrphan]:
-    """vLLM/SGLang engine processes left behind by their server, from one pass over /proc, sorted by pid.
+    """Engine processes (`engine_families`) left behind by their server, from one pass over /proc, sorted by pid.
 
     An engine process is an orphan when the process above its engine tree (the parent of its topmost engine
     process: a Worker hangs under its EngineCore) is not a server of the same engine (`front_end_family`) nor
     the program that started it. A killed server's engines are reparented to PID 1, or, in containers and under
     service managers, to the nearest subreaper (tini, a container shim, `systemd --user`, a job runner), so the
-    rule is never "the parent is PID 1". The program that started an engine itself (an offline `vllm.LLM(...)`
-    script, a trainer) is a Python program in the engine's process group (multiprocessing keeps the group); an
+    rule is never "the parent is PID 1". The program that started an engine itself (an offline engine script, a
+    trainer) is a Python program in the engine's process group (multiprocessing keeps the group); an
     adopting init or subreaper is in another group, or is no Python program (a shell as a container's PID 1).
     With `gpu_memory` (pid -> (bytes, [GPU indices]), as NVML lists them) an engine process that holds GPU memory
     under a live server that listens on no TCP port (hung, or still loading) is named too (reason
@@ -364,11 +304,11 @@ def engine_orphans(own_pids: Iterable[int] = (), *, gpu_memory: Mapping[int, tup
         elif fronts.get(owner.pid) == fam and gpu_memory and (gpu_memory.get(pid) or (0, []))[0]:
             servers = [a for a in _ancestry(pid, procs) if fronts.get(a) == fam]
             if any("--headless" in (procs[a].cmdline or ()) for a in servers):
-                continue  # vLLM's engine-only nodes of a multi-node server listen nowhere, on purpose
+                continue  # the engine-only nodes of a multi-node server listen nowhere, on purpose
             if listening is None:
-                listening = _listening_sockets()
+                listening = listening_sockets()
             extra = [q.pid for q in procs.values() if q.ppid in servers and fronts.get(q.pid) == fam]
-            if any(_holds_any(a, listening) is not False for a in servers + extra):
+            if any(holds_any(a, listening) is not False for a in servers + extra):
                 continue  # it listens (or its open files cannot be read: not ours to judge)
             reason, server = "no_listener", servers[-1]
         else:

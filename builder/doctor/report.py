@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from builder.config import BuildConfig, load_config
 from builder.doctor import checks as dc
+from builder.doctor import engine as de
 from builder.doctor import storage as ds
 from builder.doctor.checks import FAIL, OK, WARN, Check, Context, plural
 from builder.errors import BuildLockedError, DiskFullError, HsbuildError, PreflightError
@@ -118,14 +119,14 @@ def _system_checks(ctx: Context) -> list[Check]:
     checks = _guard("env.torch", lambda: dc.check_torch(ctx))
     checks += _guard("env.model", lambda: dc.check_model(ctx))
     checks += _guard("env.source", lambda: dc.check_source(ctx))
-    checks += _guard("env.engine_orphans", lambda: dc.check_engine_orphans(ctx))
+    checks += _guard("env.engine_orphans", lambda: de.check_engine_orphans(ctx))
     checks += _guard("gpu", lambda: dc.check_gpus(ctx))
     checks += _guard("storage.filesystem", lambda: ds.check_filesystem(ctx))
     checks += _guard("storage.writable", lambda: ds.check_writable(ctx))
     checks += _guard("storage.locking", lambda: ds.check_locking(ctx))
     checks += _guard("storage.staging", lambda: ds.check_staging(ctx))
     if not ctx.for_run:  # a run probes the server itself, after waiting for it
-        checks += _guard("env.server", lambda: dc.check_server(ctx))
+        checks += _guard("env.server", lambda: de.check_server(ctx))
     _guard("build.fingerprint", lambda: dc.prepare_model_fingerprint(ctx) and None)
     return checks
 

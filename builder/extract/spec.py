@@ -89,7 +89,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
     """SpecForge's EAGLE-3 default as hidden_states indices: outputs of layers 1, L/2-1 and L-4 (2, L//2, L-3).
 
     From 7 layers on this is every trainer's own default too (SpecForge's and Model-Optimizer's decoder ids
-    1, L//2-1, L-4; speculators' vLLM ids 2, L//2, L-3), so none needs to be told the layers.
+    1, L//2-1, L-4; speculators' engine layer ids 2, L//2, L-3), so none needs to be told the layers.
 
     Below 7 layers those three are not distinct (L=6 gives 2, 3, 3), and no trainer's default is usable:
     speculators refuses its own (repeated ids), Model-Optimizer's is a set of fewer than three (its first step
@@ -97,7 +97,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
     three distinct layers below L, which every trainer accepts once told (SpecForge
     `model.aux_hidden_state_layer_ids`, speculators `--target-layer-ids`, Model-Optimizer
     `eagle_aux_hidden_state_layer_ids`; `init` and `export` print each one's: BuildInfo.layer_flag), and which
-    the vLLM backend can serve (ids below L). A model with fewer than 4 layers has no three distinct
+    an engine backend can serve (ids below L). A model with fewer than 4 layers has no three distinct
     intermediate states to default to."""
     if num_layers >= 7:
         return [2, num_layers // 2, num_layers - 3]

@@ -180,7 +180,7 @@ class Coordinator(SpawningMixin, PreparationMixin, SupervisionMixin, DispatchMix
             if self.backend.server and not self.opts.launch:
                 from builder.run.ray_engines import check_connect_server  # noqa: PLC0415
 
-                check_connect_server(self.cfg.server)
+                check_connect_server(self.cfg)
             check_reachable(self.opts.ray)  # a silent address fails here, in one line, before the lock
         self.echo = echo
         self.run_id = uuid.uuid4().hex

@@ -202,7 +202,8 @@ class WorkerSettings:
     min_free: int = 0
     final_state: str = "post_norm"
     backend_settings: object | None = None  # ... with these settings (its spec's `worker_settings`), if any
-    server_check: object | None = None  # doctor.server_identity.ServerCheck: run when the server comes back
+    server_check: object | None = None  # the engine's ServerIdentity (extract.backends.serving): run when the
+    # server comes back
     final_norm: str | None = None  # the build's final_norm.safetensors (post-norm states from an engine)
     batch_tokens: int | None = None  # in-process: pack samples into forward passes of up to this many tokens
     quantize: str = "none"  # fp8: states stored as float8_e4m3fn with a float32 scale a token

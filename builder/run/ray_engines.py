@@ -1,6 +1,7 @@
-"""The vLLM backend across nodes (`hsbuild run BUILD --ray ... ` on a `--backend vllm` build): one inference
-server per node, and one worker per server, on the same node, talking to it over loopback and ingesting its
-states from a staging folder local to that node.
+"""An engine backend across nodes (`hsbuild run BUILD --ray ... ` on a build whose backend runs a server): one
+inference server per node, and one worker per server, on the same node, talking to it over loopback and
+ingesting its states from a staging folder local to that node. What an actor reserves on its node and how a
+worker is pointed at its node's server are the engine's (`ServerEngine.placement`, `settings_at`).
 
 Each node's server is watched by an `EngineHost` actor pinned to that node: it wraps the very `Engine` a local
 run uses (builder/run/server_lifecycle.py: wait until healthy, probe, launch and restart in launch mode, the health
@@ -16,7 +17,6 @@ node) with the build's `staging` folder (a path local to that node).
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import threading
 import time
@@ -25,10 +25,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from builder.config import BuildConfig
-from builder.doctor.server_identity import staging_name
 from builder.errors import UsageError
-from builder.extract.backends.vllm_staging import clear_staging
-from builder.run.server_lifecycle import Engine, EngineError, EngineOptions, EngineRefused, engine_spec
+from builder.extract.backends.staging import clear_staging, staging_name
+from builder.run.server_lifecycle import Engine, EngineError, EngineOptions, EngineRefused, server_hooks
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CALL_SECONDS = 30.0  # a call to a node's EngineHost that takes longer: the node is treated as gone
@@ -56,12 +55,13 @@ class HostAnswer:
     lines: tuple[str, ...] = ()  # what the node's engine had to say since the last call
 
 
-def check_connect_server(server: str | None) -> None:
+def check_connect_server(cfg: BuildConfig) -> None:
     """Connect mode across nodes: each worker talks to the server on its own node, so the URL must be loopback."""
+    server = cfg.server
     host = urlparse(server or "").hostname
     if host not in LOOPBACK:
-        raise UsageError(f"--ray with --backend vllm: the build's server {server} is not a loopback address; every "
-                         "node's worker talks to the server on its own node (e.g. http://127.0.0.1:8000, run on "
+        raise UsageError(f"--ray with --backend {cfg.backend}: the build's server {server} is not a loopback "
+                         "address; every node's worker talks to the server on its own node (e.g. http://127.0.0.1:8000, run on "
                          "each node), or pass --launch to start one per node")
 
 
@@ -100,32 +100,32 @@ class EngineHost:
         import ray  # noqa: PLC0415
 
         node_id = ray.get_runtime_context().get_node_id()
-        spec = engine_spec(self.cfg, self.meta)
+        plan = server_hooks(self.cfg).plan(self.cfg, self.meta)
         if self.launch:
-            staging = Path(spec.staging) / f"node-{node_id[:12]}"
+            staging = Path(plan.staging) / f"node-{node_id[:12]}"
             try:
                 staging.mkdir(exist_ok=True)
             except OSError as e:
                 return self._answer(error=f"cannot create the staging folder {staging}: {e}; the build's staging "
                                     "must be an existing directory on every node", usage=True)
-            spec = dataclasses.replace(spec, server=f"http://127.0.0.1:{_free_port()}", staging=str(staging))
+            plan = plan.at(f"http://127.0.0.1:{_free_port()}", str(staging))
         self.engine = Engine(self.lay, self.cfg, self.meta,
                              EngineOptions(launch=self.launch, trust_server=self.trust_server), self._echo,
-                             spec=spec, log_name=f"server-{node_id[:12]}.log" if self.launch else "server.log")
+                             plan=plan, log_name=f"server-{node_id[:12]}.log" if self.launch else "server.log")
         try:
             self.engine.start(lambda: self.halted)
         except UsageError as e:
             return self._answer(error=str(e), usage=True)
         except EngineError as e:
             return self._answer(error=str(e))
-        return self._answer(NodeEngine(node_id, socket.gethostname(), spec.server, spec.staging))
+        return self._answer(NodeEngine(node_id, socket.gethostname(), plan.server, plan.staging))
 
     def halt(self) -> None:
         """Stop waiting in `start`."""
         self.halted = True
 
     def check(self, recorded: dict | None) -> HostAnswer:
-        """Value: (what the check found, the ServerCheck its worker runs when the server comes back)."""
+        """Value: (what the check found, the identity check its worker runs when the server comes back)."""
         try:
             found = self.engine.check(recorded)
         except EngineError as e:
@@ -161,10 +161,11 @@ class RayEngines:
     def __init__(self, ray, nodes: list[dict], lay, cfg: BuildConfig, meta: dict, launch: bool, echo,
                  trust_server: bool = False) -> None:
         if not launch:
-            check_connect_server(cfg.server)
+            check_connect_server(cfg)
+        self.hooks = server_hooks(cfg)
         self.ray, self.lay, self.cfg, self.meta, self.launch, self.echo = ray, lay, cfg, meta, launch, echo
         self.trust_server = trust_server
-        self.checks: dict[str, object] = {}  # node id -> the ServerCheck its worker runs when its server returns
+        self.checks: dict[str, object] = {}  # node id -> the identity check its worker runs when its server returns
         self._cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)(EngineHost)
         self._nodes = nodes
         self.hosts: dict[str, object] = {}  # node id -> its EngineHost actor (the nodes still here)
@@ -221,9 +222,8 @@ class RayEngines:
         strategies = self.ray.util.scheduling_strategies
         for n in self._nodes:
             nid = n["NodeID"]
-            gpus = float(n.get("Resources", {}).get("GPU", 0)) if self.launch else 0.0  # the server's, on its node
             self.hosts[nid] = self._cls.options(
-                num_cpus=0, num_gpus=gpus,
+                **self.hooks.placement(n, self.launch),  # (the server's resources, on its node)
                 scheduling_strategy=strategies.NodeAffinitySchedulingStrategy(nid, soft=False),
             ).remote(str(self.lay.root), self.cfg, self.meta, self.launch, self.trust_server)
         refs = {nid: a.start.remote() for nid, a in self.hosts.items()}
@@ -350,10 +350,10 @@ class RayEngines:
                     pass
 
     def worker_settings(self, settings, nid: str):
-        """`settings` (the backend's worker settings, e.g. VllmSettings) pointed at node `nid`'s server and the
-        build's subfolder of its staging folder."""
+        """`settings` (the backend's worker settings) pointed at node `nid`'s server and the build's subfolder of
+        its staging folder."""
         e = self.engines[nid]
-        return dataclasses.replace(settings, server=e.server, staging=str(Path(e.staging) / staging_name(self.meta)))
+        return self.hooks.settings_at(settings, e.server, str(Path(e.staging) / staging_name(self.meta)))
 
     def worker_check(self, nid: str):
         """The check node `nid`'s worker runs when that node's server comes back."""

@@ -1,21 +1,21 @@
 """The inference server behind an engine backend, as the run sees it: wait until it is healthy, check it
-serves this build's model and layers (one probe), launch and stop it (`--launch`), and bring it back when it
-dies mid-run.
+serves this build's model and layers (the engine's identity check), launch and stop it (`--launch`), and bring it
+back when it dies mid-run. What is the engine's own (its command, its identity check) the engine's hooks give
+(builder/extract/backends/serving.py, found through the registry); the rest is the same for every engine.
 
 Connect mode (default): hsbuild waits for a server someone else runs. Launch mode: hsbuild starts the exact
 `serve-command` as its child (its output in BUILD/logs/server.log), in a process group of its own, which dies with
 it (PR_SET_PDEATHSIG), so a run killed with -9 leaves no server squatting the GPUs, and restarts it when it dies.
-Before a restart and at the run's end the whole group is killed: vLLM's engine processes (`VLLM::EngineCore`,
-its workers) outlive an API server killed with -9 (they are reparented, holding the GPUs), and would otherwise
+Before a restart and at the run's end the whole group is killed: an engine's processes (its engine cores, its
+workers) outlive an API server killed with -9 (they are reparented, holding the GPUs), and would otherwise
 stay as rogue processes.
 
-Which server: every check (`check_server`, builder/doctor/server_identity.py) reads the server's own configuration
-(its command line: model, layer ids, staging folder) besides probing it; the workers run the same check each
-time the server comes back. Each build stages into its own subfolder of the staging folder (`staging_name`)."""
+Which server: the engine's identity check (`ServerEngine.identity`) reads the server's own configuration besides
+probing it; the workers run the same check each time the server comes back. Each build stages into its own
+subfolder of the staging folder (`staging_name`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import subprocess
@@ -25,23 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder.config import BuildConfig
-from builder.doctor.server_identity import Expected, ServerCheck, check_server, staging_name
 from builder.errors import EXIT_PREFLIGHT, EXIT_WONT_FIT, HsbuildError, Interrupted, UsageError
-from builder.extract.backends.http_client import EngineUnavailable, ServerRefused, healthy
-from builder.extract.backends.vllm_server import (
-    PROBE_TOKENS,
-    EngineSpec,
-    engine_spec,
-    serve_command,
-    serve_env,
+from builder.extract.backends import registry as backends
+from builder.extract.backends.http_client import EngineUnavailable, ServerRefused
+from builder.extract.backends.serving import (
+    IdentityRequest,
+    NeverFits,
+    ServerEngine,
+    ServerIdentity,
+    ServerPlan,
 )
-from builder.extract.backends.vllm_staging import (
-    clear_staging,
-    never_fits,
-    remove_build_folder,
-    staged_file_bytes,
-    staging_usage,
-)
+from builder.extract.backends.staging import clear_staging, remove_build_folder, staging_name, staging_usage
 from builder.layout import BuildLayout
 from builder.run.cgroup import PREFIX, ServerCgroup, reap_stale
 from builder.run.prctl import die_with_parent
@@ -74,6 +68,14 @@ class EngineOptions:
     trust_server: bool = False  # a server whose configuration cannot be read is judged by its answers alone
 
 
+def server_hooks(cfg: BuildConfig) -> ServerEngine:
+    """The server hooks of the build's engine (builder/extract/backends/serving.py), found through the registry."""
+    spec = backends.of_config(cfg)
+    if spec.server is None:
+        raise UsageError(f"backend = {cfg.backend!r}: {spec.summary}; it runs no inference server")
+    return spec.server
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     die_with_parent(signal.SIGTERM)
     os.setpgrp()  # its own process group: stopped as a whole, untouched by a Ctrl-C meant for hsbuild
@@ -81,13 +83,15 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 class Engine:
     def __init__(self, lay: BuildLayout, cfg: BuildConfig, meta: dict, opts: EngineOptions, echo,
-                 spec: EngineSpec | None = None, log_name: str = "server.log"):
-        """`spec`: the server this engine is (default: the build's, from hsbuild.toml); `log_name`: the launched
-        server's output, in BUILD/logs/ (one per node when each node runs its own: builder/run/ray_engines.py)."""
+                 plan: ServerPlan | None = None, log_name: str = "server.log"):
+        """`plan`: the server this engine is (default: the build's, as its engine plans it from hsbuild.toml);
+        `log_name`: the launched server's output, in BUILD/logs/ (one per node when each node runs its own:
+        builder/run/ray_engines.py)."""
         self.lay, self.cfg, self.meta, self.opts, self.echo = lay, cfg, meta, opts, echo
-        self.spec = spec or engine_spec(cfg, meta)
-        self.staging_dir = Path(self.spec.staging) / staging_name(meta)  # the build's own: cleared by its runs
-        self.server_check: ServerCheck | None = None  # once checked: what the workers check again
+        self.hooks = server_hooks(cfg)
+        self.plan: ServerPlan = plan or self.hooks.plan(cfg, meta)
+        self.staging_dir = Path(self.plan.staging) / staging_name(meta)  # the build's own: cleared by its runs
+        self.server_check: ServerIdentity | None = None  # once checked: what the workers check again
         self.log_path = lay.root / "logs" / log_name
         self.proc: subprocess.Popen | None = None
         self.cgroup: ServerCgroup | None = None  # the launched server's own cgroup, where one could be made
@@ -104,7 +108,7 @@ class Engine:
     def start(self, should_stop=lambda: False) -> None:
         """Launch (launch mode) and wait until healthy; then clear what crashed runs of this build left in its
         staging subfolder (other builds' subfolders are theirs)."""
-        staging = Path(self.spec.staging)
+        staging = Path(self.plan.staging)
         if not staging.is_dir():
             raise UsageError(f"staging {staging}: not an existing directory; create it (mkdir -p {staging}) or "
                              "fix `staging` in hsbuild.toml")
@@ -113,7 +117,7 @@ class Engine:
         except OSError as e:
             raise UsageError(f"staging {staging}: cannot create the build's subfolder {self.staging_dir.name} "
                              f"({e.strerror}); make the folder writable") from None
-        if self.opts.launch and not healthy(self.spec.server):
+        if self.opts.launch and not self.healthy():
             self.launch()
         self.wait_healthy(should_stop)
         removed = clear_staging(self.staging_dir)
@@ -121,11 +125,11 @@ class Engine:
             self.echo(f"removed {removed} staging file(s) left by an earlier run (never trusted: re-extracted)")
 
     def launch(self) -> None:
-        cmd = serve_command(self.spec)
+        cmd = self.plan.argv()
         self.log_path.parent.mkdir(exist_ok=True)
         out = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         env = dict(os.environ)
-        for k, v in serve_env(self.spec).items():  # a loopback server's internal sockets: loopback too
+        for k, v in self.plan.env().items():  # a loopback server's internal sockets: loopback too
             env.setdefault(k, v)
         self.kill_group()  # (what is left of an earlier launch: never two servers' engines at once)
         stale = reap_stale()  # servers launched by hsbuild runs that were killed (-9) and could not stop them
@@ -150,20 +154,20 @@ class Engine:
     def wait_healthy(self, should_stop=lambda: False) -> None:
         t0 = time.monotonic()
         last = 0.0
-        while not healthy(self.spec.server):
+        while not self.healthy():
             waited = time.monotonic() - t0
             if self.proc is not None and self.proc.poll() is not None:
                 raise EngineError(f"the launched server exited with code {self.proc.returncode} before it was "
                                   f"healthy; see {self.log_path}")
             if waited > self.health_timeout:
-                raise EngineError(f"{self.spec.server}: not healthy after {waited:.0f} s; start it with the command "
+                raise EngineError(f"{self.plan.server}: not healthy after {waited:.0f} s; start it with the command "
                                   f"`hsbuild serve-command {self.lay.root}` prints (or pass --launch), or raise "
                                   "HSBUILD_SERVER_TIMEOUT")
             if should_stop():
-                raise Interrupted(f"stopped while waiting for {self.spec.server} to become healthy")
+                raise Interrupted(f"stopped while waiting for {self.plan.server} to become healthy")
             if waited - last >= 10 or last == 0.0:
                 last = waited or 0.001
-                self.echo(f"waiting for {self.spec.server}/health ({waited:.0f} s; "
+                self.echo(f"waiting for {self.plan.server}/health ({waited:.0f} s; "
                           f"{'launched by hsbuild' if self.proc else 'connect mode: start it yourself'}) ...")
             time.sleep(0.5)
 
@@ -252,7 +256,7 @@ class Engine:
 
         def loop() -> None:  # (ends as soon as `unwatch` is called: a library caller's process goes on)
             while not stop.is_set():
-                if healthy(self.spec.server, timeout=timeout):
+                if self.hooks.healthy(self.plan.server, timeout=timeout):
                     self._last_ok = time.monotonic()
                 stop.wait(every)
 
@@ -276,12 +280,12 @@ class Engine:
             self.kill_group()
 
     def healthy(self) -> bool:
-        return healthy(self.spec.server)
+        return self.hooks.healthy(self.plan.server)
 
     @property
     def server(self) -> str:
         """The server, as messages name it."""
-        return self.spec.server
+        return self.plan.server
 
     def staging_usage(self) -> tuple[int, int]:
         """(files, bytes) in the build's staging subfolder now."""
@@ -289,29 +293,22 @@ class Engine:
 
     # -- what it serves ----------------------------------------------------------------------------------------
     def check(self, recorded: dict | None) -> dict:
-        """The server is the build's (`check_server`: its command line, /v1/models, a probe compared with the
-        build's first probe when there is one). Keeps what the workers check again when it comes back (with this
-        run's probe as the reference on a build's first run). EngineError (exit 4) when it is not."""
-        sc = ServerCheck(server=self.spec.server,
-                         expected=Expected(model=self.spec.model, layer_ids=list(self.spec.layer_ids),
-                                           staging=self.spec.staging, dtype=self.cfg.dtype),
-                         staging_dir=str(self.staging_dir), vocab_size=int(self.meta["vocab_size"]),
-                         hidden_size=int(self.meta["hidden_size"]), build_root=str(self.lay.root),
-                         reference=(recorded or {}).get("signature"), trust=self.opts.trust_server)
+        """The server is the build's (the engine's identity check: its command line, /v1/models, a probe compared
+        with the build's first probe when there is one). Keeps what the workers check again when it comes back
+        (with this run's probe as the reference on a build's first run). EngineError (exit 4) when it is not."""
+        identity = self.hooks.identity(IdentityRequest(
+            plan=self.plan, cfg=self.cfg, meta=self.meta, staging_dir=str(self.staging_dir),
+            build_root=str(self.lay.root), recorded=recorded, trust=self.opts.trust_server))
         try:
-            found = check_server(sc)
+            found = identity.check()
         except ServerRefused as e:
             raise EngineRefused(str(e)) from None
+        except NeverFits as e:  # (the probe's file is the smallest a run stages)
+            raise StagingTooSmall(str(e)) from None
         except EngineUnavailable as e:
-            least = staged_file_bytes(PROBE_TOKENS, len(self.spec.layer_ids), int(self.meta["hidden_size"]),
-                                      self.cfg.dtype)
-            too_small = never_fits(self.staging_dir, PROBE_TOKENS, least)
-            if too_small is not None:  # (the probe's file is the smallest a run stages)
-                raise StagingTooSmall(too_small) from None
-            raise EngineError(f"{self.spec.server}: the probe request failed ({e})") from None
+            raise EngineError(f"{self.plan.server}: the probe request failed ({e})") from None
         self.model_name = found["model_id"]
-        self.server_check = dataclasses.replace(sc, reference=sc.reference or found["signature"],
-                                                model_name=found["model_id"])
+        self.server_check = identity.confirmed(found)
         return found
 
 

@@ -2,7 +2,7 @@
 
 What decides is the backend's spec (builder/extract/backends/registry.py), not its name:
 
-- A server backend (vLLM): one. The server holds the model and runs the passes; one worker keeps its
+- A server backend: one. The server holds the model and runs the passes; one worker keeps its
   in-flight window full.
 - The in-process backend on GPUs (`--device auto` or `cuda` with GPUs visible): one worker a visible GPU
   (NVML's count, narrowed by `CUDA_VISIBLE_DEVICES`), as far as half this host's available memory holds

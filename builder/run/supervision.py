@@ -167,7 +167,7 @@ class SupervisionMixin:
                      "restarting the server" if self.opts.launch else "waiting for the server to be healthy"))
 
     def _staging_has_room(self) -> bool:
-        from builder.extract.backends.vllm_staging import volume_room  # noqa: PLC0415
+        from builder.extract.backends.staging import volume_room  # noqa: PLC0415
 
         if not self.staging_need:
             return True

@@ -162,10 +162,10 @@ def _open_backend(settings: WorkerSettings, conn=None) -> tuple[Extractor, Backe
     comes back (`ServerChecked` to the coordinator on `conn`)."""
     recheck = None
     if settings.server_check is not None:
-        from builder.doctor.server_identity import check_server  # noqa: PLC0415
+        identity = settings.server_check  # (the engine's identity check: serving.ServerIdentity)
 
         def recheck() -> None:
-            found = check_server(settings.server_check)
+            found = identity.check()
             if conn is not None:
                 conn.send(ServerChecked(settings.worker, found))
 

@@ -23,6 +23,7 @@ import pytest
 from conftest import mounted_tmpfs
 from fake_nvml import FakeGpu, FakeNVML, GiB, seed_gpus, unit_cgroup
 
+from builder import procfs
 from builder.cli.app import main as cli_main
 from builder.config import load_config
 from builder.doctor import checks as doctor_checks
@@ -195,7 +196,7 @@ def _wait_for_child(ppid: int, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and procinfo.parent_pid(int(entry.name)) == ppid:
+            if entry.name.isdigit() and procfs.parent_pid(int(entry.name)) == ppid:
                 return int(entry.name)
         time.sleep(0.05)
     raise AssertionError(f"no child of {ppid} appeared")

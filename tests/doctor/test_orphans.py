@@ -28,6 +28,7 @@ from fake_nvml import FakeGpu, FakeNVML, GiB, unit_cgroup
 
 from builder.config import load_config
 from builder.doctor import checks as doctor_checks
+from builder.doctor import engine as doctor_engine
 from builder.doctor import gpu, procinfo
 from builder.doctor.checks import Context
 from builder.doctor.report import preflight_for_run, run_doctor
@@ -217,7 +218,7 @@ def test_an_orphan_holding_gpu_memory_blocks_a_gpu_build(make_build, procs, monk
     # an engine build's GPUs are its server's: every visible one (the preflight's device is "cpu")
     cfg = dataclasses.replace(load_config(cpu), backend="vllm")
     ctx = Context(cpu, cfg, "cpu", {os.getpid()}, for_run=True)
-    assert doctor_checks.check_engine_orphans(ctx).status == "fail"
+    assert doctor_engine.check_engine_orphans(ctx).status == "fail"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,10 +20,10 @@ import torch
 from conftest import POLL_OWNER_S, hsbuild, random_rows, write_jsonl, written_count
 from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm
 
-from builder.doctor.server_identity import staging_name
 from builder.extract.backends.base import Failure, Request
 from builder.extract.backends.http_client import complete, served_model
-from builder.extract.backends.vllm import VllmBackend, VllmSettings, read_and_remove
+from builder.extract.backends.staging import read_and_remove, staging_name
+from builder.extract.backends.vllm.backend import VllmBackend, VllmSettings
 from builder.extract.final_norm import FinalNorm
 from builder.layout import layout
 from builder.log.events import EventLog
@@ -205,10 +205,11 @@ def test_doctor_names_another_process_holding_the_gpus(tmp_path, vllm_server, mo
     from conftest import fake_nvml_module
 
     from builder.doctor import gpu, procinfo
+    from builder.procfs import listening_pids
 
     fake = fake_nvml_module()
     port = int(vllm_server.url.rsplit(":", 1)[1])
-    server_pids = procinfo.listening_pids(port)
+    server_pids = listening_pids(port)
     assert server_pids, "the server's listening process was not found"
     engine_children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
                        and procinfo.is_ours(int(p.name), server_pids) and int(p.name) not in server_pids]
@@ -244,7 +245,7 @@ def _doctor_in_process(build: Path) -> dict:
 
 def _transformers_signature(model_dir: Path, vocab: int) -> list[list[float]]:
     """The probe signature (per token, per returned layer id: the state's L2 norm) computed by transformers."""
-    from builder.extract.backends.vllm_server import probe_ids
+    from builder.extract.backends.vllm.probe import probe_ids
 
     forward = _reference(model_dir)
     hs, pre = forward(torch.tensor(probe_ids(vocab)))

@@ -53,11 +53,12 @@ from vllm_fixture import (
 )
 
 from builder.config import Watermarks
-from builder.doctor.procinfo import listening_pids, scan_processes
-from builder.doctor.server_identity import staging_name
+from builder.doctor.procinfo import scan_processes
 from builder.extract.backends.http_client import healthy, served_model
+from builder.extract.backends.staging import staging_name
 from builder.layout import layout
 from builder.log.events import EventLog
+from builder.procfs import listening_pids
 from builder.run.create import init_build
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -272,7 +273,7 @@ def printed(tmp_path_factory, tiny_llama) -> Printed:
         assert cp.returncode == 0, cp.stderr
         line = cp.stdout.strip()
         assert "\n" not in line and "VLLM_HOST_IP=127.0.0.1" in line and "--kv-cache-memory-bytes" in line, line
-        assert "builder.extract.backends.vllm_connector" in line and "PYTHONPATH" not in line, line
+        assert "builder.extract.backends.vllm.connector" in line and "PYTHONPATH" not in line, line
         assert " -O0 " in line, line  # on CPUs: no torch.compile warm-up at the server's start, unasked
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHONPATH"))}
         log = root / "server.log"

@@ -20,7 +20,7 @@ from conftest import Hold, live_count, random_rows, set_config, write_jsonl
 from test_vllm import _check_against_transformers, _one_written_each
 from vllm_fixture import ENGINE_ARGS, VOCAB, free_port, hsbuild_cmd, needs_vllm
 
-from builder.extract.backends.vllm_staging import staging_usage
+from builder.extract.backends.staging import staging_usage
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.cgroup import ServerCgroup

@@ -13,6 +13,7 @@ from builder.config import BuildConfig
 from builder.errors import UsageError
 from builder.extract.backends import registry
 from builder.extract.backends.registry import BackendSpec
+from builder.extract.backends.serving import ServerEngine
 from builder.run.sizing import Host, auto_workers, workers_for
 
 
@@ -22,7 +23,7 @@ def test_the_backends_and_what_they_declare():
     inproc, vllm = registry.get("inprocess"), registry.get("vllm")
     assert inproc.loads_model and not inproc.server and inproc.device is None and inproc.final_state is None
     assert vllm.server and not vllm.loads_model and vllm.device == "cpu" and vllm.final_state == "pre_norm"
-    assert vllm.serve_command is not None and inproc.serve_command is None
+    assert isinstance(vllm.server, ServerEngine) and inproc.server is None
     assert vllm.setting(BuildConfig(source="s", backend="vllm"), "inflight") == 16
     assert vllm.setting(BuildConfig(source="s", backend="vllm", inflight=4), "inflight") == 4
     for spec in registry.specs():  # each module declares exactly the spec it registers
@@ -55,7 +56,7 @@ def test_a_new_backend_is_its_spec(monkeypatch):
     """Registered, a backend is a --backend choice, and the sizing follows what its spec says (no name known
     anywhere else)."""
     spec = BackendSpec(name="sglang", summary="an SGLang server runs the model", open=lambda s, r: (None, None),
-                       server=True, device="cpu", final_state="pre_norm", options={"server": None})
+                       server=ServerEngine(), device="cpu", final_state="pre_norm", options={"server": None})
     monkeypatch.setitem(registry._SPECS, "sglang", spec)  # noqa: SLF001
     assert registry.names() == ["inprocess", "sglang", "vllm"] and registry.with_server() == ["sglang", "vllm"]
     args = build_parser().parse_args(["init", "b", "--source", "s.jsonl", "--backend", "sglang"])

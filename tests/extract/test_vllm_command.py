@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from builder.extract.backends.vllm_server import EngineSpec, serve_command
+from builder.extract.backends.vllm.command import EngineSpec, serve_command
 
 
 def _cmd(cpu: bool, *engine_args: str) -> list[str]:
@@ -27,3 +27,19 @@ def test_a_cpu_server_starts_without_the_compile_warm_up():
 def test_engine_args_that_choose_a_level_or_a_compilation_config_keep_it(own):
     cmd = _cmd(True, *own)
     assert "-O0" not in cmd and cmd[-len(own):] == own, cmd
+
+
+def test_a_server_started_with_the_old_connector_path_passes_the_identity_check():
+    """Servers started from an older `serve-command` line name the connector's old module path
+    (builder.extract.backends.vllm_connector, kept as an alias): their command line is the build's all the same."""
+    from builder.extract.backends.vllm.command import CONNECTOR_MODULE, OLD_CONNECTOR_MODULE
+    from builder.extract.backends.vllm.identity import Expected, config_problems, parse_cmdline
+
+    argv = _cmd(True)
+    i = argv.index("--kv-transfer-config") + 1
+    assert f'"kv_connector_module_path":"{CONNECTOR_MODULE}"' in argv[i]
+    want = Expected(model="/m", layer_ids=[1, 2, 4], staging="/s", dtype="bfloat16")
+    for module in (CONNECTOR_MODULE, OLD_CONNECTOR_MODULE):
+        old = [*argv[:i], argv[i].replace(CONNECTOR_MODULE, module), *argv[i + 1:]]
+        conf = parse_cmdline(1, old)
+        assert conf is not None and conf.connector_module == module and config_problems(conf, want) == []

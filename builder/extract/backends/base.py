@@ -4,8 +4,9 @@ A worker `submit`s up to `capacity` requests and `collect`s their outcomes, in a
 has capacity 1 and computes in `collect`; an inference server keeps `capacity` requests in flight so that the
 engine batches them while the worker writes. Outcomes are typed: states, a per-sample failure (counts as an
 attempt), or `Unavailable` (the engine is gone: the sample goes back to pending, not counted against
---max-attempts). Adding an engine (SGLang next) means a new module here, registered with its spec
-(registry.py), nothing in the run loop.
+--max-attempts). Adding an engine (SGLang next) means one plug-in, a module or a package, registered with its
+spec (registry.py; an engine whose model a server runs gives its server's hooks too: serving.py), nothing in the
+run loop.
 """
 
 from __future__ import annotations

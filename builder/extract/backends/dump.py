@@ -28,8 +28,8 @@ if TYPE_CHECKING:  # (torch and the trainer formats: imported once a worker open
     import numpy as np
     import torch
 
-    from builder.extract.final_norm import FinalNorm
     from builder.formats.base import Loaded
+    from builder.formats.final_state import FinalNorm
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,8 @@ def _settings(ctx: RunContext) -> DumpSettings:
 def _open(settings, recheck=None):  # noqa: ANN001, ARG001 - (WorkerSettings; no server to check)
     """The model's metadata only (token checks; no weights), and the build's final norm (post-norm states
     from a dump's pre-norm ones)."""
-    from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
     from builder.extract.model import Extractor  # noqa: PLC0415
+    from builder.formats.final_state import FinalNorm  # noqa: PLC0415
 
     ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, "cpu", load_weights=False)
     norm = FinalNorm.load(Path(settings.final_norm)) if settings.final_norm else None

@@ -1,23 +1,32 @@
 """The backends: which exist, and what the rest of hsbuild asks of each (its `BackendSpec`).
 
-A backend module of this package declares its spec at its top level, on a line of its own:
+A backend is one module or one package (a plug-in), and nothing outside it names it: the CLI's `--backend`
+choices and help, init's checks and recorded metadata, the worker count `auto` stands for, the preflight's device,
+whether a run waits for (and checks, and launches) an inference server, `serve-command`, doctor's server and
+orphan checks, Ray's placement and how a worker opens the backend all ask the spec (an engine with a server: its
+`server` hooks, builder/extract/backends/serving.py). The core imports no plug-in; it finds them by name here:
 
-    BACKEND = register(BackendSpec(name="...", summary="...", open=_open, ...))
+- built in: a module or package of this package that declares its spec at its top level, on a line of its own
+  (in the package: its `__init__.py`),
 
-and nothing outside it names the backend: the CLI's `--backend` choices, init's checks and recorded metadata,
-the worker count `auto` stands for, the preflight's device, whether a run waits for (and checks, and launches)
-an inference server, `serve-command`, doctor's server check, and how a worker opens the backend all ask the
-spec. Adding a backend is one module (and its tests).
+      BACKEND = register(BackendSpec(name="...", summary="...", open=_open, ...))
 
-The registry finds the backend modules by that line, reading this package's sources rather than importing them
-(a helper module such as vllm_connector imports vLLM), and imports them on first use. So a backend module MUST
-stay cheap to import: no torch or numpy at its top level (init, the CLI and the sizing read specs without
-them; the worker imports what it needs when it opens the backend).
+  found by reading this package's sources rather than importing them (a server-side module such as an engine's KV
+  connector imports the engine), and imported on first use;
+- installed: an entry point in the group `hsbuild.backends` (`NAME = "package.module"`, in the plug-in's
+  pyproject.toml `[project.entry-points."hsbuild.backends"]`), whose module calls `register` when imported: read
+  when a name is not built in, or when the names are listed. Every process finds it so (a run's workers, Ray's
+  actors on other nodes, where the plug-in is installed too);
+- `register(spec)` called by a program itself: known to that process only.
+
+A backend module MUST stay cheap to import: no torch or numpy at its top level (init, the CLI and the sizing read
+specs without them; the worker imports what it needs when it opens the backend).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -29,8 +38,10 @@ from builder.errors import UsageError
 
 if TYPE_CHECKING:
     from builder.config import BuildConfig
+    from builder.extract.backends.serving import EngineProcesses, ServerEngine
 
 DECLARATION = re.compile(r"^BACKEND = register\(", re.MULTILINE)  # how a module says it is a backend
+GROUP = "hsbuild.backends"  # the entry points of installed backends: NAME = "package.module"
 
 
 @dataclass(frozen=True)
@@ -58,8 +69,9 @@ class BackendSpec:
     # run before requests go out again after the server was away; raises ServerRefused for another server
     open: Callable[[Any, Callable[[], object] | None], tuple[Any, Any]]
     selectable: bool = True  # a build names it (`init --backend`); False: a run picks it itself (an import)
-    server: bool = False  # an inference server runs the model: init needs --server and --staging; a run waits
-    # for the server, checks it is the build's, can launch it (--launch); doctor checks it (env.server)
+    server: ServerEngine | None = None  # an inference server runs the model (its hooks: serving.ServerEngine):
+    # init needs --server and --staging; a run waits for the server, checks it is the build's, can launch it
+    # (--launch, serve-command); doctor checks it (env.server) and names its orphaned processes
     loads_model: bool = False  # each worker loads its own copy of the model: `auto` sizes the workers by
     # memory and GPUs, a worker says its device, a Hugging Face model is preloaded while workers wait
     device: str | None = None  # where its workers compute whatever --device says ("cpu": the GPUs are the
@@ -72,8 +84,6 @@ class BackendSpec:
     # records about it besides `backend` and `server`. Given the model's metadata (Extractor or ModelInfo)
     check_init: Callable[[Any], dict] | None = None
     worker_settings: Callable[[RunContext], object | None] = _no_settings  # WorkerSettings.backend_settings
-    serve_command: Callable[[BuildConfig, dict], str] | None = None  # server backends: the shell line that
-    # starts the build's server (`hsbuild serve-command`), given hsbuild.toml and the build's metadata
 
     def setting(self, cfg: BuildConfig, key: str) -> object:
         """hsbuild.toml's `key`, else this backend's default for it."""
@@ -83,32 +93,76 @@ class BackendSpec:
 
 _SPECS: dict[str, BackendSpec] = {}
 _lock = threading.RLock()
-_loaded = False
+_loaded = False  # the built-in backends are imported
+_installed: dict[str, str] | None = None  # entry point name -> its module, once read
+_broken: dict[str, str] = {}  # entry point name -> why its module could not be imported
 
 
 def register(spec: BackendSpec) -> BackendSpec:
-    """Called by a backend module, once, at its top level (see the module's docstring)."""
-    _SPECS[spec.name] = spec
+    """Called by a backend module, once, at its top level (see the module's docstring). A name another module
+    registered already is refused (ValueError): a plug-in never replaces a backend silently."""
+    with _lock:
+        old = _SPECS.get(spec.name)
+        if old is not None and old.open.__module__ != spec.open.__module__:
+            raise ValueError(f"backend {spec.name!r}: registered by {old.open.__module__} already, not again by "
+                             f"{spec.open.__module__}")
+        _SPECS[spec.name] = spec
     return spec
 
 
 def _load() -> None:
-    """Import every backend module of this package (once)."""
+    """Import every built-in backend of this package, module or package (once)."""
     global _loaded  # noqa: PLW0603
     if _loaded:
         return
     with _lock:
         if _loaded:
             return
-        for path in sorted(Path(__file__).parent.glob("*.py")):
-            if path.stem != "registry" and DECLARATION.search(path.read_text(encoding="utf-8")):
-                importlib.import_module(f"{__package__}.{path.stem}")
+        here = Path(__file__).parent
+        found = [(p.stem, p) for p in here.glob("*.py") if p.stem != "registry"]
+        found += [(p.parent.name, p) for p in here.glob("*/__init__.py")]
+        for name, path in sorted(found):
+            if DECLARATION.search(path.read_text(encoding="utf-8")):
+                importlib.import_module(f"{__package__}.{name}")
         _loaded = True
 
 
-def specs() -> list[BackendSpec]:
-    """Every registered backend, by name."""
+def _entry_points() -> dict[str, str]:
+    """The installed backends' entry points (name -> module), read once."""
+    global _installed  # noqa: PLW0603
+    with _lock:
+        if _installed is None:
+            _installed = {ep.name: ep.value.split(":")[0] for ep in importlib.metadata.entry_points(group=GROUP)}
+        return _installed
+
+
+def _load_installed(name: str | None = None) -> None:
+    """Import the installed backend `name` (None: every one) unless registered already; a module that fails to
+    import, or registers no backend of its entry point's name, is kept as broken (named when it is asked for)."""
+    for ep, module in _entry_points().items():
+        if (name is not None and ep != name) or ep in _SPECS or ep in _broken:
+            continue
+        with _lock:
+            try:
+                importlib.import_module(module)
+            except Exception as e:  # noqa: BLE001 - one broken plug-in must not take the others down
+                _broken[ep] = f"{GROUP} entry point {ep} = {module}: {type(e).__name__}: {e}"
+                continue
+            if ep not in _SPECS:
+                _broken[ep] = f"{GROUP} entry point {ep} = {module}: the module registered no backend {ep!r}"
+
+
+def _find(name: str) -> BackendSpec | None:
     _load()
+    if name not in _SPECS:
+        _load_installed(name)
+    return _SPECS.get(name)
+
+
+def specs() -> list[BackendSpec]:
+    """Every registered backend (built in and installed), by name."""
+    _load()
+    _load_installed()
     return [_SPECS[n] for n in sorted(_SPECS)]
 
 
@@ -119,26 +173,38 @@ def names() -> list[str]:
 
 def get(name: str) -> BackendSpec:
     """The backend `name`, selectable or not (KeyError for none)."""
-    _load()
-    return _SPECS[name]
+    spec = _find(name)
+    if spec is None:
+        raise KeyError(_broken.get(name, name))
+    return spec
+
+
+def declared(name: str) -> bool:
+    """A backend of this name is registered, or an installed plug-in declares it (one that fails to load
+    included: `choose` then says why)."""
+    return _find(name) is not None or name in _broken
+
+
+def _unknown(name: str, what: str) -> UsageError:
+    if name in _broken:
+        return UsageError(f"{what}: its plug-in cannot be loaded ({_broken[name]}); fix or reinstall it")
+    return UsageError(f"{what}: use one of {', '.join(names())}")
 
 
 def choose(name: str, flag: str = "--backend") -> BackendSpec:
     """The backend a new build names (`init --backend NAME`); UsageError naming the choices."""
-    _load()
-    spec = _SPECS.get(name)
+    spec = _find(name)
     if spec is None or not spec.selectable:
-        raise UsageError(f"{flag} {name}: use one of {', '.join(names())}")
+        raise _unknown(name, f"{flag} {name}")
     return spec
 
 
 def of_config(cfg: BuildConfig, path: Path | str | None = None) -> BackendSpec:
     """The backend of a build (its hsbuild.toml at `path`); UsageError for one that is not known here."""
-    _load()
-    spec = _SPECS.get(cfg.backend)
+    spec = _find(cfg.backend)
     if spec is None or not spec.selectable:
         where = f"{path}: " if path else ""
-        raise UsageError(f"{where}backend = {cfg.backend!r}: use one of {', '.join(names())}")
+        raise _unknown(cfg.backend, f"{where}backend = {cfg.backend!r}")
     return spec
 
 
@@ -158,7 +224,18 @@ def for_run(cfg: BuildConfig, importing: bool, path: Path | str | None = None) -
 
 def with_server() -> list[str]:
     """The backends whose model an inference server runs (for messages that name them)."""
-    return [s.name for s in specs() if s.selectable and s.server]
+    return [s.name for s in specs() if s.selectable and s.server is not None]
+
+
+def described() -> str:
+    """Each build backend and what runs its forward passes, for help texts ('inprocess: the workers load the
+    model; ...')."""
+    return "; ".join(f"{s.name}: {s.summary}" for s in specs() if s.selectable)
+
+
+def engine_processes() -> list[EngineProcesses]:
+    """How the registered engines' processes look in /proc (doctor's env.engine_orphans)."""
+    return [s.server.processes for s in specs() if s.server is not None and s.server.processes is not None]
 
 
 def check_options(spec: BackendSpec, given: Mapping[str, object]) -> None:

@@ -1,4 +1,4 @@
-"""The vLLM backend: forward passes in a running vLLM server, states ingested from its staging folder.
+"""The vLLM backend's request path: forward passes in a running vLLM server, states ingested from its staging folder.
 
 Upstream protocol, no engine patch: the server runs the speculative method `extract_hidden_states` with
 `eagle_aux_hidden_state_layer_ids` = the build's engine layer ids and the KV connector
@@ -10,21 +10,20 @@ file is complete.
 
 Staging per build: each build stages into its own subfolder of the server's staging folder (`settings.staging`
 is that subfolder): every request names its file there (`kv_transfer_params.hidden_states_path`; hsbuild's
-connector, builder/extract/backends/vllm_connector.py, confines such paths to one subfolder of its folder), and a
+connector, builder/extract/backends/vllm/connector.py, confines such paths to one subfolder of its folder), and a
 run clears only its own subfolder, so builds sharing a server or a staging folder never touch each other's files.
 
 Ingestion: a watchdog observer on the staging folder wakes the requests waiting for their file; a file is
 ready when its lock can be taken shared (a file without its lock is never read: nothing says it is complete). It is read, validated (token ids equal the request's, shape, dtype,
 finite), its final slot put in the build's convention, and deleted with its lock at once: the states live in
 the worker's group until they are durable, so at most `capacity` staging files exist and none outlives a
-crash as something a later run would trust (each run clears what earlier ones left). The staging folder's files,
-its room and the least a file takes: builder/extract/backends/vllm_staging.py.
+crash as something a later run would trust (each run clears what earlier ones left). The staging folder's files
+and its room: builder/extract/backends/staging.py; the least a file takes: states.py.
 
 A staging volume that fills up pauses the run until it has room again (`staging_full`); one smaller than a
 sample's file even when empty can never hold it: that request is answered `too_small`, and the run stops.
 
-Layer ids: engine id k < L is Hugging Face `hidden_states[k]`; id L is the last decoder layer's output BEFORE
-the final norm (Hugging Face's `hidden_states[L]` is after it).
+Layer ids: states.py.
 """
 
 from __future__ import annotations
@@ -55,35 +54,27 @@ from builder.extract.backends.http_client import (
     complete,
     healthy,
 )
-from builder.extract.backends.registry import BackendSpec, RunContext, register
-from builder.extract.backends.vllm_staging import (
+from builder.extract.backends.staging import (
     STAGING_SUFFIX,
     never_fits,
     read_and_remove,
     remove_staged,
-    staged_file_bytes,
     volume_capacity,
     volume_room,
 )
+from builder.extract.backends.vllm.states import engine_layer_ids, staged_file_bytes
 
 if TYPE_CHECKING:  # (torch: imported once a worker opens the backend)
     import torch
 
-    from builder.config import BuildConfig
-    from builder.extract.final_norm import FinalNorm
+    from builder.formats.final_state import FinalNorm
 
-DEFAULT_INFLIGHT = 16  # requests in flight to the server (hsbuild.toml `inflight`, run --inflight)
 # the longest wait between two checks of a server that is still away (the waits double from 0.5 s up to this): how
 # late, at most, a run notices that its server is back
 RETRY_MAX_S = max(0.5, float(os.environ.get("HSBUILD_SERVER_RETRY_MAX", "30")))
 # room allowed beside a staging file's tensors when staging fills up (its header, the filesystem's blocks, the files
 # of other requests written meanwhile): a volume with less free than twice (file + this) is full
 FILE_SLACK = 1 << 20
-
-
-def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
-    """The ids the server is asked for: the aux layers (HF indices < L, the same ids in vLLM) and L."""
-    return sorted(set(aux_layers) | {num_layers})
 
 
 @dataclass(frozen=True)
@@ -370,43 +361,3 @@ def _first_diff(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
-
-
-# -- the backend's spec (builder/extract/backends/registry.py) -------------------------------------------------
-
-def _check_init(ex) -> dict:  # noqa: ANN001 - (Extractor or ModelInfo)
-    from builder.extract.backends.vllm_server import check_init  # noqa: PLC0415
-
-    return check_init(ex)
-
-
-def worker_settings(ctx: RunContext) -> VllmSettings:
-    """The workers' settings: `ctx.staging_dir` is the build's own subfolder of its server's staging folder."""
-    cfg, meta = ctx.cfg, ctx.meta
-    return VllmSettings(server=cfg.server or "", model_name=ctx.model_name, staging=str(ctx.staging_dir),
-                        aux_layers=list(meta["aux_layers"]), num_layers=int(meta["num_layers"]),
-                        hidden_size=int(meta["hidden_size"]), dtype=cfg.dtype, final_state=cfg.final_state,
-                        inflight=int(BACKEND.setting(cfg, "inflight")))
-
-
-def _open(settings, recheck=None):  # noqa: ANN001 - (WorkerSettings)
-    """The model's metadata only (token checks; the server holds the weights), and the build's final norm
-    (post-norm states from the server's pre-norm ones)."""
-    from builder.extract.final_norm import FinalNorm  # noqa: PLC0415
-    from builder.extract.model import Extractor  # noqa: PLC0415
-
-    ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype, "cpu", load_weights=False)
-    norm = FinalNorm.load(Path(settings.final_norm)) if settings.final_norm else None
-    return ex, VllmBackend(settings.backend_settings, norm, recheck)
-
-
-def _serve_command(cfg: BuildConfig, meta: dict) -> str:
-    from builder.extract.backends.vllm_server import engine_spec, printable  # noqa: PLC0415
-
-    return printable(engine_spec(cfg, meta))
-
-
-BACKEND = register(BackendSpec(
-    name="vllm", summary="a vLLM server runs the model", open=_open, server=True, device="cpu",
-    final_state="pre_norm", options={"server": None, "inflight": DEFAULT_INFLIGHT},
-    check_init=_check_init, worker_settings=worker_settings, serve_command=_serve_command))

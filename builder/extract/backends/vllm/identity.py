@@ -1,4 +1,5 @@
-"""Which model, which layers and which staging folder a vLLM server serves, read from the server itself.
+"""Which model, which layers and which staging folder a vLLM server serves, read from the server itself: the
+vLLM backend's identity check (builder/extract/backends/serving.py, ServerIdentity).
 
 A probe's answer tells the number of layer slots, the hidden size and the dtype, never WHICH layers: a server
 started for layers [2, 4, 5, 8] answers a build of layers [1, 3, 6, 8] with states of the same shape. So before a
@@ -16,19 +17,21 @@ and from the build's second run the probe's reference states).
 
 from __future__ import annotations
 
-import hashlib
-import ipaddress
+import dataclasses
 import json
 import os
-import socket
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
+from pathlib import Path
 
-from builder.doctor.procinfo import ancestors, cmdline, listening_pids
+from builder.errors import UsageError
+from builder.extract.backends.http_client import EngineUnavailable, ServerRefused, served_model
+from builder.extract.backends.local_server import in_process_cwd, same_path, server_process
+from builder.extract.backends.serving import NeverFits
+from builder.extract.backends.staging import never_fits
+from builder.extract.backends.vllm.states import staged_file_bytes
 
-# connectors that stage each build into its own subfolder (builder/extract/backends/vllm_connector.py)
+# connectors that stage each build into its own subfolder (builder/extract/backends/vllm/connector.py)
 BUILD_CONNECTORS = ("HsbuildHiddenStatesConnector", "CpuHiddenStatesConnector")
-CONNECTOR_MODULE = "builder.extract.backends.vllm_connector"
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -122,63 +125,26 @@ def parse_cmdline(pid: int, argv: list[str]) -> ServedConfig | None:
                         names)
 
 
-def staging_name(meta: dict) -> str:
-    """The build's own subfolder of the staging folder, named by the build's id (a digest of when and from what
-    `init` made it: the same for every run of the build, another after `init --force`)."""
-    raw = f"{meta.get('created_at')!r}|{meta.get('config_fingerprint')}|{meta.get('source')}"
-    return "build-" + hashlib.sha256(raw.encode()).hexdigest()[:16]
-
-
-def is_local(host: str) -> bool:
-    """The host is this machine (a loopback address, or one this machine can bind)."""
-    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
-        return True
-    try:
-        addr = socket.getaddrinfo(host, None)[0][4][0]
-        if ipaddress.ip_address(addr).is_loopback:
-            return True
-        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
-            s.bind((addr, 0))
-        return True
-    except (OSError, ValueError, IndexError):
-        return False
-
-
 def read_server_config(server: str) -> ServedConfig | str:
-    """The configuration of the vLLM server listening at `server`, or why it cannot be read (one line)."""
-    url = urlparse(server)
-    host, port = url.hostname or "", url.port
-    if not port:
-        return f"{server} names no port"
-    if not is_local(host):
-        return f"{server} is on another host: its command line cannot be read from here"
-    pids = sorted(listening_pids(port))
-    found = [c for c in (parse_cmdline(p, cmdline(p) or []) for p in pids) if c is not None]
-    if not found:
-        what = (f"the process listening on port {port} (pid {', '.join(map(str, pids))}) is not a vLLM server "
-                "command hsbuild can read (a proxy, a container?)" if pids else
-                f"no process of this machine's namespace listens on port {port} (a container or another "
-                "namespace?)")
-        return what
-    # a server's children may hold its listening socket too: the outermost command is the server's
-    mains = [c for c in found if not any(o.pid != c.pid and o.pid in ancestors(c.pid) for o in found)]
-    return mains[0]
-
-
-def _same_path(a: str | None, b: str | None) -> bool:
-    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+    """The configuration of the vLLM server listening at `server` (its paths as the server sees them), or why it
+    cannot be read (one line)."""
+    found = server_process(server, parse_cmdline, "vLLM")
+    if isinstance(found, str):
+        return found
+    pid, conf = found
+    return dataclasses.replace(conf, model=in_process_cwd(pid, conf.model), staging=in_process_cwd(pid, conf.staging))
 
 
 def config_problems(c: ServedConfig, want: Expected) -> list[str]:
     """What in a server's configuration does not fit a build (each a phrase naming both sides)."""
     out = []
-    if not _same_path(c.model, want.model):
+    if not same_path(c.model, want.model):
         out.append(f"serves the model {c.model}, the build's is {want.model}")
     if c.layer_ids is None:
         out.append("runs without the extract_hidden_states method (no eagle_aux_hidden_state_layer_ids)")
     elif list(c.layer_ids) != list(want.layer_ids):
         out.append(f"serves layer ids {list(c.layer_ids)}, the build's are {list(want.layer_ids)}")
-    if not _same_path(c.staging, want.staging):
+    if not same_path(c.staging, want.staging):
         out.append(f"stages into {c.staging}, the build's staging folder is {want.staging}")
     if c.connector not in BUILD_CONNECTORS:
         out.append(f"uses the connector {c.connector}, which does not stage each build into its own subfolder "
@@ -192,18 +158,8 @@ def config_problems(c: ServedConfig, want: Expected) -> list[str]:
     return out
 
 
-def in_server_cwd(pid: int, path: str | None) -> str | None:
-    """A relative path of a process's command line, as that process sees it (against its working directory)."""
-    if path is None or os.path.isabs(path):
-        return path
-    try:
-        return os.path.join(os.readlink(f"/proc/{pid}/cwd"), path)
-    except OSError:
-        return path
-
-
 @dataclass(frozen=True)
-class ServerCheck:
+class VllmIdentity:
     """Everything that checks a server is the build's: the run's first check and every check after the server
     came back (in the worker that talks to it: a small picklable value)."""
 
@@ -217,16 +173,36 @@ class ServerCheck:
     model_name: str | None = None  # the name requests use, once known: a server back under another is refused
     trust: bool = False  # --trust-server: a server whose configuration cannot be read is judged by its answers
 
+    def check(self) -> dict:
+        """`check_server`; a probe that could not be staged on a volume too small even for its file raises
+        NeverFits (the probe's file is the smallest a run stages)."""
+        try:
+            return check_server(self)
+        except NeverFits:
+            raise
+        except EngineUnavailable:
+            from builder.extract.backends.vllm.probe import PROBE_TOKENS  # noqa: PLC0415
 
-def check_server(c: ServerCheck) -> dict:
+            least = staged_file_bytes(PROBE_TOKENS, len(self.expected.layer_ids), self.hidden_size,
+                                      self.expected.dtype)
+            too_small = never_fits(Path(self.staging_dir), PROBE_TOKENS, least)
+            if too_small is not None:
+                raise NeverFits(too_small) from None
+            raise
+
+    def confirmed(self, found: dict) -> VllmIdentity:
+        """The check again with the build's reference probe (this run's on the build's first run) and the name
+        the server serves the model under."""
+        return dataclasses.replace(self, reference=self.reference or found["signature"], model_name=found["model_id"])
+
+
+def check_server(c: VllmIdentity) -> dict:
     """Check that the server at `c.server` serves the build's model, layers and staging folder: its command
     line (a local server), /v1/models, then one probe (slots, hidden size, dtype, and the reference states when
     known). Returns what was found (recorded in the run's events). Raises ServerRefused (one line naming both
     sides) when it is not the build's, or when its configuration cannot be read and `trust` is off;
     EngineUnavailable when it went away meanwhile."""
-    from builder.errors import UsageError  # noqa: PLC0415
-    from builder.extract.backends.http_client import ServerRefused, served_model  # noqa: PLC0415
-    from builder.extract.backends.vllm_server import probe, probe_problems, signature_differs  # noqa: PLC0415
+    from builder.extract.backends.vllm.probe import probe, probe_problems, signature_differs  # noqa: PLC0415
 
     fix = f"serve the build with the command `hsbuild serve-command {c.build_root}` prints"
     found: dict = {}
@@ -238,15 +214,13 @@ def check_server(c: ServerCheck) -> dict:
                                 "run's events)")
         found["trusted"] = conf
     else:
-        conf = ServedConfig(conf.pid, in_server_cwd(conf.pid, conf.model), conf.layer_ids, in_server_cwd(conf.pid, conf.staging),
-                            conf.connector, conf.connector_module, conf.dtype, conf.flags, conf.served_names)
         problems = config_problems(conf, c.expected)
         if problems:
             raise ServerRefused(f"{c.server} (pid {conf.pid}) " + "; ".join(problems) + f"; {fix}")
         found["process"] = conf.as_dict()
     m = served_model(c.server)
-    if not found.get("trusted") and not _same_path(m.root, c.expected.model) and not _same_path(
-            in_server_cwd(conf.pid, m.root), c.expected.model):
+    if not found.get("trusted") and not same_path(m.root, c.expected.model) and not same_path(
+            in_process_cwd(conf.pid, m.root), c.expected.model):
         raise ServerRefused(f"{c.server}: /v1/models says it serves {m.root}, the build's model is "
                             f"{c.expected.model}; {fix}")
     if c.model_name is not None and m.id != c.model_name:

@@ -1,15 +1,16 @@
-"""A vLLM build's staging folder (builder/extract/backends/vllm.py): the files the server writes there, read under
-their locks and deleted; what is left of crashed runs, cleared; the build's own subfolder, removed when a run
-ends; the room on the staging volume, and the least a staging file of a sample takes.
+"""A server engine's staging folder: the files its server writes there, read under their locks and deleted; what
+is left of crashed runs, cleared; the build's own subfolder (`staging_name`), removed when a run ends; the room on
+the staging volume, and whether a file of a given size can ever fit on it.
 
-A staging file is `{uuid}.safetensors` (`token_ids` int64 [T], `hidden_states` [T, slots, H]) beside a `.lock` the
-server holds (flock) until the file is complete.
+A staging file is `{uuid}.safetensors` beside a `.lock` the server holds (flock) until the file is complete; what
+the file holds is the engine's (its backend validates it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -19,6 +20,13 @@ from builder.humanize import human_bytes
 
 STAGING_SUFFIX = ".safetensors"
 STAGING_PREFIX = "build-"  # a build's own subfolder of the server's staging folder: build-<id>
+
+
+def staging_name(meta: dict) -> str:
+    """The build's own subfolder of the staging folder, named by the build's id (a digest of when and from what
+    `init` made it: the same for every run of the build, another after `init --force`)."""
+    raw = f"{meta.get('created_at')!r}|{meta.get('config_fingerprint')}|{meta.get('source')}"
+    return STAGING_PREFIX + hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 def remove_staged(path: Path | str) -> None:
@@ -96,17 +104,8 @@ def volume_capacity(path: Path) -> int:
     return (st.f_blocks - (st.f_bfree - st.f_bavail)) * st.f_frsize
 
 
-def staged_file_bytes(tokens: int, slots: int, hidden: int, dtype: str) -> int:
-    """The least a staging file of `tokens` tokens takes: its tensors' bytes (token ids int64, hidden states
-    [tokens, slots, hidden] of `dtype`) and the 8 bytes of its header's length; the header and the filesystem's
-    blocks only add to it."""
-    from builder.store.dtypes import itemsize  # noqa: PLC0415 - (numpy: not when the backends' specs are read)
-
-    return 8 + tokens * 8 + tokens * slots * hidden * itemsize(dtype)
-
-
 def never_fits(staging: Path, tokens: int, least: int) -> str | None:
-    """Why a staging file of `tokens` tokens (at least `least` bytes: `staged_file_bytes`) can never be written
+    """Why a staging file of `tokens` tokens (at least `least` bytes, as its engine counts them) can never be written
     into `staging` (a build's subfolder of the staging folder), whose volume is smaller than that even when empty
     (one line: the size it needs, the size the volume has, what to change); None when it can be, or the volume
     cannot be measured."""
