@@ -119,7 +119,7 @@ class StatusCollector:
             yield from gauge("stalled_seconds", "how long the stalled operation has been pending",
                              stall.get("pending_s"))
 
-        if "server" in st:  # an engine backend (a vLLM server)
+        if "server" in st:  # an engine backend (an inference server)
             up = GaugeMetricFamily("hsbuild_engine_up", "1 while the inference server answers",
                                    labels=["backend", "server"])
             up.add_metric([str(st.get("backend", "")), str(st.get("server", ""))],

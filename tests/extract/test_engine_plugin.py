@@ -133,9 +133,8 @@ PACKAGE = PKG / "extract" / "backends" / "vllm"
 # the old path of the connectors vLLM loads (`kv_connector_module_path` of older serve-command lines): an alias
 ALIAS = PKG / "extract" / "backends" / "vllm_connector.py"
 # where "vllm" is not the engine: the trainer formats name speculators' layer numbering after it
-# (`vllm_eagle_aux_hidden_state_layer_ids`, `--layers vllm`); builder/log/metrics.py keeps one comment (its
-# package is being reworked beside this one: drop the entry once it no longer names it)
-NOT_THE_ENGINE = {"formats", "exchange", "cli/exchange.py", "log/metrics.py"}
+# (`vllm_eagle_aux_hidden_state_layer_ids`, `--layers vllm`)
+NOT_THE_ENGINE = {"formats", "cli/exchange.py"}
 
 
 def _modules() -> list[Path]:
