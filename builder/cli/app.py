@@ -25,7 +25,7 @@ from builder.cli.args import size as _size
 from builder.cli.args import workers as _workers
 from builder.cli.output import print_json, print_rows
 from builder.cli.progress import progress_for
-from builder.config import AUTO_WORKERS, CODEC_SPECS, DEFAULT_CODEC
+from builder.config import CODEC_SPECS, DEFAULT_CODEC
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, HsbuildError
 from builder.humanize import human_bytes, human_seconds, pct
 
@@ -150,53 +150,30 @@ def cmd_init(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _standby_for(args: argparse.Namespace):
-    """The run's local workers, spawned before the coordinator's module is imported, so that the seconds both
-    spend importing torch overlap (builder/run/standby.py). None with --ray, or when the build cannot be read
-    (the run then says why)."""
-    if getattr(args, "ray", None):
-        return None
-    from builder.config import load_config  # noqa: PLC0415
-    from builder.extract.backends.registry import of_config  # noqa: PLC0415
-    from builder.layout import layout  # noqa: PLC0415
-    from builder.run.standby import Standby, loads_hf_model  # noqa: PLC0415
-
-    try:
-        cfg = load_config(layout(args.build).require())
-        backend = of_config(cfg)
-    except Exception:  # noqa: BLE001 - the coordinator reports a build it cannot read, in its own words
-        return None
-    workers = args.workers if args.workers is not None else cfg.workers
-    if workers == AUTO_WORKERS:  # sized as the coordinator sizes it (the same rule, moments later)
-        from builder.run.sizing import workers_for  # noqa: PLC0415
-
-        workers = workers_for(cfg, args.device).workers
-    # a Hugging Face model: transformers is imported while the workers wait (about 3 s of a run's start-up)
-    if not (isinstance(workers, int) and 0 < workers <= 256):
-        return None
-    return Standby(workers, preload_hf=loads_hf_model(cfg, backend))
-
-
 def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
-    standby = _standby_for(args)
-    try:
-        return _run(args, resume, standby)
-    finally:
-        if standby is not None:
-            standby.close()
-
-
-def _run(args: argparse.Namespace, resume: bool, standby) -> int:
-    from builder.run.coordinator import RunOptions, run_build  # noqa: PLC0415
+    # the run prepared once (builder/run/preparation.py: the workers counted, the backend asked), before the
+    # coordinator's module is imported, and its local workers started with that count: the seconds they and the
+    # coordinator spend importing torch overlap (builder/run/standby.py)
+    from builder.run.preparation import RunOptions, prepare  # noqa: PLC0415
 
     opts = RunOptions(workers=args.workers, limit=args.limit, max_attempts=args.max_attempts, device=args.device,
                       verify_after_write=args.verify_after_write, allow_overcommit=args.allow_overcommit,
                       force=args.force, progress=progress_for(args), low=args.low, high=args.high,
                       flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
                       inflight=args.inflight, source=args.source, accept_source_changes=args.accept_source_changes,
-                      ray=args.ray, standby=standby, trust_server=args.trust_server,
-                      metrics=args.metrics)
-    report = run_build(args.build, opts, resume=resume, echo=lambda m: print(m, file=sys.stderr))
+                      ray=args.ray, trust_server=args.trust_server, metrics=args.metrics)
+    prepared = prepare(args.build, opts, start_workers=True)
+    try:
+        return _run(args, resume, prepared)
+    finally:
+        if prepared.standby is not None:
+            prepared.standby.close()
+
+
+def _run(args: argparse.Namespace, resume: bool, prepared) -> int:  # noqa: ANN001 - a run.preparation.Prepared
+    from builder.run.coordinator import run_build  # noqa: PLC0415
+
+    report = run_build(prepared, resume=resume, echo=lambda m: print(m, file=sys.stderr))
     print(f"run {report.run_id[:8]}: {report.outcome}; wrote {report.written}, failed {report.failed}"
           + (f", paused {report.pauses}x" if report.pauses else ""))
     if report.failed_in_build:

@@ -193,6 +193,11 @@ class EventLog:
         except duckdb.CatalogException:  # a log from before fold checkpoints, opened read-only
             return 0
 
+    @property
+    def last_seq(self) -> int:
+        """The seq of the log's last event, as this process last read or appended it."""
+        return self._seq
+
     def fold_tail(self) -> int:
         """Events after the fold's checkpoint (what reading a state folds besides it)."""
         return self._seq - self._fold_upto

@@ -283,6 +283,11 @@ class RayWorker:
             pass
         self._end(-9, self.lost or "killed")
 
+    def lose(self, why: str) -> None:
+        """Kill the actor because what it needs is gone (its node's server): it is lost for `why`, not dead."""
+        self.lost = why
+        self.kill()
+
 
 def worker_env(fixed: dict[str, str]) -> dict[str, str]:
     """An actor's environment variables: the fixed threading, and the driver's HSBUILD_* settings (a Ray

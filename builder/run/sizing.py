@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from builder.config import AUTO_WORKERS
 from builder.extract.backends import registry as backends
 from builder.extract.spec import BuiltinSpec, is_builtin
 from builder.store.dtypes import itemsize
 
 if TYPE_CHECKING:
     from builder.config import BuildConfig
+    from builder.extract.backends.registry import BackendSpec
 
 CPU_WORKERS_MAX = 8  # CPU workers `auto` starts at most (each is a process holding the model)
 WORKER_BASE_BYTES = 640 << 20  # a worker process beside its model: the interpreter, torch, transformers, buffers
@@ -53,7 +55,8 @@ class Host:
 @dataclass(frozen=True)
 class WorkerCount:
     workers: int
-    why: str  # one line: what decided it
+    why: str | None  # one line: what decided it (None: a count given)
+    threads: int = 1  # each worker's intra-op threads: the usable CPUs shared among them
 
 
 CGROUP = Path("/sys/fs/cgroup")  # cgroup v2's mount: this process's limits where it runs in a container
@@ -167,23 +170,40 @@ def _copies(model_size: int, host: Host) -> tuple[int | None, str]:
 
 def auto_workers(backend: str, device: str, model_size: int, host: Host) -> WorkerCount:
     """The worker count `--workers auto` stands for (see the module's docstring)."""
-    if backends.get(backend).server:
-        return WorkerCount(1, f"the {backend} server runs the model; one worker keeps its requests in flight")
+    return _auto(backends.get(backend), device, model_size, host)
+
+
+def _auto(backend: BackendSpec, device: str, model_size: int, host: Host) -> WorkerCount:
+    if backend.server:
+        return WorkerCount(1, f"the {backend.name} server runs the model; one worker keeps its requests in flight",
+                           max(1, host.cpus))
     if device.startswith("cuda:"):
         return WorkerCount(1, f"--device {device} pins the workers to one GPU")
     by_memory, memory = _copies(model_size, host)
     if device in ("auto", "cuda") and host.gpus > 0:
         # each GPU worker loads its copy in this host's memory before moving it to its GPU
         if by_memory is not None and by_memory < host.gpus:
-            return WorkerCount(max(1, by_memory), f"{host.gpus} GPUs visible, but {memory}")
-        return WorkerCount(host.gpus, f"one a GPU, {host.gpus} visible")
+            n = max(1, by_memory)
+            return WorkerCount(n, f"{host.gpus} GPUs visible, but {memory}", max(1, host.cpus // n))
+        return WorkerCount(host.gpus, f"one a GPU, {host.gpus} visible", max(1, host.cpus // host.gpus))
     n = max(1, min(host.cpus, CPU_WORKERS_MAX, by_memory if by_memory is not None else host.cpus))
     why = f"the CPU: {host.cpus} usable core(s)"
     if by_memory is not None and by_memory < min(host.cpus, CPU_WORKERS_MAX):
         why += f", {memory}"
     elif host.cpus > CPU_WORKERS_MAX:
         why += f", at most {CPU_WORKERS_MAX}"
-    return WorkerCount(n, why + f"; {max(1, host.cpus // n)} thread(s) each")
+    return WorkerCount(n, why + f"; {max(1, host.cpus // n)} thread(s) each", max(1, host.cpus // n))
+
+
+def size(backend: BackendSpec, cfg: BuildConfig, requested: int | str, device: str,
+         host: Host | None = None) -> WorkerCount:
+    """A run's workers: `requested` (a count, taken as given; or `auto`, this host's rule for `backend` on
+    `device`, where its workers compute) and each one's intra-op threads (the usable CPUs shared among them)."""
+    if requested != AUTO_WORKERS:
+        return WorkerCount(int(requested), None, max(1, (host.cpus if host else usable_cpus()) // int(requested)))
+    model_size = model_bytes(cfg.model, cfg.dtype) if backend.loads_model else 0
+    host = host or host_now(gpus=backend.loads_model and device in ("auto", "cuda"))
+    return _auto(backend, device, model_size, host)
 
 
 def workers_for(cfg: BuildConfig, device: str | None = None, importing: bool = False,
@@ -191,7 +211,4 @@ def workers_for(cfg: BuildConfig, device: str | None = None, importing: bool = F
     """`auto` for this build on this host: `device` is the run's (--device), else the config's. An import's
     workers read dumped files and load no model."""
     backend = backends.for_run(cfg, importing)
-    device = backend.device or device or cfg.device
-    size = model_bytes(cfg.model, cfg.dtype) if backend.loads_model else 0
-    host = host or host_now(gpus=backend.loads_model and device in ("auto", "cuda"))
-    return auto_workers(backend.name, device, size, host)
+    return size(backend, cfg, AUTO_WORKERS, backend.device or device or cfg.device, host)

@@ -21,7 +21,7 @@ from builder.layout import layout
 from builder.log.events import EventLog
 from builder.log.query import run_query
 from builder.run import testhook
-from builder.run.coordinator import Coordinator, RunOptions, run_build
+from builder.run.coordinator import RunOptions, run_build
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -30,28 +30,34 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 
 
 def test_connect_mode_each_nodes_worker_talks_to_the_server_at_the_builds_loopback_url(tmp_path, vllm_server, cli,
-                                                                                       monkeypatch):
+                                                                                       hold, monkeypatch):
     """Without --launch every node runs its own server at the build's loopback URL; on this one machine the
     test cluster's two nodes share one loopback, hence the session's one server and staging folder (each
     worker still ingests only its own requests' files)."""
-    n = 48  # more tokens than one worker's queue holds (coordinator.QUEUE_TOKENS): both nodes get work
+    n = 48  # more tokens than one worker's queue holds (dispatch.QUEUE_TOKENS): both nodes get work
     build = _init(tmp_path, vllm_server, n, seed=5, hi=500)
-    # Deterministic, not a race: the run (in this process) hands out nothing until both nodes' workers are
-    # ready, so the first cannot drain the queue while the second node's actor is still starting (a loaded CI
-    # machine starts it seconds late). What is tested is where each worker sends its requests.
-    dispatch = Coordinator._dispatch
-
-    def both_ready_first(self, st, *args, **kwargs):
-        if len(st.ready & st.alive) >= 2 or not st.alive - st.ready:
-            dispatch(self, st, *args, **kwargs)
-
-    monkeypatch.setattr(Coordinator, "_dispatch", both_ready_first)
+    # Deterministic, not a race: each worker holds at its first task (the test hook; the run passes HSBUILD_* on
+    # to its actors) until both nodes' workers hold one, so the first cannot drain the queue while the second
+    # node's actor is still starting (a loaded CI machine starts it seconds late). What is tested is where each
+    # worker sends its requests.
+    first = hold(1)
+    monkeypatch.setenv(testhook.ENV, first.spec)
     c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
     c.add_node(**NODE)
     c.wait_for_nodes()
     lines: list[str] = []
+
+    def both_hold_then_go() -> None:
+        try:
+            first.wait(2, timeout=600)
+        finally:
+            first.release()
+
+    t = threading.Thread(target=both_hold_then_go, daemon=True)
+    t.start()
     try:
         report = run_build(build, RunOptions(ray=c.address), echo=lines.append)
+        t.join(timeout=10)
     finally:
         if ray.is_initialized():
             ray.shutdown()

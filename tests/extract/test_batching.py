@@ -205,8 +205,8 @@ def test_backend_capacity_counts_waiting_tokens():
 def test_init_flag_and_a_batched_run_store_the_same_states(tmp_path, cli, monkeypatch):
     """`init --batch-tokens` records it; the run's workers get it; every stored sample equals the one a run
     without batching stored (the workers of both runs use the same thread count)."""
-    from builder.run import coordinator
     from builder.run.coordinator import RunOptions, run_build
+    from builder.run.standby import Standby
 
     rows = random_rows(24, seed=9, lo=1, hi=90)
     src = write_jsonl(tmp_path / "src.jsonl", rows)
@@ -218,16 +218,16 @@ def test_init_flag_and_a_batched_run_store_the_same_states(tmp_path, cli, monkey
     assert BuildConfig.from_toml(layout(tmp_path / "packed").config).batch_tokens == 256
     assert BuildConfig.from_toml(layout(tmp_path / "one").config).batch_tokens is None
 
-    made = []
-    real = coordinator.WorkerSettings
+    made = []  # the settings each worker of a run is handed (its first message)
+    real = Standby.take
 
-    def recording(**kw):
-        made.append(kw.get("batch_tokens"))
-        return real(**kw)
+    def recording(standby, w, settings):
+        made.append(settings.batch_tokens)
+        return real(standby, w, settings)
 
-    monkeypatch.setattr(coordinator, "WorkerSettings", recording)
+    monkeypatch.setattr(Standby, "take", recording)
     for name in ("one", "packed"):
-        assert run_build(tmp_path / name, RunOptions(device="cpu", workers=1)).exit_code == 0  # one settings a run
+        assert run_build(tmp_path / name, RunOptions(device="cpu", workers=1)).exit_code == 0  # one worker a run
     assert made == [None, 256]
     one = {item["sample_id"]: item for item in HiddenStateDataset(tmp_path / "one")}
     packed = {item["sample_id"]: item for item in HiddenStateDataset(tmp_path / "packed")}

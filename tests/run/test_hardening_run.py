@@ -19,8 +19,8 @@ from conftest import Watched, mounted_tmpfs, random_rows, wait_written, worker_p
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.session import OwnerSession
-from builder.run import coordinator as coordinator_mod
 from builder.run.coordinator import RunOptions, run_build
+from builder.run.dispatch import Outbox
 from builder.run.messages import Stop
 from builder.store import segment as segment_mod
 from builder.store.segment import SegmentWriter, init_data_group, sample_files
@@ -35,7 +35,7 @@ def test_a_worker_that_finishes_while_the_coordinator_is_busy_is_not_reported_de
     """The coordinator stalls (a slow commit) right after telling each worker to stop: the workers seal, say
     `exit` and are gone before it reads their last messages. Those messages are still read; nobody died."""
     build = make_build(6, seed=21)
-    real_send = coordinator_mod._Outbox.send
+    real_send = Outbox.send  # (what the run sends each worker, from the run's loop)
 
     def send_then_stall(outbox, obj):
         real_send(outbox, obj)
@@ -45,7 +45,7 @@ def test_a_worker_that_finishes_while_the_coordinator_is_busy_is_not_reported_de
             while len(worker_pids(os.getpid())) >= alive and time.monotonic() < deadline:
                 time.sleep(0.05)
 
-    monkeypatch.setattr(coordinator_mod._Outbox, "send", send_then_stall)
+    monkeypatch.setattr(Outbox, "send", send_then_stall)
     echoed: list[str] = []
     report = run_build(build, RunOptions(workers=2), echo=echoed.append)
     assert (report.outcome, report.exit_code) == ("completed", 0), echoed

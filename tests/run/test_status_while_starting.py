@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 import time
 
+from builder.extract import source as sources
 from builder.layout import layout
 from builder.log.query import OWNER_WAIT_S, run_query, status_snapshot
-from builder.run import coordinator as coordinator_mod
 from builder.run.coordinator import RunOptions, run_build
 
 
@@ -19,7 +19,7 @@ def test_status_says_the_phase_and_sql_waits_while_the_run_starts(make_build, mo
     build = make_build(6, seed=4)
     seen: dict = {}
     asked = threading.Event()
-    real = coordinator_mod.load_source
+    real = sources.load_source
 
     def ask() -> None:
         t0 = time.monotonic()
@@ -37,7 +37,7 @@ def test_status_says_the_phase_and_sql_waits_while_the_run_starts(make_build, mo
         assert asked.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(coordinator_mod, "load_source", slow_source)
+    monkeypatch.setattr(sources, "load_source", slow_source)  # (the library's source reader, as the run calls it)
     report = run_build(build, RunOptions(workers=1), echo=lambda m: None)
     assert report.exit_code == 0
     st = seen["status"]

@@ -118,14 +118,15 @@ def test_a_status_request_during_a_run_leaves_the_runs_ballast_alone(make_build,
     from another thread, while the run's worker is held at its 4th sample."""
     from builder.log.query import status_snapshot
     from builder.run import testhook
-    from builder.run.coordinator import Coordinator, RunOptions
+    from builder.run.coordinator import Coordinator
+    from builder.run.preparation import RunOptions, prepare
 
     build = make_build(410, rows=random_rows(410, seed=5, lo=5, hi=8))
     lay = layout(build)
     h = hold(4)
     monkeypatch.setenv(testhook.ENV, h.spec)
     monkeypatch.setenv("HSBUILD_GROUP_SAMPLES", "1")
-    coord = Coordinator(build, RunOptions(workers=1), echo=lambda m: None)
+    coord = Coordinator(prepare(build, RunOptions(workers=1)))
     seen: dict = {}
 
     def ask() -> None:
