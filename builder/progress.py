@@ -1,9 +1,16 @@
-"""How the library reports progress: a callback object the caller passes in. The library never draws; the
-CLI renders it (builder/cli/progress.py)."""
+"""How the library reports progress and messages: callbacks the caller passes in. The library never draws nor
+prints; the CLI renders progress (builder/cli/progress.py) and prints the messages (each command's `echo`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
+
+Echo = Callable[[str], None]  # what a command says as it goes (a line, without its newline): the caller shows it
+
+
+def quiet(message: str) -> None:
+    """The default `echo`: say nothing. A library call is silent unless its caller passes an echo."""
 
 
 class Progress(Protocol):

@@ -1,5 +1,5 @@
 """The package layout holds: no import runs from a lower layer up to a higher one, nor across to another package
-of its own layer, and only the CLI renders.
+of its own layer (that only the CLI prints: tests/test_library_output.py).
 
 Layers, lowest first (docs/design.md, "Package layout"): a module may import its own package and any package
 of a lower layer, never one of its own layer or a higher one; the foundation's plain modules import only those
@@ -128,14 +128,3 @@ def test_the_exemptions_name_imports_that_exist():
     for rel, mod in DEPRECATED_ALIASES.items():
         assert mod in {m for _, m in imports(PKG.parent / rel)}, f"{rel} no longer imports {mod}: drop the exemption"
 
-
-def test_only_the_cli_prints():
-    offenders = []
-    for path in modules():
-        rel = path.relative_to(PKG)
-        if rel.parts[0] == "cli":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
-                offenders.append(f"{rel}:{node.lineno}")
-    assert not offenders, f"print() outside builder/cli: {offenders}"

@@ -63,7 +63,7 @@ from builder.formats.lossy import export_lossy
 from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.session import OwnerSession
-from builder.progress import Progress
+from builder.progress import Echo, Progress, quiet
 from builder.store.reader import SegmentReader
 from builder.subset import parse_subset, stable_part
 
@@ -83,7 +83,7 @@ class ExportOptions:
     take_over: bool = False
     progress: Progress | None = None
     stop: Callable[[], bool] = lambda: False  # polled between files (Ctrl-C): raises Interrupted, resumable
-    echo: Callable[[str], None] = lambda _m: None  # what the export says as it goes (a pause for space, its end)
+    echo: Echo = quiet  # what the export says as it goes (a pause for space, a stall, its end); silent by default
 
     def recorded(self) -> dict:
         return {"format": self.format, "subset": self.subset, "limit": self.limit, "max_len": self.max_len,
@@ -151,7 +151,8 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
         # held shared, nothing recorded in its log (export_readonly.py)
         session: OwnerSession | ReadOnlyBuild
         try:
-            session = stack.enter_context(OwnerSession(lay, "export", export_id, take_over=opts.take_over))
+            session = stack.enter_context(OwnerSession(lay, "export", export_id, take_over=opts.take_over,
+                                                       echo=opts.echo))
         except BuildReadOnlyError:
             session = stack.enter_context(ReadOnlyBuild(lay, take_over=opts.take_over))
             report.recorded = False

@@ -45,25 +45,28 @@ from builder.log.lock import BuildLock, note_interrupted
 from builder.log.metrics import MetricsServer
 from builder.log.server import QueryServer
 from builder.log.stall import Stall, StallWatch
+from builder.progress import Echo, quiet
 
 EXIT_INTERRUPTED = 130
 STATUS_WAIT_S = 1.0  # a status that takes longer (the log busy) is answered from the last one, marked stale
 SAY_AGAIN_S = 30.0  # how often a stall is said again while it lasts
+SAY_FROM_HANDLER_S = 1.0  # how long a second Ctrl-C waits for `echo` to say why the exit waits (a stall)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class OwnerSession:
     def __init__(self, lay: BuildLayout, purpose: str, run_id: str | None = None, *, take_over: bool = False,
-                 echo: Callable[[str], None] | None = None, status: Callable[[], dict] | None = None,
+                 echo: Echo | None = None, status: Callable[[], dict] | None = None,
                  before_commit: Callable[[], None] | None = None, watch: list[Path] | tuple = (),
                  stall_s: float | None = None, signals: bool = True, metrics: str | None = None):
-        """`status`: the command's own status (it may query the log); `watch`: directories beside the build's
-        root whose writes are probed for stalls (e.g. a staging folder); `signals`: take SIGINT and SIGTERM (only
-        in the main thread, with `open` or `take_signals`); `metrics`: HOST:PORT where Prometheus metrics (of
-        `status`) are served from the lock on (log/metrics.py)."""
+        """`echo`: what the session says (its metrics address, stalls, a stop), silent without one: the session
+        never writes to a terminal itself; `status`: the command's own status (it may query the log); `watch`:
+        directories beside the build's root whose writes are probed for stalls (e.g. a staging folder);
+        `signals`: take SIGINT and SIGTERM (only in the main thread, with `open` or `take_signals`); `metrics`:
+        HOST:PORT where Prometheus metrics (of `status`) are served from the lock on (log/metrics.py)."""
         self.lay, self.purpose = lay, purpose
         self.run_id = run_id or uuid.uuid4().hex
-        self.take_over, self.echo = take_over, echo or (lambda _m: None)
+        self.take_over, self.echo = take_over, echo or quiet
         self.status_fn, self.before_commit = status, before_commit
         self.lock: BuildLock | None = None
         self.log: EventLog | None = None
@@ -207,11 +210,23 @@ class OwnerSession:
         if self.stop_requested >= 2:
             stall = self.watch.current()
             if stall is not None:  # the lock record's note below waits for the volume: say why nothing happens
-                with contextlib.suppress(OSError):
-                    os.write(2, f"\nexiting as soon as the stalled {stall.describe()} returns (still safe)\n"
-                             .encode())
+                self._say_from_handler(f"\nexiting as soon as the stalled {stall.describe()} returns (still safe)")
             note_interrupted(self.lay, signum)  # the lock record says so: the next owner does not blame a crash
             os._exit(EXIT_INTERRUPTED)
+
+    def _say_from_handler(self, message: str) -> None:
+        """Say `message` through `echo` from the signal handler, which has interrupted the main thread anywhere
+        (maybe inside a write to the very stream `echo` writes to): `echo` runs in a thread of its own, waited
+        for at most SAY_FROM_HANDLER_S. Should that stream's lock be held by the interrupted write, the message
+        is lost, never the exit. (threading's registry lock is an RLock: a thread can start from a handler that
+        interrupted another thread's start.)"""
+        def say() -> None:
+            with contextlib.suppress(OSError):  # a closed stderr (the terminal gone) is no reason to say more
+                self.echo(message)
+
+        said = threading.Thread(target=say, name="hsbuild-say-exit", daemon=True)
+        said.start()
+        said.join(SAY_FROM_HANDLER_S)
 
     def request_stop(self) -> None:
         self.stop_requested = max(self.stop_requested, 1)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +29,7 @@ from builder.extract.backends.registry import RunContext
 from builder.extract.spec import BuiltinSpec, HfTokenizer, builtin_tokenizer, is_builtin
 from builder.log.events import Event, detail
 from builder.log.session import OwnerSession
-from builder.progress import NoProgress
+from builder.progress import Echo, NoProgress, quiet
 from builder.run.catchup import CatchUp
 from builder.run.create import code_fingerprint
 from builder.run.dispatch import Dispatcher
@@ -69,16 +68,12 @@ class RunReport:
     check_errors: int = 0  # --verify-after-write could not read these back: written, not checked (`check_error`)
 
 
-def _quiet(_line: str) -> None:
-    """Where a library caller's run says things when it passes no `echo`: nowhere (the CLI passes its printer)."""
-
-
 class Coordinator:
     """A run: see the module's docstring. `prep`: its start (`prepare`); `echo`: where it says things."""
 
-    def __init__(self, prep: Prepared, echo: Callable[[str], None] | None = None):
+    def __init__(self, prep: Prepared, echo: Echo = quiet):
         self.prep = prep
-        self.echo = echo or _quiet
+        self.echo = echo
         self.run_id = uuid.uuid4().hex
         self._space = SpaceMonitor(prep.lay, prep.cfg)
         self._session: OwnerSession | None = None  # the owner session, once the build lock is held (`run`)
@@ -341,10 +336,10 @@ def tokenizer_for(cfg):  # noqa: ANN001, ANN201 - (BuildConfig; a tokenizer)
 
 
 def run_build(build: str | Path | Prepared, opts: RunOptions | None = None, resume: bool = False,
-              echo: Callable[[str], None] | None = None) -> RunReport:
+              echo: Echo = quiet) -> RunReport:
     """Run a build. `build`: its directory (the run prepared here, with `opts`), or a run already prepared
     (`prepare`: the CLI prepares it first, to start its standby workers with the count it decided). `echo`: where
-    the run says things (the CLI passes its printer); None: nowhere."""
+    the run says things (the CLI passes its printer); by default nowhere."""
     if isinstance(build, Prepared):
         if opts is not None:
             raise TypeError("run_build: a prepared run carries its options; pass them to prepare()")

@@ -189,7 +189,7 @@ class SpaceMonitor:
         else:
             clear = all(u.usage < self.wm.low and not (self.wm.min_free and u.free < self.wm.min_free)
                         for u in usages)
-            if self._paused == "flood" and clear:
+            if self._flood_need and clear:  # a held-back write (flood_block): it must fit below flood too
                 u = usages[0]
                 clear = (u.used + self._flood_need) / u.total < self.wm.flood
             if self._paused == "disk_full" and clear:
@@ -200,6 +200,7 @@ class SpaceMonitor:
             if clear:
                 self._paused = None
                 self._full_at = None
+                self._flood_need = 0
                 self.ensure_ballast()
         return self._paused
 
@@ -218,10 +219,14 @@ class SpaceMonitor:
             return 0
 
     def flood_block(self, projected: int) -> None:
-        """A worker did not start a write that would have crossed `flood`: pause until it fits again."""
-        self.refresh()
-        self._paused = "flood"
+        """A worker did not start a write that would have crossed `flood`: pause until it fits again. Where the
+        build's volume is past `high` already, the run's own poll had not seen it yet (a worker's check is
+        conservative and can come first): that is the high watermark's pause, named so, and like it it lasts
+        until the volume is below `low` (and the write fits below `flood`)."""
+        u = self.refresh()[0]
         self._flood_need = projected
+        past_high = self.wm.high < 1.0 and u.usage >= self.wm.high
+        self._paused, self._which = ("high_watermark" if past_high else "flood"), 0
 
     def never_fits(self, projected: int, total: int, free: int) -> int | None:
         """A write of `projected` bytes was held back at `flood`/`min_free` on a volume of `total` bytes with

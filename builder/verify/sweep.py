@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +44,7 @@ from builder.log.events import Event, EventLog, detail
 from builder.log.kinds import EventKind
 from builder.log.lock import BuildLock
 from builder.log.session import OwnerSession
-from builder.progress import NoProgress
+from builder.progress import Echo, NoProgress, quiet
 from builder.store.history import Verdicts
 from builder.store.readback import (
     MISMATCH,
@@ -108,7 +108,7 @@ class RateLimiter:
 
 
 class Sweep:
-    def __init__(self, build: str | Path, opts: SweepOptions | None = None, echo: Callable[[str], None] = print):
+    def __init__(self, build: str | Path, opts: SweepOptions | None = None, echo: Echo = quiet):
         self.lay: BuildLayout = layout(build).require()
         self.opts = opts or SweepOptions()
         self.echo = echo
@@ -338,7 +338,7 @@ def last_unfinished_sweep(log: EventLog) -> dict | None:
     return {"run_id": run_id, "ts": ts, **json.loads(det or "{}")}
 
 
-def run_sweep(build: str | Path, opts: SweepOptions | None = None,
-              echo: Callable[[str], None] = print) -> SweepSummary:
-    """`hsbuild verify`: one sweep over the build. Raises UsageError for bad options, BuildLockedError if busy."""
+def run_sweep(build: str | Path, opts: SweepOptions | None = None, echo: Echo = quiet) -> SweepSummary:
+    """`hsbuild verify`: one sweep over the build. Raises UsageError for bad options, BuildLockedError if busy.
+    What it says as it goes (a continued sweep, a stall, a stop) goes to `echo`; silent without one."""
     return Sweep(build, opts, echo).run()

@@ -202,3 +202,40 @@ def test_a_full_staging_volume_is_the_one_the_pause_names(tmp_path, tmpfs, make_
     assert str(build) not in said
     (tmpfs / "filler").unlink()
     assert mon.poll(force=True) is None
+
+
+def test_a_write_held_back_past_high_is_the_high_watermarks_pause(tmpfs, make_build):
+    """A worker's flood check (the sample's uncompressed bound plus what it has staged and committing) can come
+    before the run's own poll sees the volume cross `high` (seen on a loaded machine: the run said PAUSED (flood)
+    at 0.91 used). Past `high` that pause is the high watermark's, and it lasts until below `low` and the held-back
+    write fits; below `high` it is flood's."""
+    from builder.config import BuildConfig, Watermarks
+    from builder.space.watermarks import SpaceMonitor
+
+    cfg = BuildConfig.from_toml(layout(make_build(2)).config)
+    cfg.watermarks = Watermarks(low=0.5, high=0.7, flood=0.9)
+    root = tmpfs / "b"
+    root.mkdir()
+    mon = SpaceMonitor(layout(root), cfg)
+    filler = tmpfs / "filler"
+    filler.touch()
+
+    def fill_to(frac: float) -> None:  # the volume `frac` used, whatever else is on it
+        st = os.statvfs(tmpfs)
+        total, others = st.f_blocks * st.f_frsize, (st.f_blocks - st.f_bavail) * st.f_frsize - filler.stat().st_size
+        filler.write_bytes(b"\0" * int(total * frac - others))
+        assert abs(usage(tmpfs) - frac) < 0.01
+
+    total = os.statvfs(tmpfs).f_blocks * os.statvfs(tmpfs).f_frsize
+    fill_to(0.6)  # below high
+    mon.flood_block(int(total * 0.35))  # a write that would cross flood
+    assert mon.poll(force=True) == "flood"
+    fill_to(0.75)  # past high
+    mon.flood_block(int(total * 0.5))
+    assert mon.poll(force=True) == "high_watermark" and mon.describe().startswith(str(root))
+    fill_to(0.6)  # below high, not below low: still paused
+    assert mon.poll(force=True) == "high_watermark"
+    fill_to(0.45)  # below low, but the held-back write would still cross flood (0.45 + 0.5)
+    assert mon.poll(force=True) == "high_watermark"
+    fill_to(0.3)  # below low, and it fits
+    assert mon.poll(force=True) is None
