@@ -14,11 +14,10 @@ import pyarrow as pa
 from builder.errors import QueryError
 from builder.extract.source import Sample
 from builder.log.events import EventLog
-from builder.log.fold import TRANSIENT_REASONS
 
 # Failure reasons that say the stored bytes were damaged (verify); such samples are always re-extracted.
 DAMAGE_REASONS = {"checksum_mismatch", "missing_data", "unreadable"}
-# TRANSIENT_REASONS (builder/log/fold.py): failures of the environment, not of the sample (worker_lost: a Ray
+# The transient reasons (builder/log/kinds.py TRANSIENT_REASONS, the views' macro `is_transient`): failures of the environment, not of the sample (worker_lost: a Ray
 # node or actor gone); such a sample is pending again (the `samples` view's state), and the start they end
 # counts neither against --max-attempts nor toward the interrupted limit below (the fold leaves it out of
 # `attempts`).
@@ -65,11 +64,10 @@ class Plan:
 # reads no event but the fold's tail. tests/run/test_scale_plan.py checks the plan
 # against a replay of the `samples` view and of the events.
 PENDING, DONE, RETIRED, STARTED, FAILED = range(5)
-TRANSIENT = "(" + ", ".join(f"'{r}'" for r in sorted(TRANSIENT_REASONS)) + ")"
 PLAN_SQL = f"""
 SELECT p.pos,
        CASE f.mkind WHEN 'written' THEN {DONE} WHEN 'retired' THEN {RETIRED} WHEN 'started' THEN {STARTED}
-                    WHEN 'failed' THEN CASE WHEN f.m_reason IN {TRANSIENT} THEN {PENDING} ELSE {FAILED} END
+                    WHEN 'failed' THEN CASE WHEN is_transient(f.m_reason) THEN {PENDING} ELSE {FAILED} END
                     ELSE {PENDING} END::TINYINT AS code,
        coalesce(f.starts, 0)::BIGINT AS starts,
        (coalesce(f.attempts, 0) - coalesce(f.imports, 0))::BIGINT AS attempts,
