@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -89,7 +90,11 @@ def test_a_stalled_volume_is_named_and_the_run_lives_through_it(powercut, tmp_pa
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
     took = [(round(a[0], 2), round(a[1], 2), bool(a[2])) for a in answers]
-    assert max(a[0] for a in answers) < 2.0 and max(a[1] for a in answers) < 2.0, took
+    # Neither waits for the volume (a stuck answer takes the stall's 60 s, or its own query timeout): every answer
+    # within 10 s (one took 2.2 s on a loaded 2-core machine), and the typical one well under the 3 s after which
+    # the stall is named (an answer that waited for that would take 3 s every time)
+    assert max(a[0] for a in answers) < 10.0 and max(a[1] for a in answers) < 10.0, took
+    assert statistics.median(a[0] for a in answers) < 1.5 and statistics.median(a[1] for a in answers) < 1.5, took
     named = [a for a in answers if a[2]]
     assert len(named) >= 3, answers  # after HSBUILD_STALL_S, every answer names it
     stall = named[-1][2]

@@ -39,7 +39,8 @@ def test_no_sql_spells_out_the_transient_reasons():
         assert not lists, f"{sql_file.name} lists transient reasons: {lists}"
     views = (schema_dir() / "views.sql").read_text()
     assert len(re.findall(r"\bis_transient\(", views)) >= 3  # sample_fold, samples, runs
-    assert plan.TRANSIENT_REASONS is TRANSIENT_REASONS is fold_module.TRANSIENT_REASONS  # the same list
+    assert TRANSIENT_REASONS is fold_module.TRANSIENT_REASONS  # the same list
+    assert "is_transient(f.m_reason)" in plan.PLAN_SQL and "'worker_lost'" not in plan.PLAN_SQL  # the plan asks the macro
 
 
 def test_no_python_module_spells_out_the_transient_reasons():

@@ -14,8 +14,9 @@ from builder.extract.source import load_source
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.fold import fold
+from builder.log.kinds import TRANSIENT_REASONS
 from builder.run.coordinator import RunOptions, run_build
-from builder.run.plan import INTERRUPTED_EXTRA, TRANSIENT_REASONS, make_plan
+from builder.run.plan import INTERRUPTED_EXTRA, make_plan
 
 MAX_ATTEMPTS = 3
 

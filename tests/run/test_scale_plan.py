@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from builder.extract.samples import SourceSamples
 from builder.extract.source import Sample
 from builder.log.events import Event, EventLog
+from builder.log.kinds import TRANSIENT_REASONS
 from builder.run.plan import (
     DAMAGE_REASONS,
     IMPORT_PREFIX,
     INTERRUPTED_EXTRA,
-    TRANSIENT_REASONS,
     Plan,
     make_plan,
 )
