@@ -47,7 +47,8 @@ class HiddenStateDataset(Dataset):
         self.format = None
         self._info: BuildInfo | None = None
         if format is not None:
-            self.format = registry.make_format(format, flag="format", exports=True, max_len=max_len)
+            self.format = registry.make_format(format, flag="format", exports=True, states=True,
+                                               max_len=max_len)
             self.info.require(self.format.final_state)
         elif max_len is not None:
             takers = [f.name for f in registry.formats(exports=True) if "max_len" in f.options]

@@ -1,0 +1,198 @@
+"""`hsbuild export BUILD OUT --format chat`: the build's conversations as JSONL, one line a sample, OpenAI style:
+`{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}`, plus, for a regenerated build (`init
+--regenerate`), `finish_reason` and `generated` from the sample's `written` event (absent otherwise).
+
+Where the text comes from: the assistant turns are decoded from the stored sample (its tokens and loss mask: each
+run of mask-1 tokens is one assistant turn, decoded with the build's tokenizer, special tokens skipped), so they
+are what the draft trains on: the source's own turns in an ordinary build, the target model's in a regenerated
+one. The other messages (system, user, tool) are the source row's, read from the build's source, which must
+still hold the row the build stored: the fingerprint of its tokens (tokenized as `init` does) is the log's.
+
+The turns are put in place of the source's assistant turns, in order: as many runs as assistant turns, each in
+its place (an ordinary build whose template masks no token of an empty assistant turn: as many runs as
+assistant turns with text); a build regenerated with `--turns last`: its one run is the final assistant turn
+(appended when the source ended with another role); `--turns all` ending on a user turn: the runs beyond the
+source's assistant turns, one, appended. Where the runs and the turns cannot be matched so, or the source row is
+gone, changed, or not a conversation, or the stored tokens were cut short by `--max-tokens`, the sample is not
+exported: it is named in the report with its reason (exit 1), as a damaged sample is, and never guessed. A
+build whose source holds no conversation at all is refused whole (exit 2, nothing written).
+
+Files: `chat.jsonl` (every exported row, in export order: row i is line i) and, what a re-run keeps and joins
+it from, one file a row `rows/{i // 1000:05d}/{i:08d}.json` holding that row's line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from builder.errors import FormatError
+from builder.formats.base import BuildView, DocRow, Exported, Rejected, Sample, SourceRow, TrainerFormat
+
+JSONL = "chat.jsonl"
+ROWS = "rows"
+ROW_FILE = re.compile(r"\d{8}\.json")
+GROUP = 1000
+ANSWERED = ("assistant",)
+
+
+def spans(ids: list[int], mask: list[int]) -> list[list[int]]:
+    """The runs of loss-mask-1 tokens, in order: one assistant turn each."""
+    runs: list[list[int]] = []
+    cur: list[int] = []
+    for t, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+def regeneration(meta: dict) -> tuple[bool, str | None]:
+    """(whether the build was made with `init --regenerate`, its `--turns`: "all" | "last"), from its metadata."""
+    gen = meta.get("generation") if isinstance(meta.get("generation"), dict) else {}
+    regen = meta.get("regenerate")
+    if isinstance(regen, dict):  # the settings recorded under the flag's own name
+        gen, regen = regen, True
+    turns = meta.get("turns", gen.get("turns"))
+    return bool(regen), (str(turns) if turns is not None else None)
+
+
+def place(messages: list[dict], texts: list[str], regenerated: bool, turns: str | None) -> list[dict]:
+    """The conversation with its assistant turns' text replaced by `texts` (see the module's docstring); raises
+    Rejected where they cannot be matched."""
+    out = [dict(m) for m in messages]
+    asst = [i for i, m in enumerate(out) if m["role"] in ANSWERED]
+    n = len(texts)
+
+    def turn(i: int, text: str) -> None:
+        out[i] = {"role": "assistant", "content": text} if regenerated else {**out[i], "content": text}
+
+    if regenerated and turns == "last":
+        if n != 1:
+            raise Rejected("turns_mismatch", f"holds {n} runs of generated tokens where a build regenerated with "
+                                             "--turns last has one")
+        if asst and asst[-1] == len(out) - 1:
+            turn(asst[-1], texts[0])
+        else:
+            out.append({"role": "assistant", "content": texts[0]})
+        return out
+    slots = asst
+    if not regenerated and n != len(asst):  # a template that masks no token of an empty assistant turn
+        slots = [i for i in asst if out[i].get("content")]
+    if n == len(slots):
+        for i, text in zip(slots, texts, strict=True):
+            turn(i, text)
+        return out
+    if regenerated and n == len(asst) + 1 and out and out[-1]["role"] not in ANSWERED:
+        for i, text in zip(asst, texts, strict=False):
+            turn(i, text)
+        out.append({"role": "assistant", "content": texts[-1]})
+        return out
+    raise Rejected("turns_mismatch", f"its stored loss mask holds {n} assistant run(s) but its source "
+                                     f"conversation has {len(asst)} assistant turn(s); they cannot be matched")
+
+
+class Chat(TrainerFormat):
+    name = "chat"
+    summary = "chat.jsonl: the conversations, assistant turns decoded from the stored tokens"
+    exports = True
+    imports = False
+    states = False
+    final_state = "post_norm"  # (asked of no build: it holds no states)
+    layer_convention = "hf_hidden_states"
+    doc = DocRow(trainer="none: the build's conversations as text (OpenAI `messages`), for reading, filtering "
+                         "or training on the regenerated replies",
+                 files="`chat.jsonl` (line i = row i), joined from `rows/NNNNN/{i:08d}.json`",
+                 tensors="none: `id`, `messages` (the assistant turns decoded from the stored tokens and loss "
+                         "mask, the others the source row's); a regenerated build's `finish_reason`, `generated`",
+                 numbering="none", final_state="none", yields="none (no `HiddenStateDataset(format=)`)",
+                 vocab="none")
+
+    def __init__(self, **options: object):
+        super().__init__(**options)
+        self._build: BuildView | None = None
+        self._messages: dict[str, str] = {}  # sample id -> its source messages (JSON): what the row holds
+        self._written: dict[str, dict] = {}
+        self._regen: tuple[bool, str | None] = (False, None)
+
+    def prepare(self, build: BuildView, samples: list[dict]) -> dict[str, Rejected]:
+        self._build = build
+        self._regen = regeneration(build.meta())
+        if self._regen[0] and self._regen[1] not in ("all", "last"):
+            raise FormatError(f"--format chat: the build is regenerated but its metadata records --turns "
+                              f"{self._regen[1]!r}, not all or last, so its generated turns cannot be placed")
+        has_conversations, rows = build.source_rows(e["sample_id"] for e in samples)
+        if not has_conversations:
+            raise FormatError("--format chat: the build's source holds no conversations ('messages' or "
+                              "'conversations' rows), only tokens or text; there is no chat to export")
+        refused: dict[str, Rejected] = {}
+        for e in samples:
+            sid = e["sample_id"]
+            why = self._refusal(e, rows.get(sid))
+            if why is not None:
+                refused[sid] = why
+            else:
+                self._messages[sid] = json.dumps(rows[sid].messages)
+        if self._regen[0]:
+            self._written = build.written(self._messages)
+        return refused
+
+    def _refusal(self, e: dict, row: SourceRow | None) -> Rejected | None:
+        fix = "restore the source row the build stored, or accept the change: hsbuild resume BUILD " \
+              "--accept-source-changes (the sample is extracted again)"
+        if row is None:
+            return Rejected("source_gone", f"its row is no longer in the build's source; {fix}")
+        if row.kind != "conversation":
+            return Rejected("not_a_conversation", f"its source row (row {row.row}) holds {row.kind}, not a "
+                                                  "conversation")
+        if row.fingerprint is None:
+            return Rejected("source_unreadable", f"its source row (row {row.row}) cannot be read as the build "
+                                                 f"read it: {row.problem}")
+        if row.fingerprint != e["fingerprint"]:
+            return Rejected("source_changed", f"its source row (row {row.row}) changed since the build stored it "
+                                              f"(fingerprint {row.fingerprint}, the log's {e['fingerprint']}); {fix}")
+        stored, source = e.get("num_tokens"), e.get("source_tokens")
+        if not self._regen[0] and stored is not None and source is not None and int(stored) < int(source):
+            return Rejected("truncated", f"stored {stored} of its {source} tokens (--max-tokens): its last "
+                                         "assistant turn may be cut short")
+        return None
+
+    def sample_path(self, index: int, sample_id: str) -> str:  # noqa: ARG002
+        return f"{ROWS}/{index // GROUP:05d}/{index:08d}.json"
+
+    def sample_bytes(self, s: Sample) -> bytes:
+        if self._build is None or s.sample_id not in self._messages:
+            raise Rejected("not_prepared", "the chat format was not prepared for this sample")
+        texts = [self._build.decode(run) for run in spans(s.input_ids.tolist(), s.loss_mask.tolist())]
+        regenerated, turns = self._regen
+        line: dict[str, object] = {"id": s.sample_id,
+                                   "messages": place(json.loads(self._messages[s.sample_id]), texts, regenerated,
+                                                     turns)}
+        if regenerated:
+            w = self._written.get(s.sample_id, {})
+            line.update({k: w[k] for k in ("finish_reason", "generated") if w.get(k) is not None})
+        return (json.dumps(line, ensure_ascii=False) + "\n").encode()
+
+    def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,  # noqa: ARG002
+                     draft_vocab_size: int | None) -> dict[str, bytes | Callable[[Path], None]]:
+        paths = [self.sample_path(r.index, r.sample_id) for r in rows]
+
+        def join(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                for rel in paths:
+                    f.write((out / rel).read_bytes())
+
+        return {JSONL: join}
+
+    def scan(self, root: Path) -> list[Path]:
+        base = root / ROWS
+        if not base.is_dir():
+            return []
+        return sorted(p for d in base.iterdir() if d.is_dir() for p in d.iterdir() if ROW_FILE.fullmatch(p.name))
