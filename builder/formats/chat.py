@@ -107,12 +107,14 @@ class Chat(TrainerFormat):
     states = False
     final_state = "post_norm"  # (asked of no build: it holds no states)
     layer_convention = "hf_hidden_states"
-    doc = DocRow(trainer="none: the build's conversations as text (OpenAI `messages`), for reading, filtering "
-                         "or training on the regenerated replies",
-                 files="`chat.jsonl` (line i = row i), joined from `rows/NNNNN/{i:08d}.json`",
-                 tensors="none: `id`, `messages` (the assistant turns decoded from the stored tokens and loss "
-                         "mask, the others the source row's); a regenerated build's `finish_reason`, `generated`",
-                 numbering="none", final_state="none", yields="none (no `HiddenStateDataset(format=)`)",
+    doc = DocRow(trainer="none: the build's conversations as text, for reading, filtering or a generation "
+                         "step (text only: `init` lists no trainer for it)",
+                 files="`chat.jsonl` (line i = row i), joined from `rows/{i//1000:05d}/{i:08d}.json` (one line "
+                       "each, what a re-run keeps)",
+                 tensors="none: a line is `id`, `messages` (OpenAI roles; the assistant turns decoded from the "
+                         "stored tokens' loss-mask runs, the others the source row's) and, for a regenerated "
+                         "build, `finish_reason` and `generated`",
+                 numbering="none", final_state="none (no states)", yields="none (no `HiddenStateDataset(format=)`)",
                  vocab="none")
 
     def __init__(self, **options: object):
