@@ -48,13 +48,15 @@ class ExportBuildView:
         return self._tokenizer
 
     def source_rows(self, sample_ids: Iterable[str]) -> tuple[bool, dict[str, SourceRow]]:
+        from builder.extract.build_meta import source_samples  # noqa: PLC0415
         from builder.extract.source_lookup import lookup_rows  # noqa: PLC0415
 
         source = Path(self.cfg.source)
         if not source.exists():
             raise SourceError(str(source), "the build's source is not there; if it moved, tell the build with "
                               f"`hsbuild resume {self.lay.root} --source NEWPATH`, else restore the file")
-        return lookup_rows(source, sample_ids, self.tokenizer)
+        # the source read as `init` reads it (its fingerprints are then the log's for every unchanged row)
+        return lookup_rows(source, sample_ids, source_samples(self.lay))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

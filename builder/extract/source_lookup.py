@@ -1,24 +1,20 @@
-"""Some samples' rows of a source as it is now, read as `init` reads them (extract/source.py): each row's sample
-id by the same rule, its kind (tokens, conversation, text), a conversation's messages (OpenAI form) and the
-fingerprint of its tokens as the chat template makes them. What `hsbuild export --format chat` takes the
-conversations from, and how it knows that a row is still the one the build stored (its fingerprint is the log's).
-"""
+"""Some samples' rows of a source as it is now: each one's kind (tokens, conversation, text), a conversation's
+messages (OpenAI form, as `init` normalizes them) and the fingerprint the source gives the sample now, taken from
+the source read exactly as `init` reads it (`build_meta.source_samples`, whatever the build's mode), so that a
+row is the one the build stored exactly when that fingerprint is the log's. What `hsbuild export --format chat`
+takes the conversations from."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-
-import numpy as np
 
 from builder.extract import chat
 from builder.extract.chat import CONVERSATION_FIELDS
-from builder.extract.samples import fingerprint
 from builder.extract.source import _open
-from builder.extract.source_checks import conversation_rows, failer, sample_ids
+from builder.extract.source_checks import conversation_rows
 from builder.extract.source_jsonl import JsonRows
-from builder.extract.source_rows import RowError, conversation, tokenize_conversation
 from builder.formats.base import SourceRow
 
 BATCH_ROWS = 8192
@@ -30,61 +26,40 @@ def _nulls(table, name: str) -> list[bool]:  # noqa: ANN001 - (a pyarrow Table)
     return table.column(name).is_null().to_pylist()
 
 
-def lookup_rows(path: str | Path, wanted: Iterable[str],
-                tokenizer: chat.Tokenizer | None) -> tuple[bool, dict[str, SourceRow]]:
-    """Whether the source has a conversation column, and the rows of the sample ids `wanted` (an id the source
-    no longer holds is absent; an id on two rows: the first, its `problem` naming the second). A conversation
-    row is tokenized with `tokenizer` as `init` does; one it cannot take says why in `problem`. SourceError
-    when the file cannot be read at all."""
+def lookup_rows(path: str | Path, wanted: Iterable[str], samples: Sequence) -> tuple[bool, dict[str, SourceRow]]:
+    """Whether the source at `path` has a conversation column, and the rows of the sample ids `wanted` (an id the
+    source no longer holds is absent). `samples`: the source's samples as `init` reads them (extract/source.py
+    `load_source`: ids, rows, fingerprints). SourceError when the file cannot be read."""
     path = Path(path)
     want = set(wanted)
-    found: dict[str, SourceRow] = {}
+    cols = samples.registry_columns() if hasattr(samples, "registry_columns") else None
+    if cols is not None:
+        ids, rows, fps = (cols[k].to_pylist() for k in ("sample_id", "row_idx", "fingerprint"))
+    else:
+        ids, rows, fps = [s.sample_id for s in samples], [s.row for s in samples], [s.fingerprint for s in samples]
+    found = {sid: SourceRow(sid, int(row), "none", fingerprint=fp)
+             for sid, row, fp in zip(ids, rows, fps, strict=True) if sid in want}
+    by_row = {r.row: r for r in found.values()}
     has_conversations = False
     with contextlib.ExitStack() as stack:
-        kind, types, batches = _open(path, BATCH_ROWS, stack)
-        fail, _ = failer(path, kind)
+        kind, _, batches = _open(path, BATCH_ROWS, stack)
         json_rows = JsonRows(path) if kind == "json" else None
         row0 = 0
         for table in batches:
             n = table.num_rows
             has_conversations |= any(c in table.column_names for c in CONVERSATION_FIELDS)
-
-            def fail_here(i: int, field: str, msg: str, *a: object, _row0: int = row0) -> RowError:
-                return fail(_row0 + i, field, msg, *a)
-
-            ids = sample_ids(path, kind, table, types, fail_here, row0).to_pylist()
-            mine = [i for i, sid in enumerate(ids) if sid in want]
+            mine = [r for r in range(row0, row0 + n) if r in by_row]
             if mine:
-                convs = conversation_rows(path, kind, table, row0, json_rows)
-                no_ids, no_mask, no_text = (_nulls(table, c) for c in ("input_ids", "loss_mask", "text"))
-                for i in mine:
-                    sid = ids[i]
-                    if sid in found:
-                        found[sid].problem = f"id {sid!r} is on two rows of the source ({found[sid].row} and " \
-                                             f"{row0 + i})"
-                        found[sid].fingerprint = None
-                        continue
-                    conv = convs[i] if convs is not None else {}
-                    if not no_ids[i]:
-                        found[sid] = SourceRow(sid, row0 + i, "tokens")
-                    elif any(conv.get(c) is not None for c in CONVERSATION_FIELDS):
-                        found[sid] = _conversation(sid, row0 + i, conv, not no_mask[i], tokenizer, fail_here, i)
-                    else:
-                        found[sid] = SourceRow(sid, row0 + i, "text" if not no_text[i] else "none")
+                convs = conversation_rows(path, kind, table, row0, json_rows) or [{}] * n
+                no_ids, no_text = _nulls(table, "input_ids"), _nulls(table, "text")
+                for r in mine:
+                    i, got = r - row0, by_row[r]
+                    column = next((c for c in CONVERSATION_FIELDS if convs[i].get(c) is not None), None)
+                    if not no_ids[i]:  # explicit tokens win over a conversation, as in `init`
+                        got.kind = "tokens"
+                    elif column is not None:
+                        got.kind, got.messages = "conversation", chat.normalize(column, convs[i][column])
+                    elif not no_text[i]:
+                        got.kind = "text"
             row0 += n
     return has_conversations, found
-
-
-def _conversation(sid: str, row: int, conv: dict, has_mask: bool, tok: chat.Tokenizer | None, fail,  # noqa: ANN001
-                  i: int) -> SourceRow:
-    try:
-        _, messages = conversation({**conv, "loss_mask": 1 if has_mask else None})
-        ids, mask, _ = tokenize_conversation(i, conv, has_mask, tok, fail)
-    except RowError as e:
-        return SourceRow(sid, row, "conversation", problem=str(e))
-    except chat.ConversationError as e:
-        return SourceRow(sid, row, "conversation", problem=e.message)
-    except ValueError as e:  # (a FieldError: tokenize_conversation names the same field first)
-        return SourceRow(sid, row, "conversation", problem=str(e))
-    return SourceRow(sid, row, "conversation", messages,
-                     fingerprint(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)))

@@ -8,11 +8,10 @@ are what the draft trains on: the source's own turns in an ordinary build, the t
 one. The other messages (system, user, tool) are the source row's, read from the build's source, which must
 still hold the row the build stored: the fingerprint of its tokens (tokenized as `init` does) is the log's.
 
-The turns are put in place of the source's assistant turns, in order: as many runs as assistant turns, each in
-its place (an ordinary build whose template masks no token of an empty assistant turn: as many runs as
-assistant turns with text); a build regenerated with `--turns last`: its one run is the final assistant turn
-(appended when the source ended with another role); `--turns all` ending on a user turn: the runs beyond the
-source's assistant turns, one, appended. Where the runs and the turns cannot be matched so, or the source row is
+The turns are put in place of the source's assistant turns, in order (`turn_slots`): an ordinary build's runs
+are its assistant turns (or those with text, where the template masks no token of an empty one); a regenerated
+build's are the turns the regeneration generated: every assistant turn, and one appended when the conversation
+ends on another role (`--turns last`: the final of these only). Where the runs and the turns cannot be matched so, or the source row is
 gone, changed, or not a conversation, or the stored tokens were cut short by `--max-tokens`, the sample is not
 exported: it is named in the report with its reason (exit 1), as a damaged sample is, and never guessed. A
 build whose source holds no conversation at all is refused whole (exit 2, nothing written).
@@ -64,39 +63,42 @@ def regeneration(meta: dict) -> tuple[bool, str | None]:
     return bool(regen), (str(turns) if turns is not None else None)
 
 
+def turn_slots(messages: list[dict], regenerated: bool, turns: str | None, runs: int) -> list[int] | None:
+    """Where the `runs` decoded turns go, in order: positions in `messages` (len(messages): appended), or None
+    where they cannot be matched. A regenerated build's turns are its assistant messages and, when the
+    conversation ends on another role, one appended (`--turns last`: the final of these only), as the
+    regeneration chose them (builder/extract/prompts.py `targets`). An ordinary build's are its assistant
+    messages, or those with text where the template masks no token of an empty one."""
+    asst = [i for i, m in enumerate(messages) if m["role"] in ANSWERED]
+    if regenerated:
+        slots = asst + ([] if messages and messages[-1]["role"] in ANSWERED else [len(messages)])
+        slots = slots[-1:] if turns == "last" else slots
+        return slots if runs == len(slots) else None
+    if runs == len(asst):
+        return asst
+    with_text = [i for i in asst if messages[i].get("content")]
+    return with_text if runs == len(with_text) else None
+
+
 def place(messages: list[dict], texts: list[str], regenerated: bool, turns: str | None) -> list[dict]:
-    """The conversation with its assistant turns' text replaced by `texts` (see the module's docstring); raises
-    Rejected where they cannot be matched."""
+    """The conversation with its assistant turns' text replaced by `texts` (see `turn_slots`); a regenerated
+    turn is the model's text alone (the source's tool calls are not its), an ordinary build's keeps its other
+    keys. Raises Rejected where they cannot be matched."""
+    slots = turn_slots(messages, regenerated, turns, len(texts))
+    if slots is None:
+        asst = sum(m["role"] in ANSWERED for m in messages)
+        what = f"a build regenerated with --turns {turns}" if regenerated else "an ordinary build"
+        raise Rejected("turns_mismatch", f"its stored loss mask holds {len(texts)} assistant run(s) but its "
+                                         f"source conversation has {asst} assistant turn(s) ({what}); they "
+                                         "cannot be matched")
     out = [dict(m) for m in messages]
-    asst = [i for i, m in enumerate(out) if m["role"] in ANSWERED]
-    n = len(texts)
-
-    def turn(i: int, text: str) -> None:
-        out[i] = {"role": "assistant", "content": text} if regenerated else {**out[i], "content": text}
-
-    if regenerated and turns == "last":
-        if n != 1:
-            raise Rejected("turns_mismatch", f"holds {n} runs of generated tokens where a build regenerated with "
-                                             "--turns last has one")
-        if asst and asst[-1] == len(out) - 1:
-            turn(asst[-1], texts[0])
+    for i, text in sorted(zip(slots, texts, strict=True), reverse=True):
+        turn = {"role": "assistant", "content": text} if regenerated else {**out[i], "content": text}
+        if i == len(out):
+            out.append(turn)
         else:
-            out.append({"role": "assistant", "content": texts[0]})
-        return out
-    slots = asst
-    if not regenerated and n != len(asst):  # a template that masks no token of an empty assistant turn
-        slots = [i for i in asst if out[i].get("content")]
-    if n == len(slots):
-        for i, text in zip(slots, texts, strict=True):
-            turn(i, text)
-        return out
-    if regenerated and n == len(asst) + 1 and out and out[-1]["role"] not in ANSWERED:
-        for i, text in zip(asst, texts, strict=False):
-            turn(i, text)
-        out.append({"role": "assistant", "content": texts[-1]})
-        return out
-    raise Rejected("turns_mismatch", f"its stored loss mask holds {n} assistant run(s) but its source "
-                                     f"conversation has {len(asst)} assistant turn(s); they cannot be matched")
+            out[i] = turn
+    return out
 
 
 class Chat(TrainerFormat):
