@@ -54,13 +54,12 @@ def spans(ids: list[int], mask: list[int]) -> list[list[int]]:
 
 
 def regeneration(meta: dict) -> tuple[bool, str | None]:
-    """(whether the build was made with `init --regenerate`, its `--turns`: "all" | "last"), from its metadata."""
-    gen = meta.get("generation") if isinstance(meta.get("generation"), dict) else {}
-    regen = meta.get("regenerate")
-    if isinstance(regen, dict):  # the settings recorded under the flag's own name
-        gen, regen = regen, True
-    turns = meta.get("turns", gen.get("turns"))
-    return bool(regen), (str(turns) if turns is not None else None)
+    """(whether the build was made with `init --regenerate`, its `--turns`: "all" | "last"), from its metadata
+    (the contract of issue 43: meta `regenerate` true and the settings beside it)."""
+    if meta.get("regenerate") is not True:
+        return False, None
+    turns = meta.get("turns")
+    return True, (str(turns) if turns is not None else None)
 
 
 def turn_slots(messages: list[dict], regenerated: bool, turns: str | None, runs: int) -> list[int] | None:

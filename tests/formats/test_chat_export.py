@@ -273,8 +273,8 @@ def _regenerates() -> bool:
 
 
 @hf
-@pytest.mark.skipif(not _regenerates(), reason="waits for `init --regenerate` (branch i43-regen: init_build's "
-                                               "regenerate=, turns=, max_new_tokens=)")
+@pytest.mark.skipif(not _regenerates(), reason="waits for the merge of i43-regen (`init --regenerate`: "
+                                               "init_build's regenerate=, turns=, max_new_tokens=)")
 @pytest.mark.parametrize("turns", ["all", "last"])
 def test_a_regenerated_build_exports_the_models_turns(tmp_path, turns):
     import transformers  # noqa: PLC0415
