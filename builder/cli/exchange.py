@@ -121,8 +121,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             ids = getattr(report, what)
             if ids:
                 print(f"{what}: " + ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else ""))
-        conv = ids_name(registry.get(report.format).layer_convention)
-        print(f"aux layers ({conv}): {report.layer_ids}; final state {report.final_state.replace('_', '-')}")
+        fmt = registry.get(report.format)
+        if fmt.states:  # (a format of text holds no states)
+            print(f"aux layers ({ids_name(fmt.layer_convention)}): {report.layer_ids}; final state "
+                  f"{report.final_state.replace('_', '-')}")
         if report.layer_flag:  # not the trainer's default layers: it must be told
             print(f"{report.format} must be told these layers: {report.layer_flag}")
         if report.lossy:
@@ -146,6 +148,8 @@ def _print_not_exported(left: list[dict], b: str) -> None:
         print(f"... and {len(left) - 50} more (--json lists them all)", file=sys.stderr)
     if any(d["state"] == "damaged" for d in left):
         print(f"repair: hsbuild verify {b} && hsbuild resume {b}, then run this export again", file=sys.stderr)
+    elif all(d["state"] == "refused" for d in left):  # the format says why (and what to do) in each message
+        return
     else:
         print(f"extract them: hsbuild resume {b} (one that can never succeed leaves the selection with: hsbuild "
               f"skip {b} ID --reason WHY), then run this export again", file=sys.stderr)

@@ -4,8 +4,8 @@ invariants").
 
 - The selection is taken afresh on every run: the build's samples but the retired ones (skipped, removed from
   the source), in source-row order, then `--subset n/t` and `--limit N`. Each live one is in the export; every
-  other one (not yet written, failed, damaged) is named in the report (exit 1), and the first run after its
-  repair exports it.
+  other one (not yet written, failed, damaged, or refused by its format: `TrainerFormat.prepare`, e.g. a chat
+  sample whose source row changed) is named in the report (exit 1), and the first run after its repair exports it.
 - Row i of the export is the i-th exported sample: SpecForge's `data_{i}`, speculators' `hs_{i}` and its Arrow
   row i (speculators' loader maps row i to `hs_{i}` and nothing else). A sample that leaves or joins before a
   file renumbers it: the file is moved, never rewritten (a file's bytes never depend on its number).
@@ -57,6 +57,7 @@ from builder.exchange.export_files import JOURNAL, JOURNAL_VERSION, STAGING, TMP
 from builder.exchange.export_readonly import ReadOnlyBuild
 from builder.exchange.export_reconcile import LIVE, Reconcile
 from builder.exchange.export_space import check_target
+from builder.exchange.export_view import ExportBuildView
 from builder.formats import make_format
 from builder.formats.build_info import BuildInfo
 from builder.formats.lossy import export_lossy
@@ -125,7 +126,8 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
     lay = layout(build).require()
     fmt = make_format(opts.format, exports=True, max_len=opts.max_len, compress=opts.compress)
     info = BuildInfo.load(lay)
-    info.require(fmt.final_state)
+    if fmt.states:
+        info.require(fmt.final_state)
     out = Path(out).absolute()
     if out == lay.root or lay.root in out.parents:
         raise UsageError(f"{out}: inside the build; export to a directory outside {lay.root}")
@@ -141,8 +143,8 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
                           f"vocabulary size {info.vocab_size}")
     wm = (opts.watermarks or load_config(lay).watermarks).validate()
     export_id = uuid.uuid4().hex
-    report = ExportReport(export_id, str(out), fmt.name, final_state=fmt.final_state,
-                          layer_ids=info.layer_ids()[fmt.layer_convention][:-1])
+    report = ExportReport(export_id, str(out), fmt.name, final_state=fmt.final_state if fmt.states else "",
+                          layer_ids=info.layer_ids()[fmt.layer_convention][:-1] if fmt.states else [])
     t0 = time.monotonic()
     with ExitStack() as stack:
         # the owner session: lock, log, queries, stall watch and Ctrl-C (builder/log/session.py): the first SIGINT
@@ -167,8 +169,9 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
             raise FormatError(f"{lay.root}: no written samples to export"
                               + (f" in --subset {opts.subset}" if opts.subset else "")
                               + "; run `hsbuild run` first, or see `hsbuild status`")
-        report.layer_flag = info.layer_flag(fmt.name)
+        report.layer_flag = info.layer_flag(fmt.name) if fmt.states else None
         job = Reconcile(str(lay.root), out, fmt, info, SegmentReader(lay.data), opts, wm, report)
+        job.view = ExportBuildView(lay, log.query_dicts, log.meta)
         job.lossy = lambda ids: export_lossy(out, info, lambda sql: log.query(sql)[1], ids, fmt.final_state)
         job.run(sel, head, loaded)
         report.seconds = time.monotonic() - t0
@@ -182,7 +185,7 @@ def export_build(build: str | Path, out: str | Path, opts: ExportOptions) -> Exp
             renumbered=report.renumbered,
             not_exported=len(left_out), not_exported_ids=left_out[:100], bytes=report.bytes_written,
             damaged=[d["sample_id"] for d in report.damaged], complete=report.complete,
-            layer_ids=report.layer_ids, final_state=fmt.final_state, pid=os.getpid()))])
+            layer_ids=report.layer_ids, final_state=report.final_state, pid=os.getpid()))])
     return report
 
 
@@ -191,7 +194,8 @@ def _selection(log: EventLog, opts: ExportOptions) -> list[dict]:
     """The samples this export covers, in export order: every sample but the retired ones, by source row, then
     --subset and --limit."""
     rows = log.query_dicts("SELECT sample_id, row_idx, fingerprint, state, error, segment, token_start, num_tokens, "
-                           "checksums FROM samples WHERE state <> 'retired' ORDER BY row_idx, sample_id")
+                           "checksums, source_tokens FROM samples WHERE state <> 'retired' "
+                           "ORDER BY row_idx, sample_id")
     if opts.subset:
         n, t = parse_subset(opts.subset)
         rows = [r for r in rows if stable_part(r["sample_id"], t) == n - 1]

@@ -41,7 +41,7 @@ from builder.exchange.export_files import (
     write_file,
 )
 from builder.exchange.export_space import bytes_per_token, preflight
-from builder.formats.base import Exported, Sample, TrainerFormat
+from builder.formats.base import BuildView, Exported, Rejected, Sample, TrainerFormat
 from builder.formats.build_info import BuildInfo
 from builder.fsutil import fsync_path, fsync_paths
 from builder.progress import NoProgress
@@ -55,6 +55,7 @@ NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)  # OUT cannot be written: a 
 SAVE_EVERY_S = 2.0  # the journal vouches for new files at least this often (and at most 10% of the time)
 HASH_THREADS = min(8, os.cpu_count() or 1)  # kept files checked side by side on a re-run
 TOKEN_CACHE = 1 << 24  # tokens (ids and mask) kept from the first read for the dataset-wide files; beyond: read again
+TEXT_BYTES_PER_TOKEN = 16  # a format of text (no states, `TrainerFormat.states` False): its files, about, a token
 
 
 def _fingerprint(e: dict) -> str:
@@ -102,6 +103,7 @@ class Reconcile:
         self.unproven: dict[str, str] = {}  # sample id -> fingerprint: vouched for, but its file is not whole
         self.unsaved: list[str] = []  # sample ids whose files were written since the last save, in order
         self.vouched = 0  # the files the journal on disk vouches for
+        self.view: BuildView | None = None  # the build, for a format that asks more of it (TrainerFormat.prepare)
 
     # -- the journal ---------------------------------------------------------------------------------------------
 
@@ -204,12 +206,18 @@ class Reconcile:
         rep.selected = len(sel)
         live = [e for e in sel if e["state"] in LIVE]
         rep.not_exported = [_not_written(e) for e in sel if e["state"] not in LIVE]
+        refused = self.fmt.prepare(self.view, live) if self.view is not None else {}  # (FormatError: nothing written)
+        for e in live:
+            if e["sample_id"] in refused:
+                self._refused(e["sample_id"], refused[e["sample_id"]])
+        live = [e for e in live if e["sample_id"] not in refused]
         fps = {e["sample_id"]: _fingerprint(e) for e in live}
         kept = {e["sample_id"] for e in live if e["sample_id"] in self.entries
                 and self.entries[e["sample_id"]].fp == fps[e["sample_id"]]}
         todo = [e for e in live if e["sample_id"] not in kept]
 
-        preflight(out, sum(int(e["num_tokens"]) for e in todo) * bytes_per_token(self.info), self.wm, self.opts)
+        per_token = bytes_per_token(self.info) if fmt.states else TEXT_BYTES_PER_TOKEN
+        preflight(out, sum(int(e["num_tokens"]) for e in todo) * per_token, self.wm, self.opts)
         self.head = {**head, "created_at": created or time.time()}
         if j is None:
             new_dir = not out.exists()
@@ -252,7 +260,13 @@ class Reconcile:
             if s is None:
                 self.progress.update(done=1, note="damaged")
                 continue
-            data = fmt.sample_bytes(s)
+            try:
+                data = fmt.sample_bytes(s)
+            except Rejected as why:  # the format cannot export this one (it says why): left out, named
+                self._refused(sid, why)
+                damaged.add(sid)
+                self.progress.update(done=1, note="refused")
+                continue
             target = fmt.sample_path(row, sid)
             rel = target if target not in occupied else staged_path(sid, fps[sid])
             rep.pauses += export_space.wait_for_space(out, len(data), self.wm, self.opts, self.progress)
@@ -302,8 +316,20 @@ class Reconcile:
         self.report.not_exported.append(d)
         damaged.add(sid)
 
+    def _refused(self, sid: str, why: Rejected) -> None:
+        self.report.not_exported.append({"sample_id": sid, "state": "refused", "reason": why.reason,
+                                         "message": str(why)})
+
     def _read(self, e: dict, index: int, damaged: set[str]) -> Sample | None:
         try:
+            if not self.fmt.states:  # a format of text: the tokens and mask only
+                import torch  # noqa: PLC0415
+
+                raw = self.reader.read_raw(e["segment"], e["token_start"], e["num_tokens"], e["checksums"],
+                                           fields=("input_ids", "loss_mask"))
+                return Sample(e["sample_id"], int(e["row_idx"]), index,
+                              torch.from_numpy(raw["input_ids"].astype(np.int64)),
+                              torch.from_numpy(raw["loss_mask"].astype(np.int64)), torch.empty(0), torch.empty(0))
             t = self.reader.read(e["segment"], e["token_start"], e["num_tokens"], e["checksums"])
         except DamagedSampleError as err:
             self._damaged(e["sample_id"], err, damaged)

@@ -76,6 +76,11 @@ class BuiltinTokenizer:
 
     __call__ = encode
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, its special tokens (0, 1 = BOS, 2) skipped; bytes that are not UTF-8 become U+FFFD."""
+        return bytes((i - 3) % self.vocab for i in ids if i > 2 and (i - 3) % self.vocab < 256).decode(
+            "utf-8", errors="replace")
+
     def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         raise ConversationError("the built-in model has no chat template; conversation rows need a model with one "
                                 "(--model HF_DIR)")
@@ -163,6 +168,11 @@ class HfTokenizer:
 
     def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         return hf_chat(self._load(), messages, f"the tokenizer of --model '{self.path}'")
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` as the tokenizer decodes it, its special tokens skipped (an end of turn, BOS) and
+        nothing else changed (no clean-up of the spaces around punctuation)."""
+        return self._load().decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def check_dtype_and_final_state(dtype: str, final_state: str) -> None:

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:  # (torch: imported by the methods that make or read a tensor, never by importing a format)
     import torch
@@ -71,6 +71,43 @@ class Rejected(ValueError):  # noqa: N818 - a file that is not a usable sample: 
         self.reason = reason
 
 
+@dataclass
+class SourceRow:
+    """A build sample's row of the source as it is now (`BuildView.source_rows`): `kind` "conversation", "tokens"
+    or "text"; for a conversation, its messages (OpenAI form, as `init` read them) and the fingerprint of its
+    tokens as `init` makes them (the build's fingerprint when the row is unchanged). `problem`: why the row
+    cannot be read or tokenized now (then `fingerprint` is None)."""
+
+    sample_id: str
+    row: int
+    kind: str
+    messages: list[dict] | None = None
+    fingerprint: str | None = None
+    problem: str | None = None
+
+
+class BuildView(Protocol):
+    """What export lends a format that needs more of the build than a sample's arrays (`TrainerFormat.prepare`);
+    each part is read only when asked for."""
+
+    def meta(self) -> dict:
+        """The build's metadata, as `init` recorded it."""
+        ...
+
+    def source_rows(self, sample_ids: Iterable[str]) -> tuple[bool, dict[str, SourceRow]]:
+        """Whether the build's source holds any conversation, and these samples' rows in it now (a sample whose
+        id is no longer in the source is absent). SourceError when the source cannot be read."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text with the build's tokenizer, special tokens skipped."""
+        ...
+
+    def written(self, sample_ids: Iterable[str]) -> dict[str, dict]:
+        """The detail of each sample's `written` event (the one its stored states are from)."""
+        ...
+
+
 @dataclass(frozen=True)
 class DocRow:
     """A format's row of the trainer-format table in docs/design.md (section 13), in Markdown, column by column
@@ -94,6 +131,10 @@ class TrainerFormat:
     summary: ClassVar[str]  # its files and who writes them, one phrase (`hsbuild export/import --help`)
     doc: ClassVar[DocRow]
     exports: ClassVar[bool] = True  # `hsbuild export` writes it, HiddenStateDataset(format=) yields its items
+    # its files hold hidden states (a trainer's format: `init` lists it among the trainers a build feeds,
+    # HiddenStateDataset(format=) yields its items). False: text from the stored tokens and loss mask only (the
+    # export reads no states; no final state or layer numbering is asked of the build)
+    states: ClassVar[bool] = True
     imports: ClassVar[bool] = True  # `hsbuild import` reads its dumps
     final_state: str = "post_norm"  # the final state its files and items hold: "post_norm" or "pre_norm"
     # what every file of its dumps holds, as its trainer's tools write them: an import of a "post_norm" dump into
@@ -124,6 +165,14 @@ class TrainerFormat:
         raise NotImplementedError(f"{cls.name}: names no layer flag")
 
     # -- export (and HiddenStateDataset(format=)) -----------------------------------------------------------
+    def prepare(self, build: BuildView, samples: list[dict]) -> dict[str, Rejected]:
+        """Called once by export, before anything is written, with the build and its live selected samples (the
+        `samples` view's sample_id, row_idx, fingerprint, source_tokens, num_tokens...): the samples this format
+        cannot export (id -> Rejected(reason, message)), left out and named in the report as a damaged sample
+        is. Raise FormatError to refuse the whole export (nothing written). `sample_bytes` may also raise
+        Rejected for one sample. Default: every sample can be exported."""
+        return {}
+
     def item(self, s: Sample) -> dict[str, torch.Tensor]:
         """Exactly what the trainer's own dataset yields for this sample."""
         raise NotImplementedError(f"{self.name}: an import-only format")

@@ -80,9 +80,10 @@ class BuildInfo:
         return want == self.final_state or (want == "post_norm" and self.norm_file is not None)
 
     def trainers(self) -> dict[str, str | None]:
-        """Each trainer hsbuild exports to: None when this build can feed it, else why not and what fixes it."""
+        """Each trainer hsbuild exports to (the formats that hold hidden states): None when this build can feed
+        it, else why not and what fixes it."""
         out: dict[str, str | None] = {}
-        for fmt in registry.formats(exports=True):
+        for fmt in registry.formats(exports=True, states=True):
             name, want = fmt.name, fmt.final_state
             if self.derives(want):
                 out[name] = None

@@ -28,6 +28,7 @@ BUILTIN = {  # in the order the CLI, `init` and the docs list them
     "speculators": "builder.formats.speculators:Speculators",
     "modelopt": "builder.formats.modelopt:ModelOpt",
     "pt": "builder.formats.pt:PlainPt",
+    "chat": "builder.formats.chat:Chat",
 }
 # options a caller always passes, with a default (`hsbuild import --dump-final-state`): given to the formats that
 # take them, left out for the others (whose files say it)
@@ -88,31 +89,34 @@ def unregister(name: str) -> None:
     _write(extra)
 
 
-def names(exports: bool | None = None, imports: bool | None = None) -> list[str]:
-    """The registered formats (those that export, or import, when asked), in order."""
-    return [f.name for f in formats(exports, imports)]
+def names(exports: bool | None = None, imports: bool | None = None, states: bool | None = None) -> list[str]:
+    """The registered formats (those that export, or import, or hold hidden states, when asked), in order."""
+    return [f.name for f in formats(exports, imports, states)]
 
 
-def formats(exports: bool | None = None, imports: bool | None = None) -> list[type[TrainerFormat]]:
-    """The registered formats' classes (those that export, or import, when asked), in order."""
-    return [f for f in (get(n) for n in _targets()) if _is(f, exports, imports)]
+def formats(exports: bool | None = None, imports: bool | None = None,
+            states: bool | None = None) -> list[type[TrainerFormat]]:
+    """The registered formats' classes (those that export, or import, or hold hidden states, when asked), in
+    order."""
+    return [f for f in (get(n) for n in _targets()) if _is(f, exports, imports, states)]
 
 
 def get(name: str, flag: str = "--format", exports: bool | None = None,
-        imports: bool | None = None) -> type[TrainerFormat]:
+        imports: bool | None = None, states: bool | None = None) -> type[TrainerFormat]:
     """The class of format `name`; FormatError naming the choices for a name not registered (or registered but
-    not one that exports, or imports, when asked)."""
+    not one that exports, or imports, or holds hidden states, when asked)."""
     target = _targets().get(name)
     cls = None if target is None else _classes.get((name, target))
     if target is not None and cls is None:
         cls = _classes[(name, target)] = _load(name, target)
-    if cls is None or not _is(cls, exports, imports):
-        raise FormatError(f"{flag} {name}: use one of {', '.join(names(exports, imports))}")
+    if cls is None or not _is(cls, exports, imports, states):
+        raise FormatError(f"{flag} {name}: use one of {', '.join(names(exports, imports, states))}")
     return cls
 
 
-def _is(cls: type[TrainerFormat], exports: bool | None, imports: bool | None) -> bool:
-    return (exports is None or cls.exports == exports) and (imports is None or cls.imports == imports)
+def _is(cls: type[TrainerFormat], exports: bool | None, imports: bool | None, states: bool | None) -> bool:
+    return ((exports is None or cls.exports == exports) and (imports is None or cls.imports == imports)
+            and (states is None or cls.states == states))
 
 
 def _load(name: str, target: str) -> type[TrainerFormat]:
@@ -130,10 +134,10 @@ def _load(name: str, target: str) -> type[TrainerFormat]:
 
 
 def make_format(name: str, *, flag: str = "--format", exports: bool | None = None, imports: bool | None = None,
-                **options: object) -> TrainerFormat:
-    """Format `name` (one that exports, or imports, when asked), with its options (an option given as None is
-    not given). FormatError for an unknown name or an option the format does not take."""
-    cls = get(name, flag, exports, imports)
+                states: bool | None = None, **options: object) -> TrainerFormat:
+    """Format `name` (one that exports, or imports, or holds hidden states, when asked), with its options (an
+    option given as None is not given). FormatError for an unknown name or an option the format does not take."""
+    cls = get(name, flag, exports, imports, states)
     given = {k: v for k, v in options.items() if v is not None and (k in cls.options or k not in DEFAULTED)}
     for key in given:
         if key not in cls.options:

@@ -28,8 +28,8 @@ class HiddenStateDataset(Dataset):
     """Items are dicts: sample_id, input_ids (int64 [n]), loss_mask (int64 [n]), hidden_state [n, H] and
     aux_hidden_state [n, n_aux*H] in the build's logical dtype (bfloat16 restored bit-exact).
 
-    With `format=F` (a format that exports: "specforge", "speculators", "modelopt", or one registered with
-    `builder.formats.register`) an item is exactly the dict that trainer's own
+    With `format=F` (a trainer's format that exports: "specforge", "speculators", "modelopt", or one registered
+    with `builder.formats.register`; not "chat", whose lines are text) an item is exactly the dict that trainer's own
     dataset yields for the same sample (its keys, shapes, dtypes, layer order and final state before or after
     the norm; `max_len` truncates as specforge's dataset does; modelopt's items are its dataset's with
     answer_only_loss=True, the build's own loss mask), so a training script swaps its
@@ -47,7 +47,8 @@ class HiddenStateDataset(Dataset):
         self.format = None
         self._info: BuildInfo | None = None
         if format is not None:
-            self.format = registry.make_format(format, flag="format", exports=True, max_len=max_len)
+            self.format = registry.make_format(format, flag="format", exports=True, states=True,
+                                               max_len=max_len)
             self.info.require(self.format.final_state)
         elif max_len is not None:
             takers = [f.name for f in registry.formats(exports=True) if "max_len" in f.options]

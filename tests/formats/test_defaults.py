@@ -158,7 +158,7 @@ def test_the_trainer_tables_are_the_trainers_own(monkeypatch):
     providers = trainer("specforge.algorithms.model_providers")
     mutils = trainer("speculators.models.utils")
     eagle = trainer("modelopt.torch.speculative.plugins.hf_eagle")
-    assert registry.names(exports=True) == list(TRAINERS)
+    assert registry.names(exports=True, states=True) == list(TRAINERS)
     default = {name: registry.get(name).default_layers for name in TRAINERS}
     for n in range(4, 81):
         cfg = SimpleNamespace(model=SimpleNamespace(aux_hidden_state_layer_ids=None))

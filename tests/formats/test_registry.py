@@ -89,21 +89,21 @@ def test_a_format_from_one_file_exports_and_imports_back_bit_exact(tmp_path, toy
 
 
 def test_the_cli_the_dataset_and_init_ask_the_registry(tmp_path, toy):
-    assert format_choices("export") == ["specforge", "speculators", "modelopt", toy]
+    assert format_choices("export") == ["specforge", "speculators", "modelopt", "chat", toy]
     assert format_choices("import") == ["specforge", "speculators", "modelopt", "pt", toy]
     cp = hsbuild("export", "--help")
     assert "toy: samples/NNNNN.safetensors + index.json" in " ".join(cp.stdout.split()), cp.stdout
     unregister(toy)
-    assert format_choices("export") == ["specforge", "speculators", "modelopt"]
+    assert format_choices("export") == ["specforge", "speculators", "modelopt", "chat"]
     assert registry.names(imports=True) == ["specforge", "speculators", "modelopt", "pt"]
-    with pytest.raises(FormatError, match=r"^--format toy: use one of specforge, speculators, modelopt, pt$"):
+    with pytest.raises(FormatError, match=r"^--format toy: use one of specforge, speculators, modelopt, pt, chat$"):
         make_format(toy)
     # another process (the CLI, a run's workers) learns a format from the environment `register` sets
     register(toy, TOY)
     assert os.environ[registry.ENV] == f"toy={TOY}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "formats")])}
     cp = hsbuild_proc("export", "--help", env=env)
-    assert cp.returncode == 0 and "{specforge,speculators,modelopt,toy}" in cp.stdout, cp.stdout + cp.stderr
+    assert cp.returncode == 0 and "{specforge,speculators,modelopt,chat,toy}" in cp.stdout, cp.stdout + cp.stderr
     # an exporting format is one `init` lists among the trainers a build feeds
     src = write_jsonl(tmp_path / "s.jsonl", random_rows(2, seed=1))
     b = init_build(tmp_path / "b", src, model=MODEL, watermarks=ROOMY).root
@@ -132,7 +132,7 @@ def test_format_modules_are_read_without_torch():
     env = {k: v for k, v in os.environ.items() if k != registry.ENV}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
                          cwd=ROOT, timeout=60).stdout
-    assert out.strip() == "['specforge', 'speculators', 'modelopt', 'pt'] [False, False, False]"
+    assert out.strip() == "['specforge', 'speculators', 'modelopt', 'pt', 'chat'] [False, False, False]"
 
 
 def test_registrations_and_options_are_checked_in_one_line(monkeypatch):
@@ -155,7 +155,9 @@ def test_registrations_and_options_are_checked_in_one_line(monkeypatch):
     monkeypatch.delenv(registry.ENV)
     with pytest.raises(FormatError, match=r"^--compress: only --format specforge takes it \(not speculators\)$"):
         make_format("speculators", compress=3)
-    with pytest.raises(FormatError, match=r"^--format pt: use one of specforge, speculators, modelopt$"):
+    with pytest.raises(FormatError, match=r"^--format pt: use one of specforge, speculators, modelopt, chat$"):
         make_format("pt", exports=True)
+    with pytest.raises(FormatError, match=r"^--format chat: use one of specforge, speculators, modelopt$"):
+        make_format("chat", exports=True, states=True)  # (a dataset's items, init's trainers: formats of states)
     assert make_format("pt", final_state="pre_norm").final_state == "pre_norm"
     assert make_format("specforge", final_state="pre_norm").final_state == "post_norm"  # its files always say
