@@ -92,11 +92,11 @@ class _Registered:
 def _load(path: Path, tokenizer: Tokenizer | None, vocab_size: int | None,
           registered: Callable[[str, str], bool] | None, batch_rows: int, buffers: TokenBuffers) -> SourceSamples:
     with contextlib.ExitStack() as stack:
-        kind, types, batches = _open(path, batch_rows, stack)
+        kind, types, batches = open_batches(path, batch_rows, stack)
         return _load_batches(path, kind, batches, types, tokenizer, vocab_size, registered, buffers)
 
 
-def _open(path: Path, batch_rows: int,
+def open_batches(path: Path, batch_rows: int,
           stack: contextlib.ExitStack) -> tuple[str, dict[str, str], Iterable[pa.Table]]:
     """The source's kind ('json', 'parquet', 'arrow'), its column types and its batches of rows."""
     if not path.exists():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from builder.extract import chat
 from builder.extract.chat import CONVERSATION_FIELDS
-from builder.extract.source import _open
+from builder.extract.source import open_batches
 from builder.extract.source_checks import conversation_rows
 from builder.extract.source_jsonl import JsonRows
 from builder.formats.base import SourceRow
@@ -42,7 +42,7 @@ def lookup_rows(path: str | Path, wanted: Iterable[str], samples: Sequence) -> t
     by_row = {r.row: r for r in found.values()}
     has_conversations = False
     with contextlib.ExitStack() as stack:
-        kind, _, batches = _open(path, BATCH_ROWS, stack)
+        kind, _, batches = open_batches(path, BATCH_ROWS, stack)
         json_rows = JsonRows(path) if kind == "json" else None
         row0 = 0
         for table in batches:
