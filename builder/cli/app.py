@@ -383,7 +383,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from builder.extract.demo import write_demo_source  # noqa: PLC0415
+    from builder.extract.demo import write_demo_chats, write_demo_source  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import status_snapshot  # noqa: PLC0415
     from builder.run.coordinator import RunOptions, run_build  # noqa: PLC0415
@@ -409,6 +409,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if on_path and Path(hsb).exists() and Path(on_path).resolve() == Path(hsb).resolve():
         hsb = "hsbuild"
     print(f"next: {shlex.quote(hsb)} sql {shlex.quote(args.build)} \"SELECT state, count(*) FROM samples GROUP BY state\"")
+    # regeneration (docs/regenerate.md): the built-in model answers a few conversations, their states captured
+    chats = shlex.quote(str(write_demo_chats(lay.root / "demo-chats.jsonl")))
+    regen = shlex.quote(str(lay.root) + "-regen")
+    print(f"next: {shlex.quote(hsb)} init {regen} --source {chats} --regenerate --max-new-tokens 32 --force && "
+          f"{shlex.quote(hsb)} run {regen}   # the model's own responses, and their states, in one pass")
     return report.exit_code
 
 

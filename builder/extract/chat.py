@@ -2,7 +2,7 @@
 
 A tokenizer of hsbuild (`Tokenizer`) has `encode(text) -> ids` (a `text` row) and `chat(messages) -> (ids,
 mask)` (a conversation row; the mask is 1 on the assistant's tokens, and becomes the sample's `loss_mask`).
-The built-in model's tokenizer has no chat template: its `chat` refuses.
+The built-in model's tokenizer has a byte-level chat template of its own (extract/spec.py BuiltinTokenizer).
 
 A Hugging Face tokenizer renders the conversation with its own chat template. When the template marks the
 assistant's text with `{% generation %}` ... `{% endgeneration %}`, transformers' `assistant_masks` is the mask.

@@ -90,3 +90,13 @@ def test_a_model_without_a_chat_template(tmp_path, cli):
     model = make_model(tmp_path / "none", None)
     _refused(cli, tmp_path, "--source", write_jsonl(tmp_path / "c.jsonl", CHAT), "--model", model, "--regenerate",
              says=["--regenerate: the tokenizer of --model", "has no chat template"])
+
+
+def test_no_import_into_a_regenerating_build(tmp_path, cli):
+    """A regenerating build's responses are generated: a dump's states cannot be imported into it."""
+    cp = cli("init", tmp_path / "b", "--source", write_jsonl(tmp_path / "c.jsonl", CHAT), "--regenerate",
+             "--allow-overcommit")
+    assert cp.returncode == 0, cp.stderr
+    (tmp_path / "dump").mkdir()
+    cp = cli("import", tmp_path / "b", tmp_path / "dump", "--format", "pt")
+    assert cp.returncode == 2 and "is a regenerating build" in cp.stderr and "\n" not in cp.stderr.strip()
