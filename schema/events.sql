@@ -59,9 +59,11 @@ CREATE TABLE IF NOT EXISTS events (
                                       -- verify_finished: completed, damage_found, check_errors, continued;
                                       -- doctor: ok, warn, fail;
                                       -- superseded: source_changed, returned, unskipped;
-                                      -- retired: removed_from_source, skipped
+                                      -- retired: removed_from_source, skipped, at_token_limit (a regenerated
+                                      --   response that stopped at the token limit, --drop-truncated)
     detail      VARCHAR               -- JSON: free text, figures, configs (superseded/row_moved: {row};
-                                      --   retired: {note})
+                                      --   retired: {note}; written, and retired at_token_limit, of a
+                                      --   regenerated sample: {generated, finish_reason, seed, turns})
 );
 
 -- One writer at a time: a second writer re-using a seq number fails loudly instead of interleaving. An index

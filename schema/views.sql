@@ -130,7 +130,14 @@ SELECT
     f.updated_at,
     CASE WHEN f.mkind = 'retired' THEN f.m_reason END AS retired_reason,
     CASE WHEN f.mkind = 'retired' THEN json_extract_string(f.m_detail, '$.note') END AS retired_note,
-    coalesce(f.starts, 0) AS starts  -- every start ever (numbers the next attempt)
+    coalesce(f.starts, 0) AS starts,  -- every start ever (numbers the next attempt)
+    -- a regenerated sample (docs/regenerate.md): why its response ended ('stop': a stop token; 'length': the token
+    -- limit) and how many tokens its final turn generated, from its `written` event (or the `retired` event that
+    -- dropped it, --drop-truncated); NULL otherwise
+    CASE WHEN f.mkind IN ('written', 'retired') THEN json_extract_string(f.m_detail, '$.finish_reason') END
+        AS finish_reason,
+    CASE WHEN f.mkind IN ('written', 'retired') THEN TRY_CAST(json_extract(f.m_detail, '$.generated') AS BIGINT) END
+        AS generated
 FROM source_samples s
 LEFT JOIN sample_fold f ON f.sample_id = s.sample_id;
 
@@ -179,6 +186,10 @@ counts AS (
         coalesce(sum(least(source_tokens, coalesce((SELECT TRY_CAST(json_extract(value, '$.max_tokens') AS BIGINT)
                                                     FROM meta WHERE key = 'format'), source_tokens)))
                  FILTER (WHERE state NOT IN ('written', 'verified', 'retired')), 0) AS todo_tokens,
+        -- regenerated responses that stopped at the token limit (finish_reason 'length'): kept in the build, and
+        -- retired for it (--drop-truncated)
+        count(*) FILTER (WHERE state IN ('written', 'verified') AND finish_reason = 'length') AS at_token_limit,
+        count(*) FILTER (WHERE state = 'retired' AND retired_reason = 'at_token_limit') AS dropped_at_token_limit,
         -- failed samples per reason (a map; NULL when none failed)
         histogram(coalesce(error, 'unknown')) FILTER (WHERE state = 'failed') AS failed_by_reason
     FROM st_r

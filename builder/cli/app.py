@@ -17,7 +17,15 @@ from builder.cli import exchange as cli_exchange
 from builder.cli import rebuild as cli_rebuild
 from builder.cli import samples as cli_samples
 from builder.cli import verify as cli_verify
-from builder.cli.args import BackendNames, Parser, RegistryHelp, add_run_flags, fraction, positive_int
+from builder.cli.args import (
+    BackendNames,
+    Parser,
+    RegistryHelp,
+    add_regen_flags,
+    add_run_flags,
+    fraction,
+    positive_int,
+)
 from builder.cli.args import fmt_of as _fmt
 from builder.cli.args import int_list as _int_list
 from builder.cli.args import out_flags as _out_flags
@@ -78,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-free", type=_size, default=0)
     p.add_argument("--force", action="store_true", help="replace an existing build (deletes its data)")
     p.add_argument("--allow-overcommit", action="store_true", help="do not warn that the build will not fit")
+    add_regen_flags(p)
 
     for name, helptext in (("run", "extract samples (continues where the log says it stopped)"),
                            ("resume", "replay the log, report what it found, then continue")):
@@ -134,7 +143,9 @@ def cmd_init(args: argparse.Namespace) -> int:
                      max_attempts=args.max_attempts, device=args.device, staging=args.staging,
                      watermarks=Watermarks(args.low, args.high, args.flood, args.min_free), backend=args.backend,
                      server=args.server, inflight=args.inflight, final_state=args.final_state,
-                     quantize=args.quantize)
+                     quantize=args.quantize, regenerate=args.regenerate, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, top_p=args.top_p, seed=args.seed, turns=args.turns,
+                     drop_truncated=args.drop_truncated)
     if args.batch_tokens is not None:  # not a format key: the states are the same, bit for bit
         cfg = BuildConfig.from_toml(lay.config)
         cfg.batch_tokens = args.batch_tokens
@@ -225,6 +236,10 @@ def status_lines(st: dict) -> list[str]:
         reasons = ", ".join(f"{k} {v}" for k, v in st["failed_by_reason"].items())
         lines.append(f"failed:  {reasons} (details: SELECT sample_id, error, error_detail FROM samples "
                      "WHERE state = 'failed')")
+    if st.get("at_token_limit") or st.get("dropped_at_token_limit"):  # a regenerating build (docs/regenerate.md)
+        lines.append(f"responses: {st.get('at_token_limit') or 0} stopped at the token limit (finish_reason length) "
+                     f"and kept, {st.get('dropped_at_token_limit') or 0} retired for it (--drop-truncated); see them: "
+                     "SELECT sample_id, state, generated FROM samples WHERE finish_reason = 'length'")
     if st.get("requeued"):
         lines.append(f"         ({st['requeued']} of the pending went back to pending after a failure that was not "
                      "theirs: the server, the volume or a node; retried, not counted as attempts)")
@@ -368,7 +383,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from builder.extract.demo import write_demo_source  # noqa: PLC0415
+    from builder.extract.demo import write_demo_chats, write_demo_source  # noqa: PLC0415
     from builder.layout import layout  # noqa: PLC0415
     from builder.log.query import status_snapshot  # noqa: PLC0415
     from builder.run.coordinator import RunOptions, run_build  # noqa: PLC0415
@@ -394,6 +409,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if on_path and Path(hsb).exists() and Path(on_path).resolve() == Path(hsb).resolve():
         hsb = "hsbuild"
     print(f"next: {shlex.quote(hsb)} sql {shlex.quote(args.build)} \"SELECT state, count(*) FROM samples GROUP BY state\"")
+    # regeneration (docs/regenerate.md): the built-in model answers a few conversations, their states captured
+    chats = shlex.quote(str(write_demo_chats(lay.root / "demo-chats.jsonl")))
+    regen = shlex.quote(str(lay.root) + "-regen")
+    print(f"next: {shlex.quote(hsb)} init {regen} --source {chats} --regenerate --max-new-tokens 32 --force && "
+          f"{shlex.quote(hsb)} run {regen}   # the model's own responses, and their states, in one pass")
     return report.exit_code
 
 

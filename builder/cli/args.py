@@ -212,3 +212,23 @@ class RegistryHelp(str):
         servers = " or ".join(f"--backend {n}" for n in registry.with_server())
         return str.__mod__(str(self).replace("{described}", registry.described()).replace("{servers}", servers),
                            params)
+
+
+def add_regen_flags(p: argparse.ArgumentParser) -> None:
+    """`init --regenerate` and its generation settings (docs/regenerate.md; checked by the library, which names
+    the flag of a bad value)."""
+    g = p.add_argument_group("regeneration (docs/regenerate.md)")
+    g.add_argument("--regenerate", action="store_true",
+                   help="generate the source's assistant turns with the model and store them with their states, in "
+                        "one pass (the source's rows are conversations)")
+    g.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens a generated turn holds at most (2048)")
+    g.add_argument("--temperature", type=float, metavar="T", help="sampling temperature; 0, the default: greedy")
+    g.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling: keep the smallest set of tokens "
+                   "holding P of the probability (1.0)")
+    g.add_argument("--seed", type=int, metavar="S", help="the build's seed; each sample's is mixed from it and the "
+                   "sample id (0)")
+    g.add_argument("--turns", metavar="all|last", help="all (the default): every assistant turn, in order, each "
+                   "after the regenerated ones before it; last: only the final one")
+    g.add_argument("--drop-truncated", action="store_true",
+                   help="retire responses that stopped at the token limit (finish_reason length); by default they "
+                        "are kept and counted")

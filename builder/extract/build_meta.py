@@ -51,4 +51,5 @@ def recorded_meta(lay: BuildLayout) -> dict:
 def source_samples(lay: BuildLayout) -> list:
     """The build's source samples, tokenized as `init` did."""
     cfg = BuildConfig.from_toml(lay.config)
-    return load_source(cfg.source, model_info(cfg.model, None, cfg.dtype, "post_norm").tokenizer)
+    return load_source(cfg.source, model_info(cfg.model, None, cfg.dtype, "post_norm").tokenizer,
+                       regenerate=cfg.turns_read())

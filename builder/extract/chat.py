@@ -2,7 +2,7 @@
 
 A tokenizer of hsbuild (`Tokenizer`) has `encode(text) -> ids` (a `text` row) and `chat(messages) -> (ids,
 mask)` (a conversation row; the mask is 1 on the assistant's tokens, and becomes the sample's `loss_mask`).
-The built-in model's tokenizer has no chat template: its `chat` refuses.
+The built-in model's tokenizer has a byte-level chat template of its own (extract/spec.py BuiltinTokenizer).
 
 A Hugging Face tokenizer renders the conversation with its own chat template. When the template marks the
 assistant's text with `{% generation %}` ... `{% endgeneration %}`, transformers' `assistant_masks` is the mask.
@@ -56,6 +56,25 @@ class TextOnlyTokenizer:
     def chat(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
         raise ConversationError(f"{self.what} has no chat template; conversation rows need a model with one "
                                 "(--model HF_DIR)")
+
+    prompt = chat
+
+    def has_chat_template(self) -> bool:
+        return False
+
+
+@runtime_checkable
+class PromptTokenizer(Protocol):
+    """What a regenerating build (`init --regenerate`) needs of a tokenizer besides `Tokenizer`: `prompt(messages)`
+    renders a conversation as the prompt of the assistant's next turn (the chat template with
+    `add_generation_prompt`; the mask 1 on the assistant turns it holds), `decode(ids)` gives the text of
+    generated tokens (special tokens left out), which the next turn's prompt holds."""
+
+    def prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def has_chat_template(self) -> bool: ...
 
 
 def as_tokenizer(tokenizer) -> Tokenizer | None:
@@ -135,20 +154,27 @@ def template_of(tok) -> str | None:
         return None
 
 
-def hf_chat(tok, messages: list[dict[str, Any]], name: str = "the model's tokenizer") -> tuple[list[int], list[int]]:
-    """(input_ids, assistant mask) of a conversation with a transformers tokenizer's chat template."""
+def hf_chat(tok, messages: list[dict[str, Any]], name: str = "the model's tokenizer",
+            prompt: bool = False) -> tuple[list[int], list[int]]:
+    """(input_ids, assistant mask) of a conversation with a transformers tokenizer's chat template. `prompt`: the
+    conversation as the prompt of the assistant's next turn (`add_generation_prompt`: the template's header of
+    an assistant turn at the end, its tokens 0), what a regenerating build generates after."""
     template = template_of(tok)
     if template is None:
         raise ConversationError(f"{name} has no chat_template; conversation rows need a model whose tokenizer has "
                                 "one (or give input_ids and loss_mask)")
     has_content = any(m["role"] == "assistant" and m.get("content") for m in messages)
+    if prompt and not has_content:  # nothing to mask: the rendering's tokens, as apply_chat_template gives them
+        ids = list(_render(tok, messages, tokenize=True, return_dict=True, add_generation_prompt=True)["input_ids"])
+        return ids, [0] * len(ids)
     if _GENERATION.search(template):
-        out = _render(tok, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = _render(tok, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                      add_generation_prompt=prompt)
         ids, mask = list(out["input_ids"]), out.get("assistant_masks")
         if mask is not None and len(mask) == len(ids) and (any(mask) or not has_content):
             return ids, [int(bool(x)) for x in mask]
         # the markers did not cover this conversation's assistant text: find it in the rendering instead
-    return _spans_chat(tok, messages, name)
+    return _spans_chat(tok, messages, name, prompt)
 
 
 def _render(tok, messages, **kw):
@@ -177,8 +203,8 @@ def _special_strings(tok) -> list[str]:
     return sorted((s for s in found if s), key=len, reverse=True)
 
 
-def _spans_chat(tok, messages: list[dict[str, Any]], name: str) -> tuple[list[int], list[int]]:
-    text = _render(tok, messages, tokenize=False)
+def _spans_chat(tok, messages: list[dict[str, Any]], name: str, prompt: bool = False) -> tuple[list[int], list[int]]:
+    text = _render(tok, messages, tokenize=False, add_generation_prompt=prompt)
     specials = _special_strings(tok)
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -202,7 +228,8 @@ def _spans_chat(tok, messages: list[dict[str, Any]], name: str) -> tuple[list[in
         eot = next((s for s in specials if text.startswith(s, end + gap)), None)
         if eot is not None:
             limit = len(text)
-            if i + 1 < len(messages):  # the end-of-turn token is this turn's, never the next one's header
+            if i + 1 < len(messages) or prompt:  # the end-of-turn token is this turn's, never the next one's
+                # header (nor the generation prompt's)
                 upto = _render(tok, messages[: i + 1], tokenize=False)
                 if text.startswith(upto):
                     limit = len(upto)

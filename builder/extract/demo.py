@@ -30,3 +30,21 @@ def write_demo_source(path: Path, n: int = 300, vocab: int = 1024, seed: int = 0
             f.write(json.dumps({"id": sid, "input_ids": ids, "loss_mask": mask}) + "\n")
     tmp.replace(path)
     return path
+
+
+QUESTIONS = ("what filled the volume", "who counted the files", "why did the writes stop", "where did the cat sit")
+
+
+def write_demo_chats(path: Path, n: int = 8) -> Path:
+    """Write `n` short conversations as JSONL (OpenAI messages; every other with two assistant turns): what the
+    demo's regeneration hint (`init --regenerate`, docs/regenerate.md) regenerates."""
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for i in range(n):
+            msgs = [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]}?"},
+                    {"role": "assistant", "content": "nobody noticed"}]
+            if i % 2:
+                msgs += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "the team did"}]
+            f.write(json.dumps({"id": f"chat-{i:02d}", "messages": msgs}) + "\n")
+    tmp.replace(path)
+    return path

@@ -143,6 +143,9 @@ class BuiltinLlama(nn.Module):
         head_dim = s.hidden // s.heads
         inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        # its language-model head (generation only: builder/extract/generation.py): random like its weights, drawn
+        # after them; not in the state dict, so the model's fingerprint is what it was before it had one
+        self.register_buffer("lm_head", torch.zeros(s.vocab, s.hidden), persistent=False)
 
     @torch.no_grad()
     def init_deterministic(self) -> None:
@@ -153,6 +156,7 @@ class BuiltinLlama(nn.Module):
             else:
                 std = 0.02 if "embed" not in name else 1.0
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+        self.lm_head.copy_(torch.randn(self.lm_head.shape, generator=g) * 0.02)
         if 0 <= self.spec.nan_token < self.spec.vocab:
             self.embed_tokens.weight[self.spec.nan_token] = float("nan")
 
@@ -379,6 +383,15 @@ class Extractor:
             except TypeError:  # a model whose forward takes no logits_to_keep (older or custom code)
                 self._keep_logits = False
         return self._model(input_ids=ids, output_hidden_states=True).hidden_states
+
+    def generate(self, input_ids: np.ndarray, gen, limit: int):  # noqa: ANN001, ANN201 - (base.Generation)
+        """Generate after `input_ids` with a KV cache, the states captured on the way (builder/extract/generation.py);
+        `limit`: the positions prompt and response may take together."""
+        if self._model is None:
+            raise ModelError(f"{self.spec}: opened for metadata only (load_weights=False)")
+        from builder.extract.generation import generate  # noqa: PLC0415
+
+        return generate(self, input_ids, gen, limit)
 
     # -- batched extraction -------------------------------------------------------------------------------
     def can_pack(self) -> bool:

@@ -29,6 +29,7 @@ class Sample:
     input_ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # uint8 [n]
     fingerprint: str
+    conversation: str | None = None  # a regenerating build: its messages (extract/prompts.py `dump`)
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +42,19 @@ def fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
     h.update(b"|")
     h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
     return h.hexdigest()
+
+
+def with_conversations(fps: pa.StringArray, conversations: pa.StringArray) -> pa.StringArray:
+    """A regenerating build's fingerprints: each of its tokens and mask (`fingerprints`) and of its conversation,
+    whose later turns its first prompt does not hold (a changed turn is a changed row, as a changed token is)."""
+    out = []
+    for fp, conv in zip(fps.to_pylist(), conversations.to_pylist(), strict=True):
+        h = hashlib.blake2b(digest_size=FINGERPRINT_BYTES)
+        h.update(fp.encode())
+        h.update(b"|")
+        h.update((conv or "").encode())
+        out.append(h.hexdigest())
+    return pa.array(out, pa.string())
 
 
 def fingerprints(tokens: np.ndarray, mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa.StringArray:
@@ -73,10 +87,11 @@ class SourceSamples(Sequence[Sample]):
     """A source's samples (or a selection of them, in any order), columnar. Index or iterate it for `Sample`s;
     `rows` and `num_tokens` hold those of all of them at once."""
 
-    __slots__ = ("_ids", "_fps", "rows", "starts", "num_tokens", "tokens", "mask")
+    __slots__ = ("_ids", "_fps", "rows", "starts", "num_tokens", "tokens", "mask", "conversations")
 
     def __init__(self, sample_ids: pa.Array, fingerprints: pa.Array, rows: np.ndarray, starts: np.ndarray,
-                 num_tokens: np.ndarray, tokens: np.ndarray, mask: np.ndarray):
+                 num_tokens: np.ndarray, tokens: np.ndarray, mask: np.ndarray,
+                 conversations: pa.Array | None = None):
         n = len(sample_ids)
         if not (len(fingerprints) == len(rows) == len(starts) == len(num_tokens) == n):
             raise ValueError("SourceSamples: columns of different lengths")
@@ -89,6 +104,10 @@ class SourceSamples(Sequence[Sample]):
         self.num_tokens = np.asarray(num_tokens, dtype=np.int64)
         self.tokens = tokens  # int32, flat
         self.mask = mask  # uint8, flat
+        # a regenerating build's: each sample's messages as JSON (its tokens are its first prompt); else None
+        self.conversations = None if conversations is None else _strings(conversations)
+        if self.conversations is not None and len(self.conversations) != n:
+            raise ValueError("SourceSamples: conversations of another length")
 
     # -- the columns -----------------------------------------------------------------------------------------
     @property
@@ -109,7 +128,8 @@ class SourceSamples(Sequence[Sample]):
         idx = np.where(idx < 0, idx + len(self), idx)
         at = pa.array(idx, pa.int64())
         return SourceSamples(self._ids.take(at), self._fps.take(at), self.rows[idx], self.starts[idx],
-                             self.num_tokens[idx], self.tokens, self.mask)
+                             self.num_tokens[idx], self.tokens, self.mask,
+                             None if self.conversations is None else self.conversations.take(at))
 
     # -- Sequence[Sample] ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -130,7 +150,7 @@ class SourceSamples(Sequence[Sample]):
         i = int(i) % n if n else int(i)
         s, k = int(self.starts[i]), int(self.num_tokens[i])
         return Sample(self._ids[i].as_py(), int(self.rows[i]), self.tokens[s : s + k], self.mask[s : s + k],
-                      self._fps[i].as_py())
+                      self._fps[i].as_py(), None if self.conversations is None else self.conversations[i].as_py())
 
     def at(self, positions: list[int] | np.ndarray) -> list[Sample]:
         """The samples at these positions, made in bulk (a plan's samples to do: tens of thousands of them)."""
@@ -143,17 +163,19 @@ class SourceSamples(Sequence[Sample]):
         at = at % n
         idx = pa.array(at)
         ids, fps = self._ids.take(idx).to_pylist(), self._fps.take(idx).to_pylist()
-        return [Sample(sid, row, self.tokens[s : s + k], self.mask[s : s + k], fp)
-                for sid, fp, row, s, k in zip(ids, fps, self.rows[at].tolist(), self.starts[at].tolist(),
-                                              self.num_tokens[at].tolist(), strict=True)]
+        convs = [None] * len(ids) if self.conversations is None else self.conversations.take(idx).to_pylist()
+        return [Sample(sid, row, self.tokens[s : s + k], self.mask[s : s + k], fp, conv)
+                for sid, fp, row, s, k, conv in zip(ids, fps, self.rows[at].tolist(), self.starts[at].tolist(),
+                                                    self.num_tokens[at].tolist(), convs, strict=True)]
 
     def __iter__(self) -> Iterator[Sample]:
         for a in range(0, len(self), ITER_CHUNK):  # a chunk's ids at once: cheaper than scalar conversions
             b = a + ITER_CHUNK
             ids, fps = self._ids[a:b].to_pylist(), self._fps[a:b].to_pylist()
-            for sid, fp, row, s, k in zip(ids, fps, self.rows[a:b].tolist(), self.starts[a:b].tolist(),
-                                          self.num_tokens[a:b].tolist(), strict=True):
-                yield Sample(sid, row, self.tokens[s : s + k], self.mask[s : s + k], fp)
+            convs = [None] * len(ids) if self.conversations is None else self.conversations[a:b].to_pylist()
+            for sid, fp, row, s, k, conv in zip(ids, fps, self.rows[a:b].tolist(), self.starts[a:b].tolist(),
+                                                self.num_tokens[a:b].tolist(), convs, strict=True):
+                yield Sample(sid, row, self.tokens[s : s + k], self.mask[s : s + k], fp, conv)
 
     def __repr__(self) -> str:
         return f"SourceSamples({len(self)} samples, {self.total_tokens} tokens)"

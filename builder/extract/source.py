@@ -52,7 +52,7 @@ SPILL_BYTES = 64 << 20
 
 def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
                 build: BuildLayout | None = None, batch_rows: int = BATCH_ROWS,
-                spill_bytes: int = SPILL_BYTES) -> SourceSamples:
+                spill_bytes: int = SPILL_BYTES, regenerate: str | None = None) -> SourceSamples:
     """Load and validate every sample of a source file. Raises SourceError naming file, line and field.
     The samples are held columnar (extract/samples.py): a Sample is made when one is indexed.
 
@@ -62,15 +62,19 @@ def load_source(path: str | Path, tokenizer: Tokenizer | None = None, vocab_size
     made before init checked this still runs, and its workers record those samples `failed` as before.
 
     The file is read `batch_rows` rows at a time; tokens beyond `spill_bytes` are kept in a temporary file (see
-    SPILL_BYTES). Errors are the same as a whole-file pass gives: the first bad row's first failing check."""
+    SPILL_BYTES). Errors are the same as a whole-file pass gives: the first bad row's first failing check.
+
+    `regenerate` (a regenerating build's --turns, `all` or `last`): every row must be a conversation; a sample's
+    tokens are the first prompt it is generated after, its loss mask zeros, and it carries its messages
+    (Sample.conversation; extract/prompts.py)."""
     buffers = TokenBuffers(spill_bytes)
     try:
         if build is not None:
             with open_log(build.events, read_only=True) as log:
                 recorded = log.meta().get("vocab_size")
                 return _load(Path(path), tokenizer, None if recorded is None else int(recorded), _Registered(log),
-                             batch_rows, buffers)
-        return _load(Path(path), tokenizer, vocab_size, None, batch_rows, buffers)
+                             batch_rows, buffers, regenerate)
+        return _load(Path(path), tokenizer, vocab_size, None, batch_rows, buffers, regenerate)
     finally:
         buffers.close()
         # Arrow's allocator keeps what it freed: hand it back to the OS
@@ -90,10 +94,11 @@ class _Registered:
 
 
 def _load(path: Path, tokenizer: Tokenizer | None, vocab_size: int | None,
-          registered: Callable[[str, str], bool] | None, batch_rows: int, buffers: TokenBuffers) -> SourceSamples:
+          registered: Callable[[str, str], bool] | None, batch_rows: int, buffers: TokenBuffers,
+          regenerate: str | None = None) -> SourceSamples:
     with contextlib.ExitStack() as stack:
         kind, types, batches = open_batches(path, batch_rows, stack)
-        return _load_batches(path, kind, batches, types, tokenizer, vocab_size, registered, buffers)
+        return _load_batches(path, kind, batches, types, tokenizer, vocab_size, registered, buffers, regenerate)
 
 
 def open_batches(path: Path, batch_rows: int,
@@ -163,7 +168,7 @@ def _unreadable(path: Path, kind: str, e: duckdb.Error) -> None:
 
 def _load_batches(path: Path, kind: str, batches: Iterable[pa.Table], types: dict[str, str],
                   tokenizer: Tokenizer | None, vocab_size: int | None, registered: Callable[[str, str], bool] | None,
-                  buffers: TokenBuffers) -> SourceSamples:
+                  buffers: TokenBuffers, regenerate: str | None = None) -> SourceSamples:
     """Check and hold the batches one after the other (their tables are dropped as they are done). An id seen
     in an earlier batch is a duplicate as in a whole-file pass: reported when its row comes before the first
     other error."""
@@ -173,6 +178,7 @@ def _load_batches(path: Path, kind: str, batches: Iterable[pa.Table], types: dic
     fps: list[pa.Array] = []
     rows: list[np.ndarray] = []
     lens: list[np.ndarray] = []
+    convs: list[pa.Array] = []  # a regenerating build's conversations, per batch
     row0 = 0
     for table in batches:
         n = table.num_rows
@@ -180,7 +186,7 @@ def _load_batches(path: Path, kind: str, batches: Iterable[pa.Table], types: dic
             continue
         try:
             part = samples_from_table(path, kind, table, types, tokenizer, vocab_size, registered, row0=row0,
-                                      json_rows=json_rows, failer_=(fail, label))
+                                      json_rows=json_rows, failer_=(fail, label), regenerate=regenerate)
         except RowError as e:
             if ids:  # an id of an earlier batch seen again before this error's row?
                 dup = first_duplicate(ids + [_batch_ids(path, kind, table, types, fail, row0)
@@ -193,6 +199,8 @@ def _load_batches(path: Path, kind: str, batches: Iterable[pa.Table], types: dic
         fps.append(part._fps)
         rows.append(part.rows)
         lens.append(part.num_tokens)
+        if part.conversations is not None:
+            convs.append(part.conversations)
         del part, table
         row0 += n
         pa.default_memory_pool().release_unused()
@@ -204,7 +212,7 @@ def _load_batches(path: Path, kind: str, batches: Iterable[pa.Table], types: dic
             raise dup
     tokens, mask, starts = buffers.finish()
     return SourceSamples(pa.concat_arrays(ids), pa.concat_arrays(fps), np.concatenate(rows), starts,
-                         np.concatenate(lens), tokens, mask)
+                         np.concatenate(lens), tokens, mask, pa.concat_arrays(convs) if convs else None)
 
 
 

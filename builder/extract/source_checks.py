@@ -18,15 +18,17 @@ import pyarrow.compute as pc
 from builder.errors import SourceError
 from builder.extract import chat
 from builder.extract.chat import CONVERSATION_FIELDS
-from builder.extract.samples import SourceSamples, fingerprint, fingerprints
+from builder.extract.samples import SourceSamples, fingerprint, fingerprints, with_conversations
 from builder.extract.source_jsonl import JsonRows, json_line_numbers, scan_json_lines
 from builder.extract.source_rows import (
     INT32_MAX,
     INT32_MIN,
+    NOT_A_CONVERSATION,
     Check,
     Fail,
     RowError,
     out_of_int32,
+    prompt_of_conversation,
     tokenize_conversation,
     tokenize_text,
     unusable,
@@ -179,6 +181,7 @@ class Rows:
         self.ids_null = ids.nulls if ids is not None else np.ones(n, dtype=bool)
         self.mask_null = mask.nulls if mask is not None else np.ones(n, dtype=bool)
         self.tokenized: dict[int, tuple[np.ndarray, np.ndarray | None, str]] = {}  # row -> (ids, mask, field)
+        self.conversations: dict[int, str] | None = None  # a regenerating build: row -> its messages (JSON)
         self.lens = np.zeros(n, dtype=np.int64)
         self.tok_rows = np.zeros(0, dtype=np.int64)
 
@@ -227,10 +230,12 @@ def conversation_rows(path: Path, kind: str, table: pa.Table, row0: int = 0,
 def samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str, str],
                        tokenizer: chat.Tokenizer | Callable[[str], list[int]] | None, vocab_size: int | None = None,
                        registered: Callable[[str, str], bool] | None = None, row0: int = 0,
-                       json_rows: JsonRows | None = None, failer_: tuple[Fail, Label] | None = None) -> SourceSamples:
+                       json_rows: JsonRows | None = None, failer_: tuple[Fail, Label] | None = None,
+                       regenerate: str | None = None) -> SourceSamples:
     """Validate the table's rows (rows row0.. of the file) and hold them columnar. Raises the RowError a
     row-by-row pass would meet first (see the module's docstring); `registered` (a run): may a row the model
-    cannot take stay, being registered in the build exactly as it is (sample id, fingerprint)?"""
+    cannot take stay, being registered in the build exactly as it is (sample id, fingerprint)? `regenerate` (a
+    regenerating build's --turns): every row is a conversation, held as its first prompt and its messages."""
     gfail, glabel = failer_ or failer(path, kind)
 
     def fail(row: int, field: str, msg: str, check: Check = Check.FIELDS) -> RowError:
@@ -242,13 +247,21 @@ def samples_from_table(path: Path, kind: str, table: pa.Table, types: dict[str, 
     if not names & {"input_ids", "text", *CONVERSATION_FIELDS}:
         raise SourceError(path, f"has none of 'input_ids', 'messages', 'conversations' or 'text' (columns: "
                                 f"{sorted(names)})", field="input_ids")
+    if regenerate is not None and not names & set(CONVERSATION_FIELDS):
+        raise SourceError(path, "has no conversations ('messages' or 'conversations'); --regenerate generates a "
+                                "conversation's assistant turns, so its rows must be conversations",
+                          field="messages")
     n = table.num_rows
     sids = sample_ids(path, kind, table, types, fail, row0)
     rows = Rows(n, list_column(path, kind, table, "input_ids", pa.types.is_integer, "integers", fail),
                 list_column(path, kind, table, "loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t),
                             "0/1 integers", fail))
     found: list[RowError] = []  # the errors found; the least (row, check) is raised
-    m = _tokenize(path, kind, table, rows, chat.as_tokenizer(tokenizer), row0, json_rows, fail, found)
+    if regenerate is not None:
+        m = _prompts(path, kind, table, rows, chat.as_tokenizer(tokenizer), regenerate, row0, json_rows, fail,
+                     found)
+    else:
+        m = _tokenize(path, kind, table, rows, chat.as_tokenizer(tokenizer), row0, json_rows, fail, found)
     rows.count_tokens()
     found += _seq_len(kind, table, rows, m, fail)
     found += _int32(rows, m, fail)
@@ -294,6 +307,25 @@ def _tokenize(path: Path, kind: str, table: pa.Table, rows: Rows, tok: chat.Toke
         except RowError as e:
             found.append(e)
             return i
+    return rows.n
+
+
+def _prompts(path: Path, kind: str, table: pa.Table, rows: Rows, tok: chat.Tokenizer | None, turns: str, row0: int,
+             json_rows: JsonRows | None, fail: Fail, found: list[RowError]) -> int:
+    """A regenerating build's rows: each a conversation, held as its first prompt (extract/prompts.py) with its
+    messages. As `_tokenize`: returns the first row that cannot be (else n), its error found."""
+    convs = conversation_rows(path, kind, table, row0, json_rows) or [{}] * rows.n
+    rows.conversations = {}
+    for i in range(rows.n):
+        try:
+            if not any(convs[i].get(c) is not None for c in CONVERSATION_FIELDS):
+                raise fail(i, "input_ids" if not rows.ids_null[i] else "messages", NOT_A_CONVERSATION)
+            ids, mask, column, messages = prompt_of_conversation(i, convs[i], not rows.mask_null[i], tok, turns, fail)
+        except RowError as e:
+            found.append(e)
+            return i
+        rows.tokenized[i] = (ids, mask, column)
+        rows.conversations[i] = messages
     return rows.n
 
 
@@ -396,8 +428,12 @@ def _hold(rows: Rows, sids: pa.StringArray, row0: int) -> SourceSamples:
         if mask is not None:
             mask8[offsets[i] : offsets[i + 1]] = mask
     starts = offsets[:-1]
-    return SourceSamples(sids, fingerprints(tokens, mask8, starts, lens), np.arange(row0, row0 + n, dtype=np.int64),
-                         starts, lens, tokens, mask8)
+    fps = fingerprints(tokens, mask8, starts, lens)
+    convs = None
+    if rows.conversations is not None:
+        convs = pa.array([rows.conversations.get(i) for i in range(n)], pa.string())
+        fps = with_conversations(fps, convs)
+    return SourceSamples(sids, fps, np.arange(row0, row0 + n, dtype=np.int64), starts, lens, tokens, mask8, convs)
 
 
 def _copy_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray, src_off: np.ndarray, rows: np.ndarray) -> None:

@@ -16,11 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from builder.errors import SourceError
-from builder.extract import chat
+from builder.extract import chat, prompts
 from builder.extract.chat import CONVERSATION_FIELDS, ConversationError
 
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 MISSING = "missing; each row needs 'input_ids' (list of ints), 'messages', 'conversations' or 'text'"
+NOT_A_CONVERSATION = ("--regenerate: a regenerating build takes conversation rows only ('messages' or "
+                      "'conversations': their assistant turns are generated); drop this row or give its conversation")
 
 
 class Check(IntEnum):
@@ -89,6 +91,23 @@ def tokenize_conversation(i: int, row: dict, has_mask: bool, tok: chat.Tokenizer
     if mask_arr.shape != ids_arr.shape:  # a tokenizer's bug, not the row's: still name the row
         raise fail(i, column, f"the chat template gave {ids_arr.shape[0]} tokens but a mask of {mask_arr.shape[0]}")
     return ids_arr, mask_arr, column
+
+
+def prompt_of_conversation(i: int, row: dict, has_mask: bool, tok: chat.Tokenizer | None, turns: str,
+                           fail: Fail) -> tuple[np.ndarray, np.ndarray, str, str]:
+    """A regenerating build's conversation row, row `i` (extract/prompts.py): (its first prompt's tokens, a loss
+    mask of zeros, its field, its messages as JSON)."""
+    try:
+        column, messages = conversation({**row, "loss_mask": 1 if has_mask else None})
+    except FieldError as e:
+        raise fail(i, e.field, e.message) from None
+    if not isinstance(tok, chat.PromptTokenizer) or not tok.has_chat_template():
+        raise fail(i, column, "--regenerate needs a model whose tokenizer has a chat template")
+    try:
+        ids = np.asarray(prompts.first_prompt(tok, messages, turns), dtype=np.int64)
+    except ConversationError as e:
+        raise fail(i, chat.field_name(column, e.index, e.key), e.message) from None
+    return ids, np.zeros_like(ids), column, prompts.dump(messages)
 
 
 def tokenize_text(i: int, text: object, tok: chat.Tokenizer | None, fail: Fail) -> tuple[np.ndarray, None, str]:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from builder.errors import ModelError
-from builder.extract.chat import ConversationError, hf_chat
+from builder.extract.chat import hf_chat, template_of
 from builder.store.dtypes import STATE_DTYPES, itemsize
 
 CONVENTION = "hf_hidden_states: 0=embeddings, k=output of layer k-1, L=final-norm output"
@@ -64,26 +64,53 @@ class BuiltinSpec:
 
 
 class BuiltinTokenizer:
-    """Byte-level tokenizer of the built-in model: BOS=1, then UTF-8 bytes shifted by 3. It has no chat template.
+    """Byte-level tokenizer of the built-in model: BOS=1, EOS=2, then UTF-8 bytes shifted by 3.
 
-    A `Tokenizer` (extract/chat.py); calling it is `encode`."""
+    Its chat template is byte-level too (no role tokens, so any vocabulary takes it): BOS, then each message as
+    the bytes of `<|ROLE|>` and a newline, its content's bytes and EOS, which ends a turn; the prompt of the
+    assistant's next turn (`prompt`, what a regenerating build generates after) ends with `<|assistant|>` and a
+    newline. The loss mask is 1 on an assistant message's content and its EOS. EOS is the token that stops a
+    generated turn (`STOP_IDS`). A `Tokenizer` and a `PromptTokenizer` (extract/chat.py); calling it is `encode`."""
+
+    BOS, EOS = 1, 2
+    STOP_IDS = (EOS,)
 
     def __init__(self, vocab: int):
         self.vocab = vocab
 
     def encode(self, text: str) -> list[int]:
-        return [1] + [(b + 3) % self.vocab for b in text.encode("utf-8")]
+        return [self.BOS, *self._bytes(text)]
 
     __call__ = encode
 
-    def decode(self, ids: list[int]) -> str:
-        """The text of `ids`, its special tokens (0, 1 = BOS, 2) skipped; bytes that are not UTF-8 become U+FFFD."""
-        return bytes((i - 3) % self.vocab for i in ids if i > 2 and (i - 3) % self.vocab < 256).decode(
-            "utf-8", errors="replace")
+    def _bytes(self, text: str) -> list[int]:
+        return [(b + 3) % self.vocab for b in text.encode("utf-8")]
+
+    def _render(self, messages: list[dict], prompt: bool) -> tuple[list[int], list[int]]:
+        ids, mask = [self.BOS], [0]
+        for m in messages:
+            head = self._bytes(f"<|{m['role']}|>\n")
+            body = [*self._bytes(m.get("content") or ""), self.EOS]
+            ids += head + body
+            mask += [0] * len(head) + [int(m["role"] == "assistant")] * len(body)
+        if prompt:
+            head = self._bytes("<|assistant|>\n")
+            ids += head
+            mask += [0] * len(head)
+        return ids, mask
 
     def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        raise ConversationError("the built-in model has no chat template; conversation rows need a model with one "
-                                "(--model HF_DIR)")
+        return self._render(messages, prompt=False)
+
+    def prompt(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        return self._render(messages, prompt=True)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids: ids 3..258 are bytes; BOS, EOS and ids above the bytes are left out."""
+        return bytes(int(i) - 3 for i in ids if 3 <= int(i) < 259).decode("utf-8", errors="replace")
+
+    def has_chat_template(self) -> bool:
+        return True
 
 
 def builtin_tokenizer(vocab: int) -> BuiltinTokenizer:
@@ -169,10 +196,14 @@ class HfTokenizer:
     def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         return hf_chat(self._load(), messages, f"the tokenizer of --model '{self.path}'")
 
+    def prompt(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        return hf_chat(self._load(), messages, f"the tokenizer of --model '{self.path}'", prompt=True)
+
     def decode(self, ids: list[int]) -> str:
-        """The text of `ids` as the tokenizer decodes it, its special tokens skipped (an end of turn, BOS) and
-        nothing else changed (no clean-up of the spaces around punctuation)."""
-        return self._load().decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._load().decode([int(i) for i in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def has_chat_template(self) -> bool:
+        return template_of(self._load()) is not None
 
 
 def check_dtype_and_final_state(dtype: str, final_state: str) -> None:
@@ -305,3 +336,26 @@ def suggest_chunk_tokens(hidden_size: int, n_aux: int, median_tokens: int, targe
     per_token = n_aux * hidden_size * 2
     limit = max(16, min(4096, target_bytes // max(per_token, 1), max(median_tokens, 16)))
     return 1 << int(math.floor(math.log2(limit)))
+
+
+def stop_ids(spec: str, tokenizer: object = None) -> tuple[int, ...]:
+    """The token ids that end a generated turn (a regenerating build): the built-in model's EOS; a Hugging Face
+    directory's `eos_token_id` (an id or a list) as transformers' `generate` reads it, from generation_config.json,
+    else config.json, else the tokenizer's eos token. Read from the files, without transformers for the first two."""
+    if is_builtin(spec):
+        return BuiltinTokenizer.STOP_IDS
+    path = Path(spec)
+    for name in ("generation_config.json", "config.json"):
+        try:
+            cfg = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(cfg, dict):
+            continue
+        value = cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id"))
+        ids = value if isinstance(value, list) else [value]
+        found = tuple(dict.fromkeys(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)))
+        if found:
+            return found
+    eos = getattr(getattr(tokenizer, "_load", lambda: None)(), "eos_token_id", None)
+    return (int(eos),) if isinstance(eos, int) else ()

@@ -83,6 +83,9 @@ class StatusCollector:
             yield from gauge("samples_in_build", "samples registered in the build", st.get("total"))
             yield by_label("samples_failed_by_reason", "failed samples by error", "reason",
                            list((st.get("failed_by_reason") or {}).items()))
+            yield by_label("responses_at_token_limit", "regenerated responses that stopped at the token limit "
+                           "(finish_reason length): kept in the build, or retired (--drop-truncated)", "outcome",
+                           [("kept", st.get("at_token_limit")), ("retired", st.get("dropped_at_token_limit"))])
             yield by_label("tokens", "tokens of the build: done (written), todo and total", "state",
                            [("done", st.get("tokens_done")), ("todo", st.get("remaining_tokens")),
                             ("total", st.get("tokens_total"))])

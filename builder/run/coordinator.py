@@ -37,6 +37,7 @@ from builder.run.handling import Imported, Reports, Tally
 from builder.run.messages import WorkerSettings
 from builder.run.plan import Plan, make_plan
 from builder.run.preparation import Prepared, RunOptions, prepare
+from builder.run.regenerate import RegenSettings
 from builder.run.spawning import Workers
 from builder.run.status import SpacePause, live_status
 from builder.run.supervision import Supervisor, first_probe
@@ -66,6 +67,8 @@ class RunReport:
     dump: DumpIndex | None = None  # an import: which file holds which sample, and the files that hold none
     rejected: list[dict] = field(default_factory=list)  # an import: files a worker refused (sample, reason)
     check_errors: int = 0  # --verify-after-write could not read these back: written, not checked (`check_error`)
+    at_token_limit: int = 0  # a regenerating build: responses that stopped at the token limit, kept
+    dropped: int = 0  # ... retired instead (--drop-truncated)
 
 
 class Coordinator:
@@ -116,7 +119,8 @@ class Coordinator:
             # validate the source before the log is even opened: bad input changes nothing
             session.phase = "starting: reading the source"
             source = catch.source_path()
-            samples = sources.load_source(source, tokenizer_for(prep.cfg), build=prep.lay)
+            samples = sources.load_source(source, tokenizer_for(prep.cfg), build=prep.lay,
+                                          regenerate=prep.cfg.turns_read())
             session.phase = "starting: replaying the log"
             # (the signals are taken once the run has started: Ctrl-C before that ends it at once)
             session.open(signals=False)
@@ -206,6 +210,7 @@ class Coordinator:
         reports = self._reports
         tally = reports.tally if reports is not None else Tally()
         report.written, report.failed, report.check_errors = tally.written, tally.failed, tally.check_errors
+        report.at_token_limit, report.dropped = tally.at_token_limit, tally.dropped
         report.pauses = (self._pause.pauses if self._pause is not None else 0) + engine.pauses
         aborted = reports.aborted if reports is not None else None
         left = self._dispatch.pending() if self._dispatch is not None else 0
@@ -229,11 +234,15 @@ class Coordinator:
             self.echo(f"{report.check_errors} sample(s) written but not checked: --verify-after-write could not read "
                       f"them back (an I/O error, not a mismatch; they stay written); check them with: "
                       f"hsbuild verify {self.prep.lay.root}")
+        if report.at_token_limit or report.dropped:
+            self.echo(cut_off_line(report, self.prep.cfg, self.prep.lay.root))
         too_small = engine.too_small_message()
         session.emit(Event("run_finished", reason=report.outcome, detail=detail(
             written=report.written, failed=report.failed, pauses=report.pauses,
             failed_in_build=report.failed_in_build,
             **({"check_errors": report.check_errors} if report.check_errors else {}),
+            **({"at_token_limit": report.at_token_limit} if report.at_token_limit else {}),
+            **({"dropped_at_token_limit": report.dropped} if report.dropped else {}),
             **({"message": too_small} if too_small else {}))))
         session.flush(force=True)
 
@@ -250,7 +259,8 @@ class Coordinator:
             batch_tokens=cfg.batch_tokens, backend=prep.backend.name,
             backend_settings=backend_settings if node is None else engine.settings_at(backend_settings, node),
             server_check=engine.server_check(node),
-            final_norm=str(prep.lay.final_norm) if prep.lay.final_norm.exists() else None, history_ordinal=ordinal)
+            final_norm=str(prep.lay.final_norm) if prep.lay.final_norm.exists() else None, history_ordinal=ordinal,
+            regenerate=RegenSettings.of(cfg, meta))
 
     def _extract(self, plan: Plan, meta: dict, dump: DumpIndex | None, ordinal: int, gpu_build: bool) -> None:
         prep, session, workers, engine = self.prep, self._session, self._workers, self._engine
@@ -326,6 +336,17 @@ class Coordinator:
                 dispatch.stop_all(workers.running())
                 workers.join_or_kill(SHUTDOWN_SECONDS)
                 dispatch.close()
+
+
+def cut_off_line(report: RunReport, cfg, root: Path) -> str:  # noqa: ANN001 - (BuildConfig)
+    """What a regenerating run says at its end of the responses that stopped at the token limit."""
+    limit = f"--max-new-tokens {cfg.max_new_tokens}" if cfg.max_new_tokens else "the token limit"
+    if report.dropped:
+        return (f"{report.dropped} regenerated response(s) stopped at the token limit ({limit}) and were retired "
+                "(--drop-truncated)")
+    return (f"{report.at_token_limit} regenerated response(s) stopped at the token limit ({limit}, finish_reason "
+            f"length) and were kept; list them with: hsbuild sql {root} \"SELECT sample_id, generated FROM samples "
+            "WHERE finish_reason = 'length'\"")
 
 
 def tokenizer_for(cfg):  # noqa: ANN001, ANN201 - (BuildConfig; a tokenizer)

@@ -179,7 +179,7 @@ class Dispatcher:
                 s = self._samples[sid]
                 assigned[w].append(sid)
                 self._outboxes[w].send(Task(sid, self._attempts.get(sid, 0) + 1, s.fingerprint, s.input_ids,
-                                            s.loss_mask, self._origins.get(sid)))
+                                            s.loss_mask, self._origins.get(sid), s.conversation))
         return None
 
     def idle(self, w: int, lost_ok: bool = False) -> bool:

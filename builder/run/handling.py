@@ -21,6 +21,7 @@ from builder.log.events import Event, detail
 from builder.run.messages import (
     Abandoned,
     Deferred,
+    Dropped,
     Exit,
     Failed,
     Fatal,
@@ -54,6 +55,12 @@ class Tally:
     written: int = 0
     failed: int = 0
     check_errors: int = 0  # --verify-after-write could not read these back: written, not checked (`check_error`)
+    at_token_limit: int = 0  # regenerated responses that stopped at the token limit (finish_reason length), kept
+    dropped: int = 0  # ... retired instead (--drop-truncated)
+
+
+# a regenerated response that stopped at the token limit, retired (--drop-truncated): the `retired` reason
+AT_TOKEN_LIMIT = "at_token_limit"
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,13 @@ class Reports:
                 self._engine.rechecked(wid, found)
             case Written():
                 self._written(msg)
+            case Dropped(sample_id=sid, fingerprint=fp, generation=info):
+                self._emit(Event("retired", sample_id=sid, fingerprint=fp, attempt=msg.attempt, worker=wid,
+                                 reason=AT_TOKEN_LIMIT, detail=detail(
+                                     note="its response stopped at the token limit (--drop-truncated)", **info)))
+                st.done(wid, sid)
+                self.tally.dropped += 1
+                self._bar.update(1)
             case Failed(sample_id=sid, attempt=attempt, fingerprint=fp, reason=reason, message=message):
                 self._emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason=reason,
                                  detail=detail(message=message)))
@@ -176,7 +190,10 @@ class Reports:
                          segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,
                          nbytes=loc.nbytes, checksums=json.dumps(loc.checksums, sort_keys=True),
                          detail=detail(truncated=msg.truncated, seconds=round(msg.seconds, 4),
-                                       disk_bytes=loc.disk_bytes, **self._provenance(sid), **_quant_error(loc))))
+                                       disk_bytes=loc.disk_bytes, **self._provenance(sid), **_quant_error(loc),
+                                       **(msg.generation or {}))))
+        if msg.generation and msg.generation.get("finish_reason") == "length":
+            self.tally.at_token_limit += 1
         if msg.verified:
             self._emit(Event("verified", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid,
                              segment=loc.segment, token_start=loc.token_start, num_tokens=loc.num_tokens,

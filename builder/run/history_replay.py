@@ -64,6 +64,7 @@ class DurableSample:
     truncated: int = 0
     fp8_error: dict | None = None  # an fp8 build: the measured error, as its `written` event records it
     ordinal: int = 0  # the ordinal of the run that wrote it (its history record); 0: a run without one
+    generation: dict | None = None  # a regenerated sample: generated, finish_reason, seed, turns (its manifest's)
 
     @property
     def order(self) -> tuple:
@@ -149,7 +150,7 @@ def written_events(d: DurableSample, how: str) -> list[Event]:
               checksums=json.dumps(d.checksums, sort_keys=True),
               detail=detail(**{how: True}, truncated=d.truncated,
                             **({"fp8_error": {k: round(v, 6) for k, v in d.fp8_error.items()}}
-                               if d.fp8_error else {}))),
+                               if d.fp8_error else {}), **(d.generation or {}))),
         Event("verified", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
               token_start=d.token_start, num_tokens=d.num_tokens, nbytes=d.nbytes, detail=detail(mode=how)),
     ]

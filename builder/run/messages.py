@@ -21,6 +21,7 @@ class Task:
     input_ids: object  # np.ndarray int32
     loss_mask: object  # np.ndarray uint8
     origin: str | None = None  # import: the dump file to take the states from instead of a forward pass
+    conversation: str | None = None  # a regenerating build: its messages (input_ids: its first prompt)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,18 @@ class Written:
     seconds: float
     verified: bool  # read back and checked (--verify-after-write)
     check_error: str | None = None  # --verify-after-write could not read it back (EIO, EMFILE, ...): not checked
+    generation: dict | None = None  # a regenerated sample: generated, finish_reason, seed, turns
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A regenerated response that stopped at the token limit, not written (--drop-truncated): it is retired."""
+
+    worker: int
+    sample_id: str
+    attempt: int
+    fingerprint: str
+    generation: dict  # generated, finish_reason, seed, turns
 
 
 @dataclass(frozen=True)
@@ -175,8 +188,8 @@ class Exit:
 
 
 ToWorker = Task | Stop
-FromWorker = (Ready | Fatal | Started | Staged | Written | Failed | NoSpace | Deferred | Unreachable | ServerChecked
-              | Skipped | Abandoned | Sealed | SealFailed | Exit)
+FromWorker = (Ready | Fatal | Started | Staged | Written | Dropped | Failed | NoSpace | Deferred | Unreachable
+              | ServerChecked | Skipped | Abandoned | Sealed | SealFailed | Exit)
 
 
 @dataclass
@@ -209,3 +222,4 @@ class WorkerSettings:
     quantize: str = "none"  # fp8: states stored as float8_e4m3fn with a float32 scale a token
     history_ordinal: int = 0  # the run's ordinal in the build's history (data/history/): its record precedes
     # the worker's segment (SegmentWriter.run_record)
+    regenerate: object | None = None  # a regenerating build: its run.regenerate.RegenSettings (the turn loop)

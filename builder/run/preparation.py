@@ -144,6 +144,9 @@ def prepare(build: str | Path, opts: RunOptions | None = None, start_workers: bo
         from builder.exchange.imports import check_dump, check_options  # noqa: PLC0415 - (torch: imports only)
 
         check_options(opts.imports)
+        if cfg.regenerate:
+            raise UsageError(f"{lay.root} is a regenerating build (its responses are generated, "
+                             "docs/regenerate.md); import a dump into a build made without --regenerate")
         if opts.launch:
             raise UsageError("--launch: an import reads a dump's files; it needs no server")
         dump_claim = check_dump(opts.imports, lay)  # refused here: nothing touched yet

@@ -61,7 +61,8 @@ def durable_samples(data_root: Path) -> list[DurableSample]:
                                              dict(s["checksums"]), float(m.get("written_at", 0.0)),
                                              int(s.get("truncated", 0)),
                                              s["fp8_error"] if isinstance(s.get("fp8_error"), dict) else None,
-                                             ordinal))
+                                             ordinal,
+                                             s["generation"] if isinstance(s.get("generation"), dict) else None))
                 except (KeyError, TypeError, ValueError):
                     continue
     return sorted(out, key=lambda d: d.order)

@@ -31,6 +31,7 @@ from builder.run import testhook
 from builder.run.messages import (
     Abandoned,
     Deferred,
+    Dropped,
     Exit,
     Failed,
     Fatal,
@@ -49,6 +50,7 @@ from builder.run.messages import (
     Written,
 )
 from builder.run.prctl import die_with_parent
+from builder.run.regenerate import Regenerated, TurnLoop
 from builder.run.standby import Flags
 from builder.run.worker_start import server_pid
 from builder.store.segment import Location, SegmentWriter, StagedGroup, new_segment_name
@@ -111,6 +113,8 @@ def _worker_loop(settings: WorkerSettings, conn, flags: Flags, hosted: bool = Fa
     try:
         torch.set_num_threads(max(1, settings.threads))
         ex, backend = _open_backend(settings, conn)
+        if settings.regenerate is not None:  # a regenerating build: a sample is one request per generated turn
+            backend = TurnLoop(backend, ex.tokenizer, settings.regenerate)
     except Exception as e:  # noqa: BLE001
         conn.send(Fatal(wid, f"{type(e).__name__}: {e}"))
         return
@@ -190,6 +194,7 @@ class _StagedSample:
     location: Location
     truncated: int
     t0: float
+    generation: dict | None = None  # a regenerated sample's (its written event's detail)
 
 
 class _Group:
@@ -249,13 +254,17 @@ class _Group:
         self.conn.send(Started(self.wid, task.sample_id, task.attempt, task.fingerprint, time.time()))
         testhook.before_task(self.wid)  # (HSBUILD_TEST_HOLD: holds at its K-th task until the test lets it go)
         t0 = time.perf_counter()
-        try:
-            ids = self.ex.check(task.input_ids, self.settings.max_tokens)
+        regen = isinstance(self.backend, TurnLoop)
+        try:  # (a regenerating build's prompt is never cut: its positions bound the response instead)
+            ids = self.ex.check(task.input_ids, None if regen else self.settings.max_tokens)
         except SampleError as e:
             self._fail(task, e.reason, str(e))
             return
         self.in_flight[task.sample_id] = (task, ids, task.loss_mask[: ids.shape[0]], t0)
-        self.backend.submit(Request(task.sample_id, ids, task.origin))
+        if regen:
+            self.backend.start(task.sample_id, ids, task.conversation)
+        else:
+            self.backend.submit(Request(task.sample_id, ids, task.origin))
 
     def take(self, outcome) -> None:
         entry = self.in_flight.pop(outcome.key, None)
@@ -263,6 +272,10 @@ class _Group:
             return
         task, ids, mask, t0 = entry
         match outcome:
+            case Regenerated(detail=info) if info["finish_reason"] == "length" and self.settings.regenerate.drop_truncated:
+                self.conn.send(Dropped(self.wid, task.sample_id, task.attempt, task.fingerprint, info))
+            case Regenerated(input_ids=ids, loss_mask=mask, aux=aux, final=final, detail=info):
+                self.stage(task, ids, mask, aux, final, t0, info)
             case States(aux=aux, final=final):
                 self.stage(task, ids, mask, aux, final, t0)
             case Failure(reason=reason, message=message):
@@ -271,7 +284,7 @@ class _Group:
                 self.conn.send(Unreachable(self.wid, task.sample_id, task.attempt, task.fingerprint, message,
                                            refused, need, too_small))
 
-    def stage(self, task: Task, ids, mask, aux, final, t0: float) -> None:
+    def stage(self, task: Task, ids, mask, aux, final, t0: float, generation: dict | None = None) -> None:
         s, wid = self.settings, self.wid
         try:
             if self.writer is None:
@@ -299,12 +312,14 @@ class _Group:
                 self.conn.send(Deferred(wid, task.sample_id, task.attempt, task.fingerprint,
                                         projected - (self.writer.staged_bytes if self.writer else 0), total, free))
                 return
+            # tokens cut by --max-tokens (a regenerated sample: none; its manifest keeps its generation's figures)
+            cut = 0 if generation is not None else int(task.input_ids.shape[0]) - int(ids.shape[0])
             loc = self.writer.add(ids, mask, aux, final, sample_id=task.sample_id, fingerprint=task.fingerprint,
-                                  attempt=task.attempt,
-                                  extra={"truncated": int(task.input_ids.shape[0]) - int(ids.shape[0])})
+                                  attempt=task.attempt, extra={"truncated": cut,
+                                                               **({"generation": generation} if generation else {})})
             if not self.items:
                 self.first_staged = time.monotonic()
-            self.items.append(_StagedSample(task, loc, int(task.input_ids.shape[0]) - loc.num_tokens, t0))
+            self.items.append(_StagedSample(task, loc, cut, t0, generation))
             self.conn.send(Staged(wid, task.sample_id))
         except SampleError as e:
             self._fail(task, e.reason, str(e))
@@ -385,7 +400,7 @@ class _Group:
                 verified = res.error is None
             reported.add(i)
             self.conn.send(Written(wid, t.sample_id, t.attempt, t.fingerprint, loc, it.truncated,
-                                   time.perf_counter() - it.t0, verified, check_error))
+                                   time.perf_counter() - it.t0, verified, check_error, it.generation))
 
     def _check(self, loc: Location, retries: int | None):
         """--verify-after-write: read the durable sample back and compare its checksums (`SampleCheck`). A read

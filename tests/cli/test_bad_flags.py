@@ -159,6 +159,15 @@ INIT: list[Case] = [
     (["--quantize", "fp4"], None), (["--batch-tokens", "0"], None), (["--batch-tokens", "1.5"], None),
     (["--backend", "vllm", "--server", "http://127.0.0.1:8000", "--staging", "/tmp", "--batch-tokens", "512"],
      "--batch-tokens"),
+    # regeneration (docs/regenerate.md): its flags, and --regenerate on a source without conversations
+    (["--regenerate", "--max-new-tokens", "0"], "--max-new-tokens"), (["--regenerate", "--max-new-tokens", "x"],
+                                                                      "--max-new-tokens"),
+    (["--regenerate", "--temperature", "-1"], "--temperature"), (["--regenerate", "--temperature", "nan"],
+                                                                 "--temperature"),
+    (["--regenerate", "--top-p", "0"], "--top-p"), (["--regenerate", "--top-p", "1.5"], "--top-p"),
+    (["--regenerate", "--seed", "-1"], "--seed"), (["--regenerate", "--seed", "x"], "--seed"),
+    (["--regenerate", "--turns", "first"], "--turns"), (["--temperature", "0.5"], None),
+    (["--regenerate"], "--regenerate"),
 ]
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:

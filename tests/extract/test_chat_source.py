@@ -225,12 +225,22 @@ def test_bad_conversations_name_line_and_field(tmp_path, models, row, field, mes
     assert str(e).startswith(f"{e.path}:3: field '{field}': ")
 
 
-def test_conversation_with_the_builtin_model_needs_a_chat_template(tmp_path):
-    e = _err(tmp_path, [{"input_ids": [5]}, {"messages": CONV}], builtin_tokenizer(1024))
-    assert e.line == 2 and e.field == "messages"
-    assert "built-in model has no chat template" in str(e) and "--model HF_DIR" in str(e)
-    e = _err(tmp_path, [{"conversations": SHAREGPT}], builtin_tokenizer(1024))
-    assert e.line == 1 and e.field == "conversations" and "--model HF_DIR" in str(e)
+def test_conversation_with_the_builtin_model_uses_its_byte_level_template(tmp_path):
+    """The built-in model has a byte-level chat template (issue 43, so that regeneration needs no download; it
+    refused conversation rows before): `<|role|>` and a newline, the content's bytes, EOS (2) ending each turn;
+    the mask 1 on an assistant's content and its EOS. A plain text -> ids function still has no template."""
+    tok = builtin_tokenizer(1024)
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONV}, {"conversations": SHAREGPT}])
+    a, b = load_source(src, tok)
+    assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\x02" for m in CONV)
+    assert tok.decode(a.input_ids) == text.replace("\x02", "") and int(a.input_ids[0]) == 1
+    assert a.input_ids.tolist().count(2) == len(CONV)  # one EOS a turn
+    masked = [int(t) for t, m in zip(a.input_ids, a.loss_mask, strict=True) if m]
+    assert tok.decode(masked) == "".join(m["content"] for m in CONV if m["role"] == "assistant")
+    assert masked.count(2) == 2  # each assistant turn's EOS is its own
+    ids, mask = tok.prompt(CONV[:2])
+    assert tok.decode(ids).endswith("<|assistant|>\n") and sum(mask) == 0
     e = _err(tmp_path, [{"messages": CONV}], lambda text: [1, 2])  # a plain text -> ids function
     assert e.field == "messages" and "no chat template" in str(e)
 
@@ -303,12 +313,9 @@ def test_cli_init_with_conversations_and_a_hf_model(tmp_path, cli):
         assert got[s.sample_id]["input_ids"].tolist() == s.input_ids.tolist()
         assert got[s.sample_id]["loss_mask"].tolist() == s.loss_mask.tolist()
 
-    # the built-in model cannot take them: one line, exit 2, naming the line and field
-    cp = cli("init", tmp_path / "b2", "--source", src)
-    assert cp.returncode == 2
-    err = cp.stderr.strip()
-    assert "\n" not in err and f"{src}:1: field 'messages': " in err and "--model HF_DIR" in err, err
-    assert not (tmp_path / "b2").exists()
+    # the built-in model takes them too, with its byte-level chat template (issue 43; it refused them before)
+    cp = cli("init", tmp_path / "b2", "--source", src, "--allow-overcommit")
+    assert cp.returncode == 0, cp.stderr
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -82,7 +82,11 @@ SELECT
     a.updated_at,
     CASE WHEN m.kind = 'retired' THEN m.reason END AS retired_reason,
     CASE WHEN m.kind = 'retired' THEN json_extract_string(m.detail, '$.note') END AS retired_note,
-    coalesce(a.starts, 0) AS starts
+    coalesce(a.starts, 0) AS starts,
+    CASE WHEN m.kind IN ('written', 'retired') THEN json_extract_string(m.detail, '$.finish_reason') END
+        AS finish_reason,
+    CASE WHEN m.kind IN ('written', 'retired') THEN TRY_CAST(json_extract(m.detail, '$.generated') AS BIGINT) END
+        AS generated
 FROM source_samples s
 LEFT JOIN last_main m USING (sample_id)
 LEFT JOIN last_verified v USING (sample_id)
@@ -102,7 +106,8 @@ raw_event = st.tuples(
 events_st = st.lists(raw_event, max_size=24)
 
 FAIL_REASONS = ["nonfinite", "checksum_mismatch", "no_space", "import_truncated"]
-DETAILS = [None, json.dumps({"disk_bytes": 4096, "seconds": 0.1}), json.dumps({"row": 7, "note": "n"}),
+DETAILS = [None, json.dumps({"disk_bytes": 4096, "seconds": 0.1, "finish_reason": "length", "generated": 3}),
+           json.dumps({"row": 7, "note": "n"}),
            json.dumps({"note": "too long", "row": "not a number"})]
 
 

@@ -4,7 +4,11 @@ One at a time (the default): capacity 1, and `collect` runs the forward pass of 
 Batched (`batch_tokens`): the worker keeps up to `capacity` requests submitted, and each `collect` runs one
 packed forward pass over the oldest of them, at most BATCH_SAMPLES samples and `batch_tokens` tokens (a longer
 sample goes alone). Every sample gets the states its lone pass gives it, bit for bit (Extractor.extract_batch),
-and fails alone."""
+and fails alone.
+
+A generation request (`Request.generate`, a regenerating build) runs alone, with a KV cache, its states captured
+as it generates (builder/extract/generation.py); its positions are the model's context, or the build's
+--max-tokens where that is less."""
 
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ SAMPLE_TOKENS = 32  # the requests a worker keeps: two batches of samples this s
 class InProcessBackend:
     name = "inprocess"
 
-    def __init__(self, extractor: Extractor, batch_tokens: int | None = None):
+    def __init__(self, extractor: Extractor, batch_tokens: int | None = None, max_tokens: int | None = None):
         self.ex = extractor
+        self.limit = min(extractor.max_positions, max_tokens or extractor.max_positions)  # a generation's positions
         self.batch_tokens = batch_tokens if batch_tokens and batch_tokens > 0 else None
         self._pending: deque[Request] = deque()
         self._pending_tokens = 0
@@ -54,9 +59,13 @@ class InProcessBackend:
         the end of what is pending, ended it)."""
         if self.batch_tokens is None:
             return len(self._pending), True  # one at a time: whatever was submitted, each in its own pass
+        if self._pending[0].generate is not None:
+            return 1, True  # a generation goes alone
         count = tokens = 0
         for r in self._pending:
             n = int(r.input_ids.shape[0])
+            if r.generate is not None:
+                return count, True  # (the batch ends before it)
             if count == BATCH_SAMPLES or (count and tokens + n > self.batch_tokens):
                 return count, True
             count, tokens = count + 1, tokens + n
@@ -84,6 +93,8 @@ class InProcessBackend:
 
     def _one(self, r: Request):
         try:
+            if r.generate is not None:
+                return self.ex.generate(r.input_ids, r.generate, self.limit)
             return self.ex.extract(r.input_ids)
         except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
             return e
@@ -104,8 +115,14 @@ def _outcome(key: str, result) -> Outcome:
         return Failure(key, result.reason, str(result))
     if isinstance(result, Exception):
         return Failure(key, "error", traceback.format_exception_only(type(result), result)[-1].strip())
-    aux, final = result
-    return States(key, aux, final)
+    if isinstance(result, tuple):
+        aux, final = result
+        return States(key, aux, final)
+    if result.aux is None:  # (an earlier turn: no states kept)
+        import torch  # noqa: PLC0415 - (imported by then)
+
+        result.aux, result.final = torch.empty(0), torch.empty(0)
+    return States(key, result.aux, result.final, output_ids=result.output_ids, finish_reason=result.finish_reason)
 
 
 def _open(settings, recheck=None):  # noqa: ANN001, ARG001 - (WorkerSettings; no server to check)
@@ -117,9 +134,9 @@ def _open(settings, recheck=None):  # noqa: ANN001, ARG001 - (WorkerSettings; no
     gpus = torch.cuda.device_count() if settings.device in ("auto", "cuda") and torch.cuda.is_available() else 0
     ex = Extractor(settings.model, settings.aux_layers or None, settings.dtype,
                    spread_device(settings.device, settings.worker, gpus), final_state=settings.final_state)
-    return ex, InProcessBackend(ex, settings.batch_tokens)
+    return ex, InProcessBackend(ex, settings.batch_tokens, settings.max_tokens)
 
 
 BACKEND = register(BackendSpec(
     name="inprocess", summary="the workers load the model", open=_open, loads_model=True,
-    options={"batch_tokens": None}))
+    options={"batch_tokens": None}, generates=True))
