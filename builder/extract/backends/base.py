@@ -20,17 +20,36 @@ if TYPE_CHECKING:  # (a backend module is read without torch: builder/extract/ba
 
 
 @dataclass(frozen=True)
+class Generation:
+    """Generate after the request's input_ids (the prompt), then return the states of prompt + generated
+    (`hsbuild init --regenerate`; only a backend whose spec says `generates` is given one)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_p: float = 1.0
+    seed: int = 0  # this request's own seed (the build's seed mixed with the sample id and turn)
+    stop_ids: tuple[int, ...] = ()  # token ids that end the response (eos / end of turn), included in output
+    capture: bool = True  # False: an earlier turn of --turns all: only output_ids are needed, no states
+
+
+@dataclass(frozen=True)
 class Request:
     key: str  # the sample id
     input_ids: np.ndarray  # int64 [n], already checked against the model (vocabulary, positions)
     origin: str | None = None  # import: the dump file holding this sample's states
+    generate: Generation | None = None  # None: a plain forward pass over input_ids (every build but --regenerate)
 
 
 @dataclass(frozen=True)
 class States:
     key: str
-    aux: torch.Tensor  # [n, n_aux * H], the model dtype, CPU
+    aux: torch.Tensor  # [n, n_aux * H], the model dtype, CPU: the STORED tokens (input_ids + stored output)
     final: torch.Tensor  # [n, H], the build's final-state convention (pre_norm or post_norm)
+    output_ids: np.ndarray | None = None  # a Generation: the generated tokens, exactly as the engine produced them
+    finish_reason: str | None = None  # a Generation: "stop" (a stop id, the engine's eos) | "length" (max_new_tokens
+    # or the model's context reached)
+    stored_output: int | None = None  # how many of output_ids the states cover (in-process: all; an engine that
+    # never feeds the last token back: all but that one); None: all
 
 
 @dataclass(frozen=True)

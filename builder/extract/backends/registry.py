@@ -84,6 +84,8 @@ class BackendSpec:
     # records about it besides `backend` and `server`. Given the model's metadata (Extractor or ModelInfo)
     check_init: Callable[[Any], dict] | None = None
     worker_settings: Callable[[RunContext], object | None] = _no_settings  # WorkerSettings.backend_settings
+    generates: bool = False  # it honours Request.generate (returns States with output_ids and finish_reason, or a
+    # Failure): `init --regenerate` refuses a backend that does not
 
     def setting(self, cfg: BuildConfig, key: str) -> object:
         """hsbuild.toml's `key`, else this backend's default for it."""
