@@ -53,7 +53,14 @@ def _open(settings, recheck=None):  # noqa: ANN001, ANN202 - (WorkerSettings)
     return ex, VllmBackend(settings.backend_settings, norm, recheck)
 
 
+def _generation_problem(settings) -> str | None:  # noqa: ANN001 - (a mapping)
+    from builder.extract.backends.vllm.generate import generation_problem  # noqa: PLC0415
+
+    return generation_problem(settings)
+
+
 BACKEND = register(BackendSpec(
     name="vllm", summary="a vLLM server runs the model", open=_open, server=VllmServer(), device="cpu",
     final_state="pre_norm", options={"server": None, "inflight": DEFAULT_INFLIGHT},
-    check_init=_check_init, worker_settings=worker_settings, generates=True))
+    check_init=_check_init, worker_settings=worker_settings, generates=True,
+    generation_problem=_generation_problem))

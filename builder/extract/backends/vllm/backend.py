@@ -68,7 +68,14 @@ from builder.extract.backends.staging import (
     volume_capacity,
     volume_room,
 )
-from builder.extract.backends.vllm.generate import BadAnswer, first_diff, read_response, request_body
+from builder.extract.backends.vllm.generate import (
+    BadAnswer,
+    Response,
+    first_diff,
+    generation_problem,
+    read_response,
+    request_body,
+)
 from builder.extract.backends.vllm.states import engine_layer_ids, staged_file_bytes
 
 if TYPE_CHECKING:  # (torch: imported once a worker opens the backend)
@@ -277,8 +284,12 @@ class VllmBackend:
         why = self._wait_until_up()
         if why is not None:
             return Unavailable(r.key, why, refused=self._refused is not None)
-        path = self.staging / f"{uuid.uuid4().hex}{STAGING_SUFFIX}"
         gen = r.generate
+        problem = None if gen is None else generation_problem({"temperature": gen.temperature})
+        if problem is not None:  # (init refuses such a build: nothing of it may be stored)
+            self._refused = problem
+            return Unavailable(r.key, problem, refused=True)
+        path = self.staging / f"{uuid.uuid4().hex}{STAGING_SUFFIX}"
         try:
             if gen is None:
                 doc = complete(self.s.server, self.s.model_name, ids, self.s.request_timeout,
@@ -320,8 +331,12 @@ class VllmBackend:
                 self._up.clear()
                 return Unavailable(r.key, message, need_bytes=self._need_bytes, too_small=never)
             return self._unavailable(r, str(e))
-        if response is None:
-            return self._validate(r, ids, data)
+        return self._validate(r, ids, data) if response is None else self._with_response(r, ids, response, data)
+
+    def _with_response(self, r: Request, ids: list[int], response: Response, data: dict[str, torch.Tensor]) -> Outcome:
+        """A generation's outcome: its staged file must hold the prompt and the stored part of the response."""
+        import numpy as np  # noqa: PLC0415
+
         out = self._validate(r, response.staged_ids(ids), data)
         if isinstance(out, Failure):
             return out

@@ -16,12 +16,16 @@ reason `length`, and the extra token (the only one without a state) is dropped. 
 the model's eos) ends with its stop token, whose state no pass computed: it is stored up to the token before it
 (`stored_output` = its length - 1). A response cut by the server's context (`--max-model-len`) likewise.
 
+Greedy only: vLLM's sampling on this path is wrong (SAMPLING_DEFECT); init refuses a temperature above 0
+(`generation_problem`), and the backend refuses such a request (the run stops) should a build get one anyway.
+
 An earlier turn of `--turns all` (`capture` False) needs only its tokens: its request asks hsbuild's connector to
 stage nothing (SKIP_STATES); a server whose connector does not know that stages a file anyway, which is removed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +35,22 @@ if TYPE_CHECKING:
     from builder.extract.backends.base import Generation
 
 FINISH_REASONS = ("stop", "length")
+# why a regeneration through vLLM is greedy only (measured with vLLM 0.32.0, CPU build, tests/engines/
+# test_vllm_regen.py): with the extract_hidden_states method, a request at temperature > 0 gets tokens that
+# transformers' forward of the same model gives a log-probability near -190 (a server without the method: -3 at
+# worst, on the same prompt and seed), and the same seed gives other tokens on each request; greedy tokens are exact
+SAMPLING_DEFECT = ("vLLM's extract_hidden_states method (the one pass that generates and captures states) samples "
+                   "wrong tokens above temperature 0 (vLLM 0.32: tokens of log-probability near -190, a seed that "
+                   "does not repeat); its greedy tokens are exact")
+
+
+def generation_problem(settings: Mapping[str, object]) -> str | None:
+    """Why a vLLM server cannot regenerate with these settings (hsbuild.toml's), one line; None: it can."""
+    temperature = float(settings.get("temperature") or 0.0)  # type: ignore[arg-type]
+    if temperature > 0:
+        return (f"--temperature {temperature:g}: {SAMPLING_DEFECT}; regenerate through vLLM with --temperature 0 "
+                "(greedy), or sample with --backend inprocess")
+    return None
 
 
 def request_body(model: str, ids: list[int], gen: Generation, path: str) -> dict:
