@@ -284,6 +284,20 @@ def _regenerate_supported() -> bool:
     return "--regenerate" in cp.stdout
 
 
+def test_init_refuses_sampling_through_vllm(tmp_path, walker_server):
+    """`init --regenerate --backend vllm --temperature 0.5`: one line naming the flag, exit 2, nothing written."""
+    if not _regenerate_supported():
+        pytest.skip("waits for regen's core (issue 43, branch i43-regen): `hsbuild init --regenerate`")
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": "w7 w8"}]}])
+    cp = hsbuild("init", tmp_path / "b", "--source", src, "--model", walker_server.model, "--backend", "vllm",
+                 "--server", walker_server.url, "--staging", walker_server.staging, "--regenerate",
+                 "--temperature", "0.5")
+    assert cp.returncode == 2, cp.stderr
+    line = cp.stderr.strip()
+    assert "\n" not in line and "--temperature 0.5: " in line and "--backend inprocess" in line, cp.stderr
+    assert not (tmp_path / "b").exists()
+
+
 @pytest.mark.claim("crash")
 def test_regenerating_build_through_vllm_survives_sigkill(tmp_path, walker_server, reference, hold):
     """`init --backend vllm --regenerate` (--turns last, greedy), the server's command line the one serve-command
