@@ -74,9 +74,10 @@ def server_env(spec: EngineSpec) -> dict:
 ENGINE_ARGS = ("--max-model-len", "2048")
 
 
-def engine_spec(model: Path, url: str, staging: Path, layer_ids: list[int] | None = None) -> EngineSpec:
+def engine_spec(model: Path, url: str, staging: Path, layer_ids: list[int] | None = None,
+                dtype: str = "bfloat16") -> EngineSpec:
     return EngineSpec(model=str(model), server=url, staging=str(staging), layer_ids=layer_ids or LAYER_IDS,
-                      dtype="bfloat16", engine_args=ENGINE_ARGS)
+                      dtype=dtype, engine_args=ENGINE_ARGS)
 
 
 def _die_with_parent() -> None:
@@ -94,10 +95,10 @@ class Server:
 
 
 def start_server(root: Path, model: Path, staging: Path, timeout: float = 900, port: int | None = None,
-                 layer_ids: list[int] | None = None, extra: tuple[str, ...] = ()) -> Server:
+                 layer_ids: list[int] | None = None, extra: tuple[str, ...] = (), dtype: str = "bfloat16") -> Server:
     url = f"http://127.0.0.1:{port or free_port()}"
     log = root / "server.log"
-    spec = engine_spec(model, url, staging, layer_ids)
+    spec = engine_spec(model, url, staging, layer_ids, dtype)
     with open(log, "ab") as out:
         proc = subprocess.Popen([*serve_command(spec), *extra], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=server_env(spec), preexec_fn=_die_with_parent)
@@ -148,3 +149,27 @@ def vllm_server(tmp_path_factory, tiny_llama) -> Server:
 
 def hsbuild_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "builder.cli", *map(str, args)]
+
+
+def transformers_forward(model_dir: Path, dtype: str = "bfloat16"):  # noqa: ANN201 - (a function)
+    """transformers' forward of the model: ids -> (hidden_states per HF index, the last decoder layer's output before
+    the final norm), for one sequence."""
+    import torch
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    pre: list[torch.Tensor] = []
+    m.model.layers[-1].register_forward_hook(lambda _m, _i, out: pre.append(out[0] if isinstance(out, tuple) else out))
+
+    def forward(ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        pre.clear()
+        with torch.no_grad():
+            hs = m(input_ids=ids.long()[None], output_hidden_states=True).hidden_states
+        return tuple(h[0] for h in hs), pre[-1][0]
+
+    return forward
+
+
+def relative_diff(got, ref) -> float:  # noqa: ANN001 - (tensors)
+    """Largest difference relative to the reference's scale (bf16 through two different kernels: ~1%)."""
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))

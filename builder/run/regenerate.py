@@ -206,6 +206,9 @@ def check_init(cfg: BuildConfig, backend: str, ex: object) -> dict:
     if not spec.generates:
         able = [s.name for s in backends.specs() if s.selectable and s.generates]
         raise UsageError(f"--regenerate: backend {backend} cannot generate; use --backend {' or '.join(able)}")
+    refused = spec.generation_problem(g) if spec.generation_problem is not None else None
+    if refused is not None:  # it generates, but not with these settings (vLLM: greedy only)
+        raise UsageError(refused)
     tok = getattr(ex, "tokenizer", None)
     if tok is None or not getattr(tok, "has_chat_template", lambda: False)():
         raise UsageError(f"--regenerate: the tokenizer of --model {cfg.model} has no chat template, so a "

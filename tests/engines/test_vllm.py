@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import POLL_OWNER_S, hsbuild, random_rows, write_jsonl, written_count
-from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm
+from vllm_fixture import NUM_LAYERS, VOCAB, hsbuild_cmd, needs_vllm, relative_diff, transformers_forward
 
 from builder.extract.backends.base import Failure, Request
 from builder.extract.backends.http_client import complete, served_model
@@ -39,44 +39,23 @@ def _init(tmp_path: Path, server, n: int, seed: int = 0, name: str = "b", **kw) 
                       staging=str(server.staging), **kw).root
 
 
-def _reference(model_dir: Path):
-    import transformers
-
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
-    pre: list[torch.Tensor] = []
-    m.model.layers[-1].register_forward_hook(lambda _m, _i, out: pre.append(out[0] if isinstance(out, tuple) else out))
-
-    def forward(ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        pre.clear()
-        with torch.no_grad():
-            hs = m(input_ids=ids.long()[None], output_hidden_states=True).hidden_states
-        return tuple(h[0] for h in hs), pre[-1][0]
-
-    return forward
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest difference relative to the reference's scale (bf16 through two different kernels: ~1%)."""
-    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
-
-
 def _check_against_transformers(build: Path, model_dir: Path, final_state: str) -> int:
-    forward = _reference(model_dir)
+    forward = transformers_forward(model_dir)
     ds = HiddenStateDataset(build)
     aux_layers = [1, 2, 3]
     for item in ds:
         hs, pre = forward(item["input_ids"])
         aux = item["aux_hidden_state"].view(len(item["input_ids"]), len(aux_layers), -1)
         for slot, k in enumerate(aux_layers):
-            right = _close(aux[:, slot], hs[k])
+            right = relative_diff(aux[:, slot], hs[k])
             assert right < 0.02, (item["sample_id"], k, right)
             # the layer indexing is exact: the neighbouring index is far off
             for other in (k - 1, k + 1):
-                assert _close(aux[:, slot], hs[other]) > 10 * right + 0.05, (item["sample_id"], k, other)
+                assert relative_diff(aux[:, slot], hs[other]) > 10 * right + 0.05, (item["sample_id"], k, other)
         ref_final = hs[NUM_LAYERS] if final_state == "post_norm" else pre
         other_final = pre if final_state == "post_norm" else hs[NUM_LAYERS]
-        assert _close(item["hidden_state"], ref_final) < 0.03, item["sample_id"]
-        assert _close(item["hidden_state"], other_final) > 0.1, item["sample_id"]
+        assert relative_diff(item["hidden_state"], ref_final) < 0.03, item["sample_id"]
+        assert relative_diff(item["hidden_state"], other_final) > 0.1, item["sample_id"]
     return len(ds)
 
 
@@ -247,7 +226,7 @@ def _transformers_signature(model_dir: Path, vocab: int) -> list[list[float]]:
     """The probe signature (per token, per returned layer id: the state's L2 norm) computed by transformers."""
     from builder.extract.backends.vllm.probe import probe_ids
 
-    forward = _reference(model_dir)
+    forward = transformers_forward(model_dir)
     hs, pre = forward(torch.tensor(probe_ids(vocab)))
     slots = [hs[1], hs[2], hs[3], pre]  # engine ids 1, 2, 3 and 4 (pre-norm)
     return torch.stack([torch.linalg.vector_norm(s.float(), dim=-1) for s in slots], dim=1).tolist()

@@ -91,4 +91,10 @@ def complete(server: str, model: str, token_ids: list[int], timeout: float,
     body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
     if kv_transfer_params:
         body["kv_transfer_params"] = kv_transfer_params
+    return completion(server, body, timeout)
+
+
+def completion(server: str, body: dict, timeout: float) -> dict:
+    """One `/v1/completions` request with the body as given (an engine's own parameters). Returns the response
+    document."""
     return _call(server.rstrip("/") + "/v1/completions", body, timeout)

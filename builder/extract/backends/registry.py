@@ -86,6 +86,9 @@ class BackendSpec:
     worker_settings: Callable[[RunContext], object | None] = _no_settings  # WorkerSettings.backend_settings
     generates: bool = False  # it honours Request.generate (returns States with output_ids and finish_reason, or a
     # Failure): `init --regenerate` refuses a backend that does not
+    # a backend that generates: why it cannot honour a build's generation settings (hsbuild.toml's temperature,
+    # top_p, ...: a mapping), one line naming the flag and what to use instead; None: it can. Asked by init
+    generation_problem: Callable[[Mapping[str, object]], str | None] | None = None
 
     def setting(self, cfg: BuildConfig, key: str) -> object:
         """hsbuild.toml's `key`, else this backend's default for it."""

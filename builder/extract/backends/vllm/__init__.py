@@ -3,6 +3,7 @@ hsbuild knows about vLLM is in this package (docs/design.md section 12); the res
 through the registry, by the name `vllm`.
 
 - `backend`: the request path (VllmBackend: requests in flight, staging files read, validated, deleted);
+- `generate`: a regenerating build's request (generation and states in one pass) and what its answer must say;
 - `states`: the layer ids the server is asked for, and the least a staging file takes;
 - `command`: the server command (`serve-command`, `run --launch`), and what init checks of a vLLM build;
 - `probe`, `identity`: the check that a running server is the build's (its command line, /v1/models, a probe);
@@ -52,7 +53,14 @@ def _open(settings, recheck=None):  # noqa: ANN001, ANN202 - (WorkerSettings)
     return ex, VllmBackend(settings.backend_settings, norm, recheck)
 
 
+def _generation_problem(settings) -> str | None:  # noqa: ANN001 - (a mapping)
+    from builder.extract.backends.vllm.generate import generation_problem  # noqa: PLC0415
+
+    return generation_problem(settings)
+
+
 BACKEND = register(BackendSpec(
     name="vllm", summary="a vLLM server runs the model", open=_open, server=VllmServer(), device="cpu",
     final_state="pre_norm", options={"server": None, "inflight": DEFAULT_INFLIGHT},
-    check_init=_check_init, worker_settings=worker_settings))
+    check_init=_check_init, worker_settings=worker_settings, generates=True,
+    generation_problem=_generation_problem))

@@ -23,11 +23,15 @@ and its room: builder/extract/backends/staging.py; the least a file takes: state
 A staging volume that fills up pauses the run until it has room again (`staging_full`); one smaller than a
 sample's file even when empty can never hold it: that request is answered `too_small`, and the run stops.
 
+Regeneration (`init --regenerate`: a request with `generate`): the same request generates the response and stages
+the states of the prompt and of the generated tokens, in one pass (generate.py).
+
 Layer ids: states.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from builder.extract.backends.base import (
     Failure,
+    Generation,
     Outcome,
     Request,
     States,
@@ -52,6 +57,7 @@ from builder.extract.backends.http_client import (
     EngineUnavailable,
     ServerRefused,
     complete,
+    completion,
     healthy,
 )
 from builder.extract.backends.staging import (
@@ -61,6 +67,14 @@ from builder.extract.backends.staging import (
     remove_staged,
     volume_capacity,
     volume_room,
+)
+from builder.extract.backends.vllm.generate import (
+    BadAnswer,
+    Response,
+    first_diff,
+    generation_problem,
+    read_response,
+    request_body,
 )
 from builder.extract.backends.vllm.states import engine_layer_ids, staged_file_bytes
 
@@ -89,6 +103,7 @@ class VllmSettings:
     final_state: str  # post_norm | pre_norm: what the build stores as hidden_state
     inflight: int = 16
     request_timeout: float = 600.0  # one prefill of the longest sample, queued behind `inflight` others
+    token_timeout: float = 1.0  # a generation's request waits this much longer per token it may generate
     file_timeout: float = 120.0  # from the answer to a complete staging file
     health_every: float = 2.0  # /health is asked this often: a server that went away is checked again on return
 
@@ -269,10 +284,19 @@ class VllmBackend:
         why = self._wait_until_up()
         if why is not None:
             return Unavailable(r.key, why, refused=self._refused is not None)
+        gen = r.generate
+        problem = None if gen is None else generation_problem({"temperature": gen.temperature})
+        if problem is not None:  # (init refuses such a build: nothing of it may be stored)
+            self._refused = problem
+            return Unavailable(r.key, problem, refused=True)
         path = self.staging / f"{uuid.uuid4().hex}{STAGING_SUFFIX}"
         try:
-            doc = complete(self.s.server, self.s.model_name, ids, self.s.request_timeout,
-                           {"hidden_states_path": str(path)})
+            if gen is None:
+                doc = complete(self.s.server, self.s.model_name, ids, self.s.request_timeout,
+                               {"hidden_states_path": str(path)})
+            else:
+                doc = completion(self.s.server, request_body(self.s.model_name, ids, gen, str(path)),
+                                 self.s.request_timeout + gen.max_new_tokens * self.s.token_timeout)
         except EngineUnavailable as e:
             remove_staged(path)
             return self._unavailable(r, str(e))
@@ -281,6 +305,8 @@ class VllmBackend:
             return Failure(r.key, "rejected", str(e))
         params = doc.get("kv_transfer_params") or {}
         answered = params.get("hidden_states_path")
+        if gen is not None and not gen.capture:
+            return self._tokens_only(r, ids, gen, doc, answered)
         if not answered:
             self._refused = ("the server's answer names no hidden_states_path: it does not run the "
                              "extract_hidden_states method with the hidden-states connector; start it with the command "
@@ -293,6 +319,10 @@ class VllmBackend:
                              "start it with the command `hsbuild serve-command BUILD` prints")
             return Unavailable(r.key, self._refused, refused=True)
         try:
+            response = None if gen is None else read_response(doc, ids, gen)
+        except BadAnswer as e:
+            return self._bad_answer(r, e, path)
+        try:
             data = read_and_remove(path, self.s.file_timeout, self.wake.wait)
         except EngineUnavailable as e:
             full = self._staging_full(len(ids))
@@ -301,7 +331,53 @@ class VllmBackend:
                 self._up.clear()
                 return Unavailable(r.key, message, need_bytes=self._need_bytes, too_small=never)
             return self._unavailable(r, str(e))
-        return self._validate(r, ids, data)
+        return self._validate(r, ids, data) if response is None else self._with_response(r, ids, response, data)
+
+    def _with_response(self, r: Request, ids: list[int], response: Response, data: dict[str, torch.Tensor]) -> Outcome:
+        """A generation's outcome: its staged file must hold the prompt and the stored part of the response."""
+        import numpy as np  # noqa: PLC0415
+
+        out = self._validate(r, response.staged_ids(ids), data)
+        if isinstance(out, Failure):
+            return out
+        return dataclasses.replace(out, output_ids=np.asarray(response.output_ids, dtype=np.int64),
+                                   finish_reason=response.finish_reason, stored_output=response.stored_output)
+
+    def _tokens_only(self, r: Request, ids: list[int], gen: Generation, doc: dict, staged: str | None) -> Outcome:
+        """A generation whose states are not needed (an earlier turn of --turns all): its tokens, and empty states.
+        A file staged all the same (a connector that does not know SKIP_STATES) is removed once written."""
+        if staged:
+            try:
+                read_and_remove(staged, self.s.file_timeout, self.wake.wait)
+            except EngineUnavailable:
+                pass  # (removed: nothing of it is used)
+        try:
+            response = read_response(doc, ids, gen)
+        except BadAnswer as e:
+            return self._bad_answer(r, e, None)
+        import numpy as np  # noqa: PLC0415
+        import torch  # noqa: PLC0415
+
+        from builder.store.dtypes import torch_dtype  # noqa: PLC0415
+
+        dtype = torch_dtype(self.s.dtype)
+        return States(r.key, torch.empty(0, len(self.aux_slots) * self.s.hidden_size, dtype=dtype),
+                      torch.empty(0, self.s.hidden_size, dtype=dtype),
+                      output_ids=np.asarray(response.output_ids, dtype=np.int64),
+                      finish_reason=response.finish_reason, stored_output=0)
+
+    def _bad_answer(self, r: Request, e: BadAnswer, staged: Path | None) -> Outcome:
+        """An answer that cannot be the request's response: its staged file removed (once written), the sample
+        failed, or the run stopped when no answer of this server can be (`e.server`)."""
+        if staged is not None:
+            try:
+                read_and_remove(staged, self.s.file_timeout, self.wake.wait)
+            except EngineUnavailable:
+                pass
+        if e.server:
+            self._refused = str(e)
+            return Unavailable(r.key, self._refused, refused=True)
+        return Failure(r.key, e.reason, str(e))
 
     def _staging_full(self, tokens: int) -> tuple[str, bool] | None:
         """When the staging volume has no room for a file of `tokens` tokens (the server's write failed with ENOSPC,
@@ -334,7 +410,7 @@ class VllmBackend:
                            "hidden_states")
         if tok.tolist() != ids:
             return Failure(r.key, "token_mismatch", f"the server's token ids ({tok.numel()}) differ from the "
-                           f"request's ({len(ids)}) from position {_first_diff(tok.tolist(), ids)}")
+                           f"request's ({len(ids)}) from position {first_diff(tok.tolist(), ids)}")
         want = (len(ids), len(self.layer_ids), self.s.hidden_size)
         if tuple(hs.shape) != want:
             return Failure(r.key, "bad_states", f"hidden_states has shape {tuple(hs.shape)}, expected {want} "
@@ -354,10 +430,3 @@ class VllmBackend:
             final = self.norm.apply(final)
         bad = check_finite(r.key, aux, final)
         return bad if bad is not None else States(r.key, aux.contiguous(), final)
-
-
-def _first_diff(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))

@@ -8,7 +8,9 @@ connector honours only with `allow_custom_save_path`, anywhere on the server's f
 the server's own staging folder, one build subfolder deep (`STAGING/<build id>/<file>.safetensors`). Any
 other path falls back to the stock default (`STAGING/<request id>.safetensors`), which hsbuild refuses to read
 (it is not its build's). So one server can serve several builds of the same model and layers, each staging
-into its own subfolder, and no client can make the server write anywhere else.
+into its own subfolder, and no client can make the server write anywhere else. A request whose
+`kv_transfer_params` say `SKIP_STATES` (builder/extract/backends/vllm/states.py: an earlier turn of a
+regeneration, whose tokens alone are needed) is staged nowhere: no file, no lock.
 
 - `HsbuildHiddenStatesConnector`: servers on GPUs (the stock device-to-host copy on a CUDA stream).
 - `CpuHiddenStatesConnector`: vLLM's CPU build. The stock connector copies rows into pinned memory on a CUDA
@@ -29,6 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector,
     extract_from_kv_cache,
 )
+
+from builder.extract.backends.vllm.states import SKIP_STATES
 
 
 def confined(path: str, storage: str) -> bool:
@@ -52,7 +56,17 @@ class HsbuildHiddenStatesConnector(ExampleHiddenStatesConnector):
                 default = os.path.join(self._storage_path, f"{req_id}.safetensors")
                 meta.new_req_filenames[req_id] = default
                 self._request_filenames[req_id] = default
+        for new_req in scheduler_output.scheduled_new_reqs:
+            if _kv_params(new_req).get(SKIP_STATES):  # (no file name: request_finished stages nothing)
+                meta.new_req_filenames.pop(new_req.req_id, None)
+                self._request_filenames.pop(new_req.req_id, None)
         return meta
+
+
+def _kv_params(new_req) -> dict:  # noqa: ANN001 - vLLM's NewRequestData
+    """A newly scheduled request's kv_transfer_params (where vLLM's stock connector reads them)."""
+    extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
+    return (extra or {}).get("kv_transfer_params") or {}
 
 
 class _Done:

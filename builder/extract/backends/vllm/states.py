@@ -7,6 +7,10 @@ the final norm (Hugging Face's `hidden_states[L]` is after it).
 
 from __future__ import annotations
 
+# a request's kv_transfer_params key asking hsbuild's connector to stage nothing for it (an earlier turn of a
+# regeneration: only its tokens are needed; builder/extract/backends/vllm/connector.py)
+SKIP_STATES = "hsbuild_skip_states"
+
 
 def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
     """The ids the server is asked for: the aux layers (HF indices < L, the same ids in vLLM) and L."""
