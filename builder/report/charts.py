@@ -24,7 +24,7 @@ POINT_STYLE = {"run_started": ("#54a24b", "--"), "verify_started": ("#72b7b2", "
                "source_changed": ("#888888", "-."), "init": ("#888888", ":")}
 
 
-def _mpl() -> Any:
+def require_matplotlib() -> Any:
     try:
         import matplotlib  # noqa: PLC0415
         from matplotlib.figure import Figure  # noqa: PLC0415
@@ -36,18 +36,22 @@ def _mpl() -> Any:
 
 def draw_all(s: dict) -> dict[str, str]:
     """{figure name: inline SVG} for every figure of FIGURES."""
-    matplotlib, figure = _mpl()
+    matplotlib, figure = require_matplotlib()
     out = {}
     for name in FIGURES:
         with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": name, "font.size": 9,
                                     "axes.spines.top": False, "axes.spines.right": False}):
-            fig = figure(figsize=(WIDTH_IN, 3.4 if name != "throughput" else 4.6), layout="constrained")
+            tall = name == "throughput"
+            fig = figure(figsize=(WIDTH_IN, 4.6 if tall else 3.4))  # (margins set, not solved for: 2x faster)
+            fig.subplots_adjust(left=0.065, right=0.93, top=0.92 if tall else 0.89, bottom=0.11 if tall else 0.17,
+                                hspace=0.3, wspace=0.3)
             DRAW[name](fig, s)
             buf = io.StringIO()
             fig.savefig(buf, format="svg", metadata={"Date": None})
         svg = buf.getvalue()
         out[name] = svg[svg.index("<svg"):]  # inline: no XML declaration or doctype
         out[name] = re.sub(r'<svg ([^>]*?)width="[^"]*" height="[^"]*"', r'<svg \1', out[name], count=1)
+        out[name] = re.sub(r"<metadata>.*?</metadata>\s*", "", out[name], count=1, flags=re.S)  # (its RDF block)
     return out
 
 
@@ -174,14 +178,12 @@ def draw_failures(fig: Any, s: dict) -> None:
     if not f["by_reason"]:
         _empty(ax, "no failure recorded")
         return
-    t, w = _times(s), s["axis"]["bucket_s"]
-    bottom = [0] * len(t)
+    a = s["axis"]
+    t = _times(s) + [_when(a["t0"] + a["buckets"] * a["bucket_s"])]
     palette = ["#e45756", "#f58518", "#b279a2", "#9d755d", "#eeca3b", "#ff9da6", "#bab0ac", "#4c78a8"]
-    for i, (reason, counts) in enumerate(sorted(f["by_reason"].items(), key=lambda kv: -sum(kv[1]))):
-        name = f"{reason}{' *' if reason in f['transient'] else ''} ({f['totals'][reason]})"
-        ax.bar(t, counts, width=dt.timedelta(seconds=w), bottom=bottom, align="edge", label=name,
-               color=palette[i % len(palette)])
-        bottom = [a + b for a, b in zip(bottom, counts, strict=True)]
+    ordered = sorted(f["by_reason"].items(), key=lambda kv: -sum(kv[1]))
+    ax.stackplot(t, *[counts + counts[-1:] for _, counts in ordered], step="post", colors=palette[:len(ordered)],
+                 labels=[f"{r}{' *' if r in f['transient'] else ''} ({f['totals'][r]})" for r, _ in ordered])
     ax.set_ylabel("failed events")
     ax.legend(fontsize=7, ncol=3, loc="upper left")
     _marks(ax, s, label=False)

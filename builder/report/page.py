@@ -14,7 +14,7 @@ from builder.errors import DiskFullError, UsageError
 from builder.fsutil import fsync_path
 from builder.humanize import human_bytes
 from builder.layout import BuildLayout
-from builder.report.charts import FIGURES, draw_all
+from builder.report.charts import FIGURES, draw_all, require_matplotlib
 from builder.report.series import collect
 
 REPORT_NAME = "report.html"
@@ -76,6 +76,7 @@ def make_report(lay: BuildLayout, out: Path | None = None) -> tuple[Path, dict]:
     target = Path(out) if out is not None else default_output(lay)
     if target.is_dir():
         raise UsageError(f"-o {target}: a folder; give the file to write, e.g. {target / REPORT_NAME}")
+    require_matplotlib()  # (before reading anything: one line naming the extra)
     series = collect(lay)
     svgs = draw_all(series)
     write_atomic(target, render(series, svgs))
@@ -112,7 +113,7 @@ def render(s: dict, svgs: dict[str, str]) -> str:
         f"<p><span class='k'>model</span> {_e(b['model'])} <span class='k'>(fingerprint {_e(b['model_fingerprint'])})"
         f"</span> · <span class='k'>source</span> {_e(b['source'])} · <span class='k'>created</span> "
         f"{_e(_t(b['created_at']))}<br><span class='k'>{_e(state)}</span> · {b['events']:,} events, the last at "
-        f"{_e(_t(now.get('last_event_at')))} · report of {_e(_t(now.get('now')))}</p>",
+        f"{_e(_t(now.get('last_event_at')))}</p>",
         _table(["samples", "done", "written", "verified", "failed", "in flight", "pending", "retired", "tokens",
                 "data"],
                [[now["total"], now["done"], now["written"], now["verified"], now["failed"], now["started"],

@@ -64,14 +64,58 @@ SELECT """ + BUCKET + """ AS b, prev, st, count(*) AS n FROM t WHERE st <> prev 
 
 REGISTERED = "SELECT count(*) FROM source_samples"
 
-# 2, 6: now (the `progress` view: counts, the recent rate and the time left while a run extracts)
-PROGRESS = ("SELECT total, pending, started, written, verified, failed, retired, done, remaining, tokens_done, "
-            "tokens_total, bytes_done, disk_bytes_done, recent_samples_per_s, eta_seconds, "
-            "epoch(last_event_at) AS last_event_at, epoch(now()) AS now FROM progress")
+# 2, 3, 4, 6: now, from one pass over the fold (the `samples` view, materialized once): the counts as the
+# `progress` view makes them, tokens per stored sample, how long ago the stored samples were verified (before the
+# log's last event; never), and the samples that failed most
+NOW = """
+WITH s AS MATERIALIZED (
+    SELECT sample_id, state, attempts, num_tokens, nbytes, disk_bytes, source_tokens, verified_at FROM samples
+),
+mt AS (SELECT max(TRY_CAST(json_extract(value, '$.max_tokens') AS BIGINT)) AS m FROM meta WHERE key = 'format'),
+last AS (SELECT max(ts) AS ts FROM events),
+fm AS (SELECT sample_id, count(*) AS failures, count(DISTINCT reason) AS reasons, arg_max(reason, seq) AS last_reason
+       FROM events WHERE kind = 'failed' GROUP BY sample_id ORDER BY failures DESC, sample_id LIMIT 10)
+SELECT
+    (SELECT {'total': count(*) FILTER (WHERE state <> 'retired'),
+             'pending': count(*) FILTER (WHERE state = 'pending'),
+             'started': count(*) FILTER (WHERE state = 'started'),
+             'written': count(*) FILTER (WHERE state = 'written'),
+             'verified': count(*) FILTER (WHERE state = 'verified'),
+             'failed': count(*) FILTER (WHERE state = 'failed'),
+             'retired': count(*) FILTER (WHERE state = 'retired'),
+             'tokens_done': coalesce(sum(num_tokens) FILTER (WHERE state IN ('written', 'verified')), 0),
+             'tokens_total': coalesce(sum(least(source_tokens, coalesce((SELECT m FROM mt), source_tokens)))
+                                      FILTER (WHERE state <> 'retired'), 0),
+             'bytes_done': coalesce(sum(nbytes) FILTER (WHERE state IN ('written', 'verified')), 0),
+             'disk_bytes_done': coalesce(sum(coalesce(disk_bytes, nbytes))
+                                         FILTER (WHERE state IN ('written', 'verified')), 0)} FROM s) AS counts,
+    (SELECT list({'num_tokens': num_tokens, 'n': n} ORDER BY num_tokens)
+     FROM (SELECT num_tokens, count(*) AS n FROM s WHERE state IN ('written', 'verified') GROUP BY num_tokens))
+        AS lengths,
+    (SELECT list({'bin': bin, 'n': n})
+     FROM (SELECT CASE WHEN age IS NULL THEN 'never' WHEN age < 3600 THEN 'within 1 h'
+                       WHEN age < 86400 THEN 'within 1 day' WHEN age < 7 * 86400 THEN 'within 7 days'
+                       ELSE 'older' END AS bin, count(*) AS n
+           FROM (SELECT epoch((SELECT ts FROM last)) - epoch(verified_at) AS age FROM s
+                 WHERE state IN ('written', 'verified'))
+           GROUP BY bin)) AS ages,
+    (SELECT list({'sample_id': fm.sample_id, 'failures': failures, 'reasons': reasons, 'last_reason': last_reason,
+                  'state': s.state, 'attempts': s.attempts} ORDER BY failures DESC, fm.sample_id)
+     FROM fm LEFT JOIN s USING (sample_id)) AS failed_most
+"""
+AGE_BINS = ("within 1 h", "within 1 day", "within 7 days", "older", "never")
 
-# 3: tokens per stored sample
-LENGTHS = ("SELECT num_tokens, count(*) AS n FROM samples WHERE state IN ('written', 'verified') "
-           "GROUP BY num_tokens ORDER BY num_tokens")
+# while a run extracts: its recent rate, as the `progress` view has it (the last minute of writes)
+RECENT = """
+WITH last_write AS (SELECT max(ts) AS wts, max(seq) AS wseq FROM events WHERE kind = 'written'),
+recent AS (
+    SELECT count(*) AS n, epoch(max(ts)) - epoch(min(ts)) AS span FROM events
+    WHERE kind = 'written' AND ts >= (SELECT wts FROM last_write) - INTERVAL 60 SECOND
+      AND NOT EXISTS (SELECT 1 FROM events WHERE kind = 'run_finished' AND seq > (SELECT wseq FROM last_write))
+      AND epoch(now()) - epoch((SELECT wts FROM last_write)) < 600
+)
+SELECT CASE WHEN n > 1 AND span > 0 THEN (n - 1) / span END AS recent_samples_per_s FROM recent
+"""
 
 # 3, a regenerating build (its `samples` view has these columns): generated tokens and why each response ended
 COLUMNS = "SELECT * FROM samples LIMIT 0"
@@ -79,28 +123,9 @@ GENERATED = ("SELECT generated, finish_reason, count(*) AS n FROM samples WHERE 
              "AND (generated IS NOT NULL OR finish_reason IS NOT NULL) GROUP BY ALL ORDER BY generated")
 DROPPED_AT_LIMIT = "SELECT count(*) FROM samples WHERE state = 'retired' AND retired_reason = 'at_token_limit'"
 
-# 4: failed events per bucket and reason (transient ones too: marked), and the samples that failed most
+# 4: failed events per bucket and reason (transient ones too: marked)
 FAILED = ("SELECT " + BUCKET + " AS b, reason, is_transient(reason) AS transient, count(*) AS n "
           "FROM events WHERE kind = 'failed' GROUP BY ALL ORDER BY b, reason")
-FAILED_MOST = """
-SELECT f.sample_id, f.failures, f.reasons, f.last_reason, s.state, s.attempts
-FROM (SELECT sample_id, count(*) AS failures, count(DISTINCT reason) AS reasons, arg_max(reason, seq) AS last_reason
-      FROM events WHERE kind = 'failed' GROUP BY sample_id) f
-LEFT JOIN samples s USING (sample_id)
-ORDER BY f.failures DESC, f.sample_id LIMIT 10
-"""
-
-# 6: how long ago the live samples were verified (seconds before the log's last event; NULL: never)
-VERIFIED_AGE_BINS = """
-SELECT CASE WHEN age IS NULL THEN 'never'
-            WHEN age < 3600 THEN 'within 1 h' WHEN age < 86400 THEN 'within 1 day'
-            WHEN age < 7 * 86400 THEN 'within 7 days' ELSE 'older' END AS bin, count(*) AS n
-FROM (SELECT epoch((SELECT max(ts) FROM events)) - epoch(verified_at) AS age
-      FROM samples WHERE state IN ('written', 'verified'))
-GROUP BY bin
-"""
-AGE_BINS = ("within 1 h", "within 1 day", "within 7 days", "older", "never")
-
 # 7: per worker of each run, and per Ray node (the `nodes` view)
 WORKERS = ("SELECT run_id, worker, count(*) AS written, coalesce(sum(num_tokens), 0) AS tokens, "
            "coalesce(sum(nbytes), 0) AS nbytes, epoch(min(ts)) AS first_at, epoch(max(ts)) AS last_at "

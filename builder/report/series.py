@@ -64,14 +64,17 @@ def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIM
     out["throughput"] = _throughput(ask(Q.WRITTEN.format(**fmt)), nb, w)
     out["events_marked"] = _marks(marks, runs, live.get("run_id"), t1)
     out["states"] = _states(ask(Q.MOVES.format(**fmt)), ask(Q.REGISTERED)[0], nb)
-    now = ask(Q.PROGRESS)[0]
+    cur = ask(Q.NOW)[0]
+    now = _now(cur["counts"], t1)
+    if live:  # the recent rate, while a run extracts
+        now["recent_samples_per_s"] = ask(Q.RECENT)[0]["recent_samples_per_s"]
     out["now"] = now
     out["eta"] = _eta(now, runs, bool(live))
-    out["lengths"] = _lengths(ask(Q.LENGTHS))
+    out["lengths"] = _lengths(cur["lengths"] or [])
     out["generated"] = _generated(ask) if {"finish_reason", "generated"} <= set(run(Q.COLUMNS)[0]) else None
-    out["failures"] = _failures(ask(Q.FAILED.format(**fmt)), ask(Q.FAILED_MOST), nb)
-    out["disk"] = _disk(out["throughput"]["disk_bytes"], marks, meta)
-    out["verification"] = _verification(out["states"], ask(Q.VERIFIED_AGE_BINS), runs, now)
+    out["failures"] = _failures(ask(Q.FAILED.format(**fmt)), cur["failed_most"] or [], nb)
+    out["disk"] = _disk(out["throughput"]["disk_bytes"], marks)
+    out["verification"] = _verification(out["states"], cur["ages"] or [], runs, now)
     out["workers"] = _workers(ask(Q.WORKERS), runs)
     out["nodes"] = ask(Q.NODES)
     return out
@@ -160,12 +163,23 @@ def _states(moves: list[dict], registered: dict, nb: int) -> dict:
     return out
 
 
+def _now(counts: dict, last_event_at: float) -> dict:
+    """The counts now, as the `progress` view (and `status`) gives them."""
+    now = dict(counts)
+    now["done"] = now["written"] + now["verified"]
+    now["remaining"] = now["total"] - now["done"] - now["failed"]
+    now["last_event_at"] = last_event_at
+    now["recent_samples_per_s"] = None
+    return now
+
+
 def _eta(now: dict, runs: list[dict], live: bool) -> dict:
     """The time left: at the recent rate while a run extracts, else at the last extraction run's rate."""
     remaining = now.get("remaining") or 0
     if live and now.get("recent_samples_per_s"):
-        return {"remaining": remaining, "samples_per_s": now["recent_samples_per_s"], "basis": "recent (last minute)",
-                "seconds": now.get("eta_seconds")}
+        rate = now["recent_samples_per_s"]
+        return {"remaining": remaining, "samples_per_s": rate, "basis": "recent (last minute)",
+                "seconds": remaining / rate}
     last = next((r for r in reversed(runs) if r["kind"] == "extract" and r.get("samples_per_s")), None)
     if last is None:
         return {"remaining": remaining, "samples_per_s": None, "basis": "no run has written yet", "seconds": None}
@@ -232,7 +246,7 @@ def _failures(rows: list[dict], most: list[dict], nb: int) -> dict:
     return {"by_reason": reasons, "totals": totals, "transient": sorted(transient), "most": most}
 
 
-def _disk(disk_bytes: list[int], marks: list[dict], meta: dict) -> dict:
+def _disk(disk_bytes: list[int], marks: list[dict]) -> dict:
     """Bytes written over time (cumulative, each sample's share of its group's blocks), and the volume's free
     space and watermarks where the log recorded them (the pause and resume events carry the figures)."""
     acc, level = [], 0
@@ -251,14 +265,14 @@ def _disk(disk_bytes: list[int], marks: list[dict], meta: dict) -> dict:
 
 def _verification(states: dict, ages: list[dict], runs: list[dict], now: dict) -> dict:
     share = [(v / (w + v)) if (w + v) else None for w, v in zip(states["written"], states["verified"], strict=True)]
-    live = (now.get("written") or 0) + (now.get("verified") or 0)
+    live = now["written"] + now["verified"]
     by_age = {b: 0 for b in Q.AGE_BINS}
     for r in ages:
         by_age[r["bin"]] = r["n"]
     sweeps = [r for r in runs if r["kind"] == "verify"]
     last = sweeps[-1] if sweeps else None
-    return {"share": share, "share_now": (now.get("verified") or 0) / live if live else None, "by_age": by_age,
-            "age_measured_from": now.get("last_event_at"), "sweeps": len(sweeps),
+    return {"share": share, "share_now": now["verified"] / live if live else None, "by_age": by_age,
+            "age_measured_from": now["last_event_at"], "sweeps": len(sweeps),
             "last_sweep": None if last is None else {k: last[k] for k in ("run_id", "started_at", "finished_at",
                                                                           "outcome", "verified", "failed")}}
 
