@@ -23,7 +23,8 @@ LAYERS = [
     {"log", "store", "formats"},  # formats: one module per trainer file format
     {"extract", "space"},
     {"reader"},  # the stable import for training code: reads a build, needs none of the commands above
-    {"verify", "doctor", "exchange"},  # commands over a build (export and import: in and out of trainers' files)
+    # commands over a build (export and import: in and out of trainers' files; report: its history drawn)
+    {"verify", "doctor", "exchange", "report"},
     {"run"},  # the run loop: composes preflight (doctor), import (exchange), the log's rebuild (verify's gc)
     {"cli"},
 ]

@@ -15,6 +15,7 @@ from builder import __version__
 from builder.cli import doctor as cli_doctor
 from builder.cli import exchange as cli_exchange
 from builder.cli import rebuild as cli_rebuild
+from builder.cli import report as cli_report
 from builder.cli import samples as cli_samples
 from builder.cli import verify as cli_verify
 from builder.cli.args import (
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_samples.add_commands(sub, out)
     cli_verify.add_commands(sub, out)
     cli_doctor.add_commands(sub, out)
+    cli_report.add_commands(sub, out)
     return ap
 
 
@@ -448,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     args = parser.parse_args(argv)
     handler = {**COMMANDS, **cli_verify.COMMANDS, **cli_doctor.COMMANDS, **cli_exchange.COMMANDS,
-               **cli_samples.COMMANDS, **cli_rebuild.COMMANDS}[args.cmd]
+               **cli_samples.COMMANDS, **cli_rebuild.COMMANDS, **cli_report.COMMANDS}[args.cmd]
     try:
         return handler(args)
     except HsbuildError as e:

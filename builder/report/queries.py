@@ -1,0 +1,139 @@
+"""The report's SQL: each figure's series from the event log alone (events, meta, source_samples and the views of
+schema/views.sql). Each is one read-only SELECT, asked through `builder.log.query.run_query` (the live owner's
+snapshot during a run, else the file opened read-only). `{t0}` and `{w}` are the time axis: the first event's epoch
+seconds and the bucket width, numbers the report computes (never user input)."""
+
+from __future__ import annotations
+
+# the time axis: the log's first and last event, and how many
+SPAN = "SELECT epoch(min(ts)) AS t0, epoch(max(ts)) AS t1, count(*) AS n FROM events"
+
+BUCKET = "floor((epoch(ts) - {t0}) / {w})::BIGINT"
+
+# 1, 5: what each bucket wrote (a sample's disk bytes are its share of its group's blocks, `disk_bytes`; older
+# events without it: its encoded bytes)
+WRITTEN = ("SELECT " + BUCKET + " AS b, count(*) AS samples, coalesce(sum(num_tokens), 0) AS tokens, "
+           "coalesce(sum(nbytes), 0) AS nbytes, "
+           "coalesce(sum(coalesce(TRY_CAST(json_extract(detail, '$.disk_bytes') AS BIGINT), nbytes)), 0) AS disk_bytes "
+           "FROM events WHERE kind = 'written' GROUP BY b ORDER BY b")
+
+# 1: where things happened: runs and sweeps, pauses, stalls, the engine, lost workers, the log's own history
+MARKS = ("SELECT seq, epoch(ts) AS t, kind, run_id, reason, "
+         "CASE WHEN kind IN ('paused', 'resumed', 'unstalled', 'stalled', 'worker_lost', 'engine_refused', 'gc', "
+         "'log_rebuilt') THEN detail END AS detail "
+         "FROM events WHERE kind IN ('run_started', 'run_finished', 'verify_started', 'verify_finished', 'paused', "
+         "'resumed', 'stalled', 'unstalled', 'engine_probe', 'engine_refused', 'worker_lost', 'gc', 'log_rebuilt', "
+         "'source_changed', 'adopted', 'init') ORDER BY seq")
+
+# the runs (and sweeps), as the `runs` view has them, with each one's last event (a run with no end record and no
+# live owner was killed there)
+RUNS = ("SELECT r.run_id, r.kind, r.started_seq, epoch(r.started_at) AS started_at, epoch(r.finished_at) AS finished_at, "
+        "r.outcome, r.written, r.verified, r.failed, r.pauses, r.tokens, r.nbytes, r.duration_s, r.active_s, "
+        "r.samples_per_s, r.tokens_per_s, r.mb_per_s, epoch(l.last_at) AS last_at, "
+        "TRY_CAST(json_extract(r.config, '$.workers') AS INTEGER) AS workers "
+        "FROM runs r LEFT JOIN (SELECT run_id, max(ts) AS last_at FROM events GROUP BY run_id) l USING (run_id) "
+        "ORDER BY r.started_seq")
+
+# 2: each sample's state after each of its events, by the fold's rule (the `samples` view's): the last
+# started/written/failed/superseded/retired event decides, a `verified` counts only after the current `written`,
+# a transient failure and a `superseded` leave it pending. Counted per bucket as moves from one state to another.
+MOVES = """
+WITH e AS (
+    SELECT seq, ts, sample_id, kind, reason FROM events
+    WHERE sample_id IS NOT NULL AND kind IN ('started', 'written', 'verified', 'failed', 'superseded', 'retired')
+),
+m AS (
+    SELECT *, last_value(CASE WHEN kind <> 'verified' THEN kind END IGNORE NULLS)
+              OVER (PARTITION BY sample_id ORDER BY seq ROWS UNBOUNDED PRECEDING) AS mk
+    FROM e
+),
+s AS (
+    SELECT seq, ts, sample_id,
+           CASE WHEN kind = 'verified' THEN CASE WHEN mk = 'written' THEN 'verified' END
+                WHEN kind = 'superseded' THEN 'pending'
+                WHEN kind = 'failed' AND is_transient(reason) THEN 'pending'
+                ELSE kind END AS st
+    FROM m
+),
+t AS (
+    SELECT ts, st, lag(st, 1, 'pending') OVER (PARTITION BY sample_id ORDER BY seq) AS prev
+    FROM s WHERE st IS NOT NULL
+)
+SELECT """ + BUCKET + """ AS b, prev, st, count(*) AS n FROM t WHERE st <> prev GROUP BY ALL ORDER BY b, prev, st
+"""
+
+REGISTERED = "SELECT count(*) FROM source_samples"
+
+# 2, 3, 4, 6: now, from one pass over the fold (the `samples` view, materialized once): the counts as the
+# `progress` view makes them, tokens per stored sample, how long ago the stored samples were verified (before the
+# log's last event; never), and the samples that failed most
+NOW = """
+WITH s AS MATERIALIZED (
+    SELECT sample_id, state, attempts, num_tokens, nbytes, disk_bytes, source_tokens, verified_at FROM samples
+),
+mt AS (SELECT max(TRY_CAST(json_extract(value, '$.max_tokens') AS BIGINT)) AS m FROM meta WHERE key = 'format'),
+last AS (SELECT max(ts) AS ts FROM events),
+fm AS (SELECT sample_id, count(*) AS failures, count(DISTINCT reason) AS reasons, arg_max(reason, seq) AS last_reason
+       FROM events WHERE kind = 'failed' GROUP BY sample_id ORDER BY failures DESC, sample_id LIMIT 10)
+SELECT
+    (SELECT {'total': count(*) FILTER (WHERE state <> 'retired'),
+             'pending': count(*) FILTER (WHERE state = 'pending'),
+             'started': count(*) FILTER (WHERE state = 'started'),
+             'written': count(*) FILTER (WHERE state = 'written'),
+             'verified': count(*) FILTER (WHERE state = 'verified'),
+             'failed': count(*) FILTER (WHERE state = 'failed'),
+             'retired': count(*) FILTER (WHERE state = 'retired'),
+             'tokens_done': coalesce(sum(num_tokens) FILTER (WHERE state IN ('written', 'verified')), 0),
+             'tokens_total': coalesce(sum(least(source_tokens, coalesce((SELECT m FROM mt), source_tokens)))
+                                      FILTER (WHERE state <> 'retired'), 0),
+             'bytes_done': coalesce(sum(nbytes) FILTER (WHERE state IN ('written', 'verified')), 0),
+             'disk_bytes_done': coalesce(sum(coalesce(disk_bytes, nbytes))
+                                         FILTER (WHERE state IN ('written', 'verified')), 0)} FROM s) AS counts,
+    (SELECT list({'num_tokens': num_tokens, 'n': n} ORDER BY num_tokens)
+     FROM (SELECT num_tokens, count(*) AS n FROM s WHERE state IN ('written', 'verified') GROUP BY num_tokens))
+        AS lengths,
+    (SELECT list({'bin': bin, 'n': n})
+     FROM (SELECT CASE WHEN age IS NULL THEN 'never' WHEN age < 3600 THEN 'within 1 h'
+                       WHEN age < 86400 THEN 'within 1 day' WHEN age < 7 * 86400 THEN 'within 7 days'
+                       ELSE 'older' END AS bin, count(*) AS n
+           FROM (SELECT epoch((SELECT ts FROM last)) - epoch(verified_at) AS age FROM s
+                 WHERE state IN ('written', 'verified'))
+           GROUP BY bin)) AS ages,
+    (SELECT list({'sample_id': fm.sample_id, 'failures': failures, 'reasons': reasons, 'last_reason': last_reason,
+                  'state': s.state, 'attempts': s.attempts} ORDER BY failures DESC, fm.sample_id)
+     FROM fm LEFT JOIN s USING (sample_id)) AS failed_most
+"""
+AGE_BINS = ("within 1 h", "within 1 day", "within 7 days", "older", "never")
+
+# while a run extracts: its recent rate, as the `progress` view has it (the last minute of writes)
+RECENT = """
+WITH last_write AS (SELECT max(ts) AS wts, max(seq) AS wseq FROM events WHERE kind = 'written'),
+recent AS (
+    SELECT count(*) AS n, epoch(max(ts)) - epoch(min(ts)) AS span FROM events
+    WHERE kind = 'written' AND ts >= (SELECT wts FROM last_write) - INTERVAL 60 SECOND
+      AND NOT EXISTS (SELECT 1 FROM events WHERE kind = 'run_finished' AND seq > (SELECT wseq FROM last_write))
+      AND epoch(now()) - epoch((SELECT wts FROM last_write)) < 600
+)
+SELECT CASE WHEN n > 1 AND span > 0 THEN (n - 1) / span END AS recent_samples_per_s FROM recent
+"""
+
+# 3, a regenerating build (its `samples` view has these columns): generated tokens and why each response ended
+COLUMNS = "SELECT * FROM samples LIMIT 0"
+GENERATED = ("SELECT generated, finish_reason, count(*) AS n FROM samples WHERE state IN ('written', 'verified') "
+             "AND (generated IS NOT NULL OR finish_reason IS NOT NULL) GROUP BY ALL ORDER BY generated")
+DROPPED_AT_LIMIT = "SELECT count(*) FROM samples WHERE state = 'retired' AND retired_reason = 'at_token_limit'"
+
+# 4: failed events per bucket and reason (transient ones too: marked)
+FAILED = ("SELECT " + BUCKET + " AS b, reason, is_transient(reason) AS transient, count(*) AS n "
+          "FROM events WHERE kind = 'failed' GROUP BY ALL ORDER BY b, reason")
+# 7: per worker of each run, and per Ray node (the `nodes` view)
+WORKERS = ("SELECT run_id, worker, count(*) AS written, coalesce(sum(num_tokens), 0) AS tokens, "
+           "coalesce(sum(nbytes), 0) AS nbytes, epoch(min(ts)) AS first_at, epoch(max(ts)) AS last_at "
+           "FROM events WHERE kind = 'written' AND worker IS NOT NULL GROUP BY ALL ORDER BY min(seq), worker")
+NODES = ("SELECT run_id, node, host, workers, workers_lost, written, tokens, nbytes, samples_per_s, tokens_per_s, "
+         "state FROM nodes")
+
+META = "SELECT key, value FROM meta"
+# the configuration the last run started with (hsbuild.toml's text, as the run read it)
+LAST_CONFIG = ("SELECT json_extract_string(detail, '$.config') FROM events WHERE kind = 'run_started' "
+               "ORDER BY seq DESC LIMIT 1")
