@@ -207,7 +207,7 @@ def check_init(cfg: BuildConfig, backend: str, ex: object) -> dict:
         able = [s.name for s in backends.specs() if s.selectable and s.generates]
         raise UsageError(f"--regenerate: backend {backend} cannot generate; use --backend {' or '.join(able)}")
     refused = spec.generation_problem(g) if spec.generation_problem is not None else None
-    if refused is not None:  # it generates, but not with these settings (vLLM: greedy only)
+    if refused is not None:  # it generates, but not with these settings (an engine that generates greedily only)
         raise UsageError(refused)
     tok = getattr(ex, "tokenizer", None)
     if tok is None or not getattr(tok, "has_chat_template", lambda: False)():
