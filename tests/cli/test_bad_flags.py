@@ -132,6 +132,9 @@ def cases(cmd: str, d: Path, b: Path) -> list[Case]:
     if cmd == "skip":
         return [([str(b), "s0000", "--reason", ""], "--reason"), ([str(b), "--reason", "x"], "ID"),
                 ([nope, "s0000", "--reason", "x"], nope)]
+    if cmd == "report":
+        return [([str(b), "--output", str(d / "nodir" / "r.html")], "-o"), ([str(b), "--output", str(d)], "-o"),
+                ([str(b), "--json", "--output"], "--output"), missing_build]
     if cmd in ("serve-command", "rebuild-log"):
         return ([([str(b)], "inprocess")] * (cmd == "serve-command") + [missing_build]
                 + [([str(b), "--jobs", "0"], "--jobs")] * (cmd == "rebuild-log"))

@@ -106,7 +106,10 @@ def test_a_stalled_volume_is_named_and_the_run_lives_through_it(powercut, tmp_pa
     r = hsbuild("sql", "--json", build, "SELECT kind, json_extract(detail, '$.duration_s')::DOUBLE AS d "
                                         "FROM events WHERE kind IN ('stalled', 'unstalled') ORDER BY seq")
     kinds = json.loads(r.stdout)
-    assert [k["kind"] for k in kinds][:2] == ["stalled", "unstalled"] and kinds[1]["d"] >= 10, kinds
+    # each stall recorded with its end, the frozen volume's among them (a loaded machine may hold a write past
+    # HSBUILD_STALL_S before it too: that one is a stall as well, and recorded as one)
+    assert [k["kind"] for k in kinds] == ["stalled", "unstalled"] * (len(kinds) // 2) and kinds, kinds
+    assert max(k["d"] for k in kinds if k["kind"] == "unstalled") >= 10, kinds
     r = hsbuild("sql", "--json", build, "SELECT count(*) AS n, count(DISTINCT sample_id) AS d FROM events "
                                         "WHERE kind = 'written'")
     assert json.loads(r.stdout) == [{"n": N, "d": N}]
