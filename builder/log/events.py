@@ -425,12 +425,18 @@ class EventBatch:
         ev.run_id = ev.run_id or self.run_id
         self.events.append(ev)
 
+    def due(self, force: bool = False) -> bool:
+        """Whether `flush(force)` would try a commit now (events pending, and forced, FLUSH_EVENTS of them, or
+        FLUSH_SECONDS since the last commit): a caller that flushes often asks this first, cheaply."""
+        return bool(self.events) and (force or len(self.events) >= FLUSH_EVENTS
+                                      or time.monotonic() - self.last_commit >= FLUSH_SECONDS)
+
     def flush(self, force: bool = False) -> bool:
         """Commit the pending events if due. Returns True when none are left pending."""
         now = time.monotonic()
         if not self.events:
             return True
-        if not (force or len(self.events) >= FLUSH_EVENTS or now - self.last_commit >= FLUSH_SECONDS):
+        if not self.due(force):
             return False
         if (force or self.stalled_since is None or now >= self._next_try) and self._try():
             return True
