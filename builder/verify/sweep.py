@@ -45,6 +45,7 @@ from builder.log.kinds import EventKind
 from builder.log.lock import BuildLock
 from builder.log.session import OwnerSession
 from builder.progress import Echo, NoProgress, quiet
+from builder.store.direct import FieldLayout
 from builder.store.history import Verdicts
 from builder.store.readback import (
     MISMATCH,
@@ -57,10 +58,12 @@ from builder.store.readback import (
     check_with_retries,
     field_specs,
 )
+from builder.verify.batch import check_unit, units
 from builder.verify.findings import MB, Damage, NotChecked, SweepSummary, find_overlaps
 from builder.verify.gc import scan_orphans
 from builder.verify.selection import Selection, SweepOptions, parse_jobs, parse_rate
 
+SWEEP_DETAIL = detail(mode="sweep")  # a sweep's `verified` events'
 STOP_WHAT = "stopping the sweep (Ctrl-C again to exit at once; continue later with --continue)"
 
 
@@ -126,6 +129,7 @@ class Sweep:
         self.session: OwnerSession | None = None
         self.summary: SweepSummary | None = None
         self._geometry: dict[str, tuple[int, dict | None]] = {}  # segment -> (chunk_tokens, field specs)
+        self._layouts: dict[str, dict[str, FieldLayout] | None] = {}  # segment -> read a unit at a time (`_direct`)
         self.verdicts = Verdicts()  # what this sweep recorded, for its history record
 
     # -- plumbing -------------------------------------------------------------------------------------
@@ -247,17 +251,49 @@ class Sweep:
     def _chunk_tokens(self, segment: str) -> int:
         return self._segment_geometry(segment)[0]
 
-    def _check_one(self, t: Target, reader: SharedReader, limiter: RateLimiter | None) -> SampleCheck:
+    def _direct(self, segment: str, reader: SharedReader) -> dict[str, FieldLayout] | None:
+        """The segment's field layouts when its samples can be checked a unit at a time (verify/batch.py): every
+        field sharded and read directly by hsbuild's reader, and (full sweeps) Zarr opens its arrays. None: its
+        samples are checked one by one (and any trouble found there)."""
+        if segment not in self._layouts:
+            lays = None
+            try:
+                metas = reader.metas(segment)
+                found = {f: FieldLayout.from_meta(m) for f, m in metas.items()}
+                if all(v is not None for v in found.values()):
+                    if self.selection.mode == "full":
+                        reader.arrays(segment)
+                    lays = found
+            except Exception:  # noqa: BLE001 - whatever it is, the per-sample check meets it and says what
+                lays = None
+            self._layouts[segment] = lays  # type: ignore[assignment]
+        return self._layouts[segment]
+
+    def _check_one(self, t: Target, reader: SharedReader, first_error: BaseException | None = None) -> SampleCheck:
         """Check one sample; an error that says nothing about its data (EMFILE, ENOMEM, EIO, ...) is retried with
-        backoff and, if it persists, comes back as `SampleCheck.error`, never as damage."""
+        backoff and, if it persists, comes back as `SampleCheck.error`, never as damage (`first_error`: a transient
+        error its unit's check already hit, its first try)."""
         ct, specs = self._segment_geometry(t.segment)
         if self.selection.mode == "quick":
             return check_with_retries(lambda: check_files(self.lay.data, t.segment, t.token_start, t.num_tokens, ct,
-                                                          t.nbytes, quick=True, specs=specs), sleep=self.stop.wait)
-        res = check_with_retries(lambda: check_sample(self.lay.data, t.segment, t.token_start, t.num_tokens,
-                                                      t.checksums, ct, reader), sleep=self.stop.wait)
+                                                          t.nbytes, quick=True, specs=specs), sleep=self.stop.wait,
+                                      first_error=first_error)
+        return check_with_retries(lambda: check_sample(self.lay.data, t.segment, t.token_start, t.num_tokens,
+                                                       t.checksums, ct, reader), sleep=self.stop.wait,
+                                  first_error=first_error)
+
+    def _check_unit(self, batch: list[Target], reader: SharedReader,
+                    limiter: RateLimiter | None) -> list[SampleCheck]:
+        """Check a unit of samples (verify/batch.py) at once; those it cannot pass are checked one by one."""
+        lays = self._layouts.get(batch[0].segment)
+        if lays is None:
+            res = [self._check_one(t, reader) for t in batch]
+        else:
+            outs = check_unit(self.lay.data, batch[0].segment, lays, batch, self.selection.mode == "quick")
+            res = [o if isinstance(o, SampleCheck) else self._check_one(t, reader, o.first_error)
+                   for o, t in zip(outs, batch, strict=True)]
         if limiter is not None:
-            limiter.charge(res.file_bytes)
+            limiter.charge(sum(r.file_bytes for r in res))
         return res
 
     def _check_all(self, targets: list[Target]) -> None:
@@ -268,25 +304,30 @@ class Sweep:
         bar.start(len(targets), "verify" if s.mode == "full" else "verify --quick")
         limiter = RateLimiter(self.rate, self.stop) if self.rate and s.mode == "full" else None
         t0 = time.monotonic()
-        todo: Iterator[Target] = iter(targets)
-        inflight: dict[Future, Target] = {}
+        todo: Iterator[tuple[int, int]] = iter(units(targets, lambda seg: self._direct(seg, reader)))
+        inflight: dict[Future, list[Target]] = {}
         try:
             with ThreadPoolExecutor(self.jobs, thread_name_prefix="hsbuild-verify") as pool:
                 while True:
                     while not self.stop.is_set() and len(inflight) < 2 * self.jobs:
-                        t = next(todo, None)
-                        if t is None:
+                        span = next(todo, None)
+                        if span is None:
                             break
-                        inflight[pool.submit(self._check_one, t, reader, limiter)] = t
+                        batch = targets[span[0] : span[1]]
+                        inflight[pool.submit(self._check_unit, batch, reader, limiter)] = batch
                     if not inflight:
                         break
                     self._announce_stop()
                     done, _ = wait(list(inflight), timeout=0.2, return_when=FIRST_COMPLETED)
                     for fut in done:
-                        t = inflight.pop(fut)
-                        res = fut.result()
-                        self._record(t, res)
-                        bar.update(1, t.num_tokens, res.file_bytes)
+                        batch = inflight.pop(fut)
+                        results = fut.result()
+                        tokens = nbytes = 0
+                        for t, res in zip(batch, results, strict=True):
+                            self._record(t, res)
+                            tokens += t.num_tokens
+                            nbytes += res.file_bytes
+                        bar.update(len(batch), tokens, nbytes)
                     self.flush()
                     bar.update()
         except BaseException:
@@ -311,7 +352,7 @@ class Sweep:
         if res.finding is None:
             s.ok += 1
             if s.mode == "full":
-                self.emit(Event(EventKind.VERIFIED, nbytes=res.file_bytes, detail=detail(mode="sweep"), **loc))
+                self.emit(Event(EventKind.VERIFIED, nbytes=res.file_bytes, detail=SWEEP_DETAIL, **loc))
                 self.verdicts.add(t.segment, t.token_start, "verified")
             return
         reason, message = res.finding
