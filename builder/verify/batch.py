@@ -20,15 +20,19 @@ not read (layout 1, a codec hsbuild does not decode itself) are checked sample b
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
+import numcodecs
+import numcodecs.blosc
+import numcodecs.zstd
 import numpy as np
 
 from builder.errors import DamagedSampleError
 from builder.store import reader as store_reader
+from builder.store.codec import declared_size
 from builder.store.direct import FieldLayout, _decode
 from builder.store.readback import SampleCheck, is_transient
 from builder.store.segment import FIELDS
@@ -183,21 +187,27 @@ def _check_shard(u: _Unit, path: Path, shard: int, lay: FieldLayout, ids: list[i
 def _decoded(fh, path: Path, idx: np.ndarray, need: np.ndarray, lay: FieldLayout, segment: str,
              fld: str) -> np.ndarray:
     """Inner chunks `need` (positions in the shard, ascending) decoded, one row each, exactly a chunk's bytes
-    (`store.direct`'s decode: a chunk that decodes to any other size is damage)."""
+    (`store.direct`'s decode: a chunk that decodes to any other size is damage). A chunk whose header says it
+    is exactly a chunk's size is decoded straight into its row by the codec's own function (what the codec's
+    `decode(buf, out=row)` calls, without its checks of the arguments); any other goes through `store.direct`."""
     chunk_bytes = lay.inner * (lay.width or 1) * lay.dtype.itemsize
     out = np.empty((len(need), chunk_bytes), dtype=np.uint8)
     chunks = _read_chunks(fh, idx, need.tolist())
-    rel = path.relative_to(path.parent.parent)
+    codec = lay.codec
+    fast = (numcodecs.blosc.decompress if isinstance(codec, numcodecs.Blosc)
+            else numcodecs.zstd.decompress if isinstance(codec, numcodecs.Zstd) else None)
     for row, k in enumerate(need.tolist()):
         src = chunks[k]
-        if lay.codec is None:
+        if codec is None:
             if len(src) != chunk_bytes:
                 raise ShardIndexError(f"a chunk is not {chunk_bytes} bytes long")
             out[row] = np.frombuffer(src, dtype=np.uint8)
-            continue
-        err = _decode(lay.codec, src, out[row], rel, segment, fld)
-        if err is not None:
-            raise err
+        elif fast is not None and declared_size(codec, src) == chunk_bytes:
+            fast(src, out[row])
+        else:
+            err = _decode(codec, src, out[row], path.relative_to(path.parent.parent), segment, fld)
+            if err is not None:
+                raise err
     return out
 
 
@@ -230,26 +240,3 @@ def _pread_exact(fh, n: int, offset: int) -> bytearray:
             raise ShardIndexError(f"read {done} of {n} bytes")
         done += got
     return buf
-
-
-def units(targets: Sequence, direct: Callable[[str], dict[str, FieldLayout] | None]) -> list[tuple[int, int]]:
-    """The sweep's units: [start, end) ranges of `targets` (in segment and token order) that start in one shard of
-    a segment read directly (`direct(segment)`), of at most UNIT_SAMPLES samples and about UNIT_BYTES; a sample
-    of a segment read otherwise is a unit of its own."""
-    out: list[tuple[int, int]] = []
-    i, n = 0, len(targets)
-    while i < n:
-        t = targets[i]
-        lays = direct(t.segment)
-        j = i + 1
-        if lays is not None:
-            span = lays[FIELDS[0]].inner * lays[FIELDS[0]].shard_chunks
-            key = t.token_start // span
-            size = t.nbytes or 0
-            while (j < n and j - i < UNIT_SAMPLES and size < UNIT_BYTES and targets[j].segment == t.segment
-                   and targets[j].token_start // span == key):
-                size += targets[j].nbytes or 0
-                j += 1
-        out.append((i, j))
-        i = j
-    return out

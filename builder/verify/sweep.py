@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from builder.config import load_config
@@ -58,34 +58,20 @@ from builder.store.readback import (
     check_with_retries,
     field_specs,
 )
-from builder.verify.batch import check_unit, units
+from builder.verify.batch import check_unit
 from builder.verify.findings import MB, Damage, NotChecked, SweepSummary, find_overlaps
 from builder.verify.gc import scan_orphans
 from builder.verify.selection import Selection, SweepOptions, parse_jobs, parse_rate
+from builder.verify.targets import Target, Targets, select
 
-SWEEP_DETAIL = detail(mode="sweep")  # a sweep's `verified` events'
+SWEEP_DETAIL = detail(mode="sweep")
+FLUSH_EVENTS = 8192  # verdicts committed at least every 0.5 s (FLUSH_SECONDS), or once this many are pending  # a sweep's `verified` events'
 STOP_WHAT = "stopping the sweep (Ctrl-C again to exit at once; continue later with --continue)"
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Target:
-    """One sample to check: its live location and what its `written` event recorded."""
-
-    sample_id: str
-    segment: str
-    token_start: int
-    num_tokens: int
-    nbytes: int | None
-    checksums: str
-    fingerprint: str | None
-    attempt: int | None
-    written_seq: int
-    verified_at: dt.datetime | None
 
 
 class RateLimiter:
@@ -158,6 +144,7 @@ class Sweep:
             self.stop = session.stop_event  # set by Ctrl-C/SIGTERM: the readers and the loop stop
             self.log = session.open(signals=False)
             self.batch = session.batch
+            self.batch.max_events = FLUSH_EVENTS  # a commit costs its fsyncs, not its rows: fewer, bigger ones
             return self._run_locked(session.lock)
 
     def _run_locked(self, lock: BuildLock) -> SweepSummary:
@@ -206,28 +193,12 @@ class Sweep:
         return s
 
     # -- selection --------------------------------------------------------------------------------------
-    def _select(self, chain: list[str]) -> tuple[list[Target], int]:
-        _, rows = self.log.query(
-            "SELECT s.sample_id, s.segment, s.token_start, s.num_tokens, s.nbytes, s.checksums, w.fingerprint, "
-            "w.attempt, w.seq, s.verified_at FROM samples s JOIN ("
-            "  SELECT sample_id, seq, fingerprint, attempt FROM events WHERE kind = 'written'"
-            "  QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY seq DESC) = 1) w USING (sample_id) "
-            "WHERE s.state IN ('written', 'verified') ORDER BY s.segment, s.token_start")
-        if self.selection.segments:
-            known = {r[1] for r in rows}
-            unknown = [g for g in self.selection.segments if g not in known]
-            if unknown:
-                raise UsageError(f"--segment {unknown[0]}: no live sample of this build is stored in that segment")
-        done = self._already_checked(chain)
-        targets, skipped = [], 0
-        for r in rows:
-            t = Target(*r)
-            if not self.selection.matches(t.sample_id, t.segment, t.verified_at):
-                continue
-            if done.get(t.sample_id, -1) > t.written_seq:
-                skipped += 1
-                continue
-            targets.append(t)
+    def _select(self, chain: list[str]) -> tuple[Targets, int]:
+        targets, skipped, known = select(self.log, self.selection, self.selection.mode == "quick",
+                                         self._already_checked(chain))
+        unknown = [g for g in self.selection.segments or [] if g not in known]
+        if unknown:
+            raise UsageError(f"--segment {unknown[0]}: no live sample of this build is stored in that segment")
         return targets, skipped
 
     def _already_checked(self, chain: list[str]) -> dict[str, int]:
@@ -296,7 +267,7 @@ class Sweep:
             limiter.charge(sum(r.file_bytes for r in res))
         return res
 
-    def _check_all(self, targets: list[Target]) -> None:
+    def _check_all(self, targets: Targets) -> None:
         s = self.summary
         assert s is not None
         reader = SharedReader(self.lay.data)
@@ -304,7 +275,7 @@ class Sweep:
         bar.start(len(targets), "verify" if s.mode == "full" else "verify --quick")
         limiter = RateLimiter(self.rate, self.stop) if self.rate and s.mode == "full" else None
         t0 = time.monotonic()
-        todo: Iterator[tuple[int, int]] = iter(units(targets, lambda seg: self._direct(seg, reader)))
+        todo: Iterator[tuple[int, int]] = targets.units(lambda seg: self._direct(seg, reader))
         inflight: dict[Future, list[Target]] = {}
         try:
             with ThreadPoolExecutor(self.jobs, thread_name_prefix="hsbuild-verify") as pool:
@@ -313,7 +284,7 @@ class Sweep:
                         span = next(todo, None)
                         if span is None:
                             break
-                        batch = targets[span[0] : span[1]]
+                        batch = targets.take(*span)
                         inflight[pool.submit(self._check_unit, batch, reader, limiter)] = batch
                     if not inflight:
                         break
@@ -337,6 +308,12 @@ class Sweep:
             s.seconds = time.monotonic() - t0
             bar.close()
 
+    def _written_by(self, t: Target) -> tuple[str | None, int | None]:
+        """The fingerprint and attempt of the `written` event a damaged sample is live by (its `failed` event
+        names them, as resume reads it)."""
+        _, rows = self.log.query("SELECT fingerprint, attempt FROM events WHERE seq = ?", [t.written_seq])
+        return rows[0] if rows else (None, None)
+
     def _record(self, t: Target, res: SampleCheck) -> None:
         s = self.summary
         assert s is not None
@@ -347,14 +324,15 @@ class Sweep:
         s.checked += 1
         s.bytes_read += res.file_bytes if s.mode == "full" else 0
         s.raw_bytes += res.raw_bytes
-        loc = {"sample_id": t.sample_id, "fingerprint": t.fingerprint, "attempt": t.attempt, "segment": t.segment,
-               "token_start": t.token_start, "num_tokens": t.num_tokens}
+        loc = {"sample_id": t.sample_id, "segment": t.segment, "token_start": t.token_start,
+               "num_tokens": t.num_tokens}
         if res.finding is None:
             s.ok += 1
-            if s.mode == "full":
+            if s.mode == "full":  # (the sample's fingerprint and attempt are its `written` event's: not repeated)
                 self.emit(Event(EventKind.VERIFIED, nbytes=res.file_bytes, detail=SWEEP_DETAIL, **loc))
                 self.verdicts.add(t.segment, t.token_start, "verified")
             return
+        loc["fingerprint"], loc["attempt"] = self._written_by(t)
         reason, message = res.finding
         if reason == MISMATCH:
             s.mismatched += 1
