@@ -79,7 +79,7 @@ CREATE TABLE IF NOT EXISTS fold_checkpoint (
     mkind         VARCHAR,
     m_num_tokens  BIGINT,
     m_nbytes      BIGINT,
-    m_detail      VARCHAR,    -- (NULL for a written event: its disk_bytes is m_disk_bytes, no view reads the rest)
+    m_detail      VARCHAR,
     m_segment     VARCHAR,
     m_token_start BIGINT,
     m_checksums   VARCHAR,

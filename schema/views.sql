@@ -61,8 +61,7 @@ SELECT
     CASE WHEN t.mseq IS NULL THEN f.mkind ELSE tm.kind END AS mkind,
     CASE WHEN t.mseq IS NULL THEN f.m_num_tokens ELSE tm.num_tokens END AS m_num_tokens,
     CASE WHEN t.mseq IS NULL THEN f.m_nbytes ELSE tm.nbytes END AS m_nbytes,
-    -- (a `written` event's detail is not carried: its disk_bytes is m_disk_bytes, and no view reads the rest)
-    CASE WHEN t.mseq IS NULL THEN f.m_detail WHEN tm.kind <> 'written' THEN tm.detail END AS m_detail,
+    CASE WHEN t.mseq IS NULL THEN f.m_detail ELSE tm.detail END AS m_detail,
     CASE WHEN t.mseq IS NULL THEN f.m_segment ELSE tm.segment END AS m_segment,
     CASE WHEN t.mseq IS NULL THEN f.m_token_start ELSE tm.token_start END AS m_token_start,
     CASE WHEN t.mseq IS NULL THEN f.m_checksums ELSE tm.checksums END AS m_checksums,
