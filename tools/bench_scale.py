@@ -334,6 +334,21 @@ def hsbuild() -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def measure_verify(n: int) -> None:
+    """verify against its baselines (tools/bench_verify.py), at n tiny samples and at the seed's shape."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench_verify as bv  # noqa: PLC0415
+
+    for label, args in ((f"{n:,} samples of 8-32 tokens, hidden 64",
+                         ["--samples", str(max(n // 10, 1)), "--replicate", str(min(n, 10)), "--tokens", "8-32",
+                          "--hidden", "64", "--chunk-tokens", "16", "--codec", "blosc-lz4-bitshuffle:5",
+                          "--jobs", "1,2", "--repeat", "1"]),
+                        ("the seed's shape: 12 samples of 2,200 tokens x hidden 7168",
+                         ["--samples", "12", "--tokens", "2200", "--hidden", "7168", "--jobs", "1,2", "--repeat", "3"])):
+        print(f"\nverify, {label}:", flush=True)
+        bv.main(args)
+
+
 def mib(b: float) -> str:
     return f"{b / MiB:,.0f} MiB"
 
@@ -347,6 +362,7 @@ def main() -> None:
     ap.add_argument("--source-formats", default="parquet,jsonl")
     ap.add_argument("--extrapolate-tokens", type=int, default=2048)
     ap.add_argument("--no-source", action="store_true", help="skip the source measurements")
+    ap.add_argument("--verify", action="store_true", help="measure verify too (writes about 9 KB a sample)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -430,6 +446,9 @@ def main() -> None:
     finally:
         if a.keep is None:
             shutil.rmtree(work, ignore_errors=True)
+
+    if a.verify:
+        measure_verify(a.samples)
 
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     print(f"\n{'measure':<{w[0]}}  {'seconds':>{w[1]}}  {'peak RSS':>{w[2]}}  note")

@@ -1,17 +1,26 @@
-"""Verify throughput: `hsbuild verify` (Zarr read-back + crc32c, threads) against a plain loop over the same chunk
-files (read, decompress with numcodecs, crc32c), on a synthetic build of bf16 states.
+"""Verify throughput: `hsbuild verify` and `hsbuild verify --quick` against plain loops over the same files, on a
+synthetic build of bf16 states written as a run writes them (groups of samples sharing shard files).
 
-    python tools/bench_verify.py                       # 8 samples x 2048 tokens x hidden 4096 x 4 states
-    python tools/bench_verify.py --samples 4 --tokens 512 --hidden 1024 --jobs 1,2,4
+    python tools/bench_verify.py                                    # 8 samples x 2048 tokens x hidden 4096 x 4 states
+    python tools/bench_verify.py --samples 4 --tokens 2200 --hidden 7168    # the seed's shape (4 states)
+    python tools/bench_verify.py --samples 100000 --tokens 8-32 --hidden 64 --chunk-tokens 16
+    python tools/bench_verify.py --build BUILD      # measure an existing build (e.g. one `hsbuild run` made)
 
-Both sides read from the page cache (the build is read once before timing), so the figures compare CPU cost:
-decode, copy and checksum. MB/s are of uncompressed bytes checked (10^6 bytes).
+Baselines, measured in the same run over the same files (one thread, no bookkeeping):
+- full: each shard file read once, its index decoded, each chunk the samples need decoded with numcodecs, each
+  sample's rows of each field checksummed (crc32c) and compared with its `written` event;
+- quick: each shard file's size taken and its index read and checked (crc32c), each sample's chunk bytes summed
+  and compared with its `written` event, and the segment's metadata files looked at once.
+Both sides read from the page cache (the build is read once before timing): the figures compare CPU cost.
+The sweep is timed whole (`run_sweep`: the lock, selection, orphan scan, reading, events committed, the log
+closed) and its reading phase alone; each ratio is the plain loop's time over the sweep's. MB/s are of uncompressed bytes checked (10^6 bytes); us/sample are wall microseconds per sample.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -26,113 +35,270 @@ from numcodecs import Blosc, Zstd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.config import BuildConfig, Watermarks  # noqa: E402
-from builder.extract.source import Sample, fingerprint  # noqa: E402
+from builder.extract.samples import Sample, fingerprint  # noqa: E402
 from builder.layout import layout  # noqa: E402
 from builder.log.events import Event, EventLog, detail  # noqa: E402
 from builder.store.segment import (  # noqa: E402
+    DIMS,
     FIELDS,
     SegmentWriter,
-    field_geometry,
     init_data_group,
     new_segment_name,
-    sample_files,
 )
-from builder.store.shard import read_index  # noqa: E402
+from builder.store.shard import EMPTY, decode_index, index_bytes, shard_path  # noqa: E402
+from builder.store.zarr_meta import read_array_meta  # noqa: E402
 from builder.verify.sweep import SweepOptions, run_sweep  # noqa: E402
 
 MB = 1_000_000
 
 
-def make_build(root: Path, samples: int, tokens: int, hidden: int, states: int, chunk_tokens: int,
-               codec: str) -> Path:
-    """A build whose samples were written by SegmentWriter and recorded with `written` events, no model."""
+def parse_tokens(s: str) -> tuple[int, int]:
+    lo, _, hi = s.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def make_build(root: Path, samples: int, tokens: tuple[int, int], hidden: int, states: int, chunk_tokens: int,
+               codec: str, group: int) -> Path:
+    """A build whose samples were written by SegmentWriter in groups of `group` (as a run's worker writes them)
+    and recorded with `written` events, no model."""
     lay = layout(root)
     root.mkdir(parents=True)
     n_aux = states - 1
     rng = np.random.default_rng(0)
     src = root / "source.jsonl"
-    rows = [rng.integers(3, 32000, tokens).astype(np.int32) for _ in range(samples)]
-    src.write_text("".join(json.dumps({"id": f"b{i:04d}", "input_ids": r.tolist()}) + "\n" for i, r in enumerate(rows)))
+    rows = [rng.integers(3, 32000, int(rng.integers(tokens[0], tokens[1] + 1))).astype(np.int32)
+            for _ in range(samples)]
+    src.write_text("".join(json.dumps({"id": f"b{i:07d}", "input_ids": r.tolist()}) + "\n" for i, r in enumerate(rows)))
     cfg = BuildConfig(source=str(src), model="synthetic", aux_layers=list(range(1, states)), codec=codec,
                       chunk_tokens=chunk_tokens, watermarks=Watermarks(0.997, 0.998, 0.999))
     meta = {"model": "synthetic", "aux_layers": cfg.aux_layers, "hidden_size": hidden, "dtype": "bfloat16",
             "storage_dtype": "uint16", "chunk_tokens": chunk_tokens, "codec": codec}
     init_data_group(lay.data, meta)
     writer = SegmentWriter(lay.data, new_segment_name("bench0000", 0), hidden, n_aux, chunk_tokens, codec).create()
+    masks = [np.ones(len(r), np.uint8) for r in rows]
+    fps = [fingerprint(r, m) for r, m in zip(rows, masks, strict=True)]
     with EventLog(lay.events) as log:
         log.set_meta(meta)
-        mask = np.ones(tokens, np.uint8)
-        log.register_samples([Sample(f"b{i:04d}", i, r, mask, fingerprint(r, mask)) for i, r in enumerate(rows)])
+        log.register_samples([Sample(f"b{i:07d}", i, r, m, fp) for i, (r, m, fp) in enumerate(zip(rows, masks, fps,
+                                                                                                strict=True))])
         gen = torch.Generator().manual_seed(0)
+        pending: list[Event] = []
+        in_group: list[int] = []
         for i, ids in enumerate(rows):
-            aux = torch.randn(tokens, n_aux * hidden, generator=gen).to(torch.bfloat16)
-            final = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
-            loc = writer.write(ids, mask, aux, final)
-            log.append([Event("written", run_id="bench", sample_id=f"b{i:04d}", fingerprint=fingerprint(ids, mask),
-                              attempt=1, worker=0, segment=loc.segment, token_start=loc.token_start,
-                              num_tokens=loc.num_tokens, nbytes=loc.nbytes,
-                              checksums=json.dumps(loc.checksums, sort_keys=True), detail=detail(bench=True))])
+            n = len(ids)
+            aux = torch.randn(n, n_aux * hidden, generator=gen).to(torch.bfloat16)
+            final = torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
+            writer.add(ids, masks[i], aux, final, sample_id=f"b{i:07d}", fingerprint=fps[i], attempt=1)
+            in_group.append(i)
+            if len(in_group) < group and i + 1 < len(rows):
+                continue
+            for loc, sid in zip(writer.flush(), in_group, strict=True):
+                pending.append(Event("written", run_id="bench", sample_id=f"b{sid:07d}", fingerprint=fps[sid],
+                                     attempt=1, worker=0, segment=loc.segment, token_start=loc.token_start,
+                                     num_tokens=loc.num_tokens, nbytes=loc.nbytes,
+                                     checksums=json.dumps(loc.checksums, sort_keys=True), detail=detail(bench=True)))
+            in_group = []
+            if len(pending) >= 4096 or i + 1 == len(rows):
+                log.append(pending)
+                pending = []
     writer.seal()
     cfg.save(lay.config)
     return root
 
 
-def _decoder(codec: str):
-    name, _, level = codec.partition(":")
-    if name == "zstd":
-        return Zstd(level=int(level or 1)).decode
-    if name.startswith("blosc"):
-        return Blosc().decode
-    return bytes
+def _link_data(src: str, dst: str) -> None:
+    """copytree's copy: the data's files hard-linked (never written: shards are write-once), the rest copied."""
+    if f"{os.sep}data{os.sep}" in src and f"{os.sep}history{os.sep}" not in src:
+        os.link(src, dst)
+    else:
+        shutil.copy2(src, dst)
 
 
-def plain_loop(root: Path, codec: str) -> tuple[int, float, bool]:
-    """Read every written sample's chunk files, decompress, crc32c the sample's bytes of each field, compare."""
+def replicate(root: Path, k: int) -> int:
+    """Make the build `k` times as big without writing data: each segment is copied k - 1 times as hard links
+    (`seg-...-rN`: the same bytes), and every sample's registration and events are copied with it (ids `ID-rN`,
+    new seq numbers). The fold's checkpoint is taken again. Returns the samples the build then holds."""
+    import duckdb  # noqa: PLC0415
+
     lay = layout(root)
-    with EventLog(lay.events, read_only=True) as log:
-        rows = log.query_dicts("SELECT segment, token_start, num_tokens, checksums FROM samples "
+    segs = sorted(p.name for p in lay.data.iterdir() if p.name.startswith("seg-"))
+    for r in range(1, k):
+        for seg in segs:
+            shutil.copytree(lay.data / seg, lay.data / f"{seg}-r{r}", copy_function=os.link)
+    con = duckdb.connect(str(lay.events))
+    try:
+        con.execute("BEGIN TRANSACTION")
+        n = con.execute("SELECT count(*) FROM source_samples").fetchone()[0]
+        for r in range(1, k):
+            con.execute(f"INSERT INTO source_samples SELECT sample_id || '-r{r}', row_idx + {r} * {n}, fingerprint, "
+                        "num_tokens FROM source_samples WHERE NOT contains(sample_id, '-r')")
+            top = con.execute("SELECT max(seq) FROM events").fetchone()[0]
+            con.execute(f"""INSERT INTO events SELECT {top} + row_number() OVER (ORDER BY seq), ts, kind, run_id,
+                                   sample_id || '-r{r}', fingerprint, attempt, worker,
+                                   CASE WHEN segment IS NOT NULL THEN segment || '-r{r}' END, token_start, num_tokens,
+                                   nbytes, checksums, reason, detail
+                            FROM events WHERE sample_id IS NOT NULL AND NOT contains(sample_id, '-r')
+                            ORDER BY seq""")
+        con.execute("DELETE FROM fold_checkpoint")
+        con.execute("DELETE FROM fold_checkpoint_mark")
+        con.execute("COMMIT")
+        total = con.execute("SELECT count(*) FROM source_samples").fetchone()[0]
+    finally:
+        con.close()
+    with EventLog(lay.events) as log:
+        log.checkpoint_fold()
+    return total
+
+
+def _decoder(meta):
+    """The chunk decoder of a field (None: raw bytes)."""
+    rest = meta.codecs[1:]
+    if not rest:
+        return None
+    c = rest[0]
+    if c["name"] == "zstd":
+        return Zstd(level=int(c["configuration"].get("level", 1))).decode
+    return Blosc().decode
+
+
+def _live_rows(root: Path) -> list[dict]:
+    with EventLog(layout(root).events, read_only=True) as log:
+        return log.query_dicts("SELECT segment, token_start, num_tokens, nbytes, checksums FROM samples "
                                "WHERE state IN ('written', 'verified') ORDER BY segment, token_start")
-    decode = _decoder(codec)
-    widths = {f: json.loads((lay.data / rows[0]["segment"] / f / "zarr.json").read_text()) for f in FIELDS}
-    row_bytes = {f: int(np.prod(w["chunk_grid"]["configuration"]["chunk_shape"][1:] or [1]))
-                 * {"int32": 4, "uint8": 1, "uint16": 2}[w["data_type"]] for f, w in widths.items()}
-    raw, all_match = 0, True
+
+
+def _by_shard(rows: list[dict], inner: int, sc: int) -> dict[tuple[str, int], list[int]]:
+    """(segment, shard) -> the samples (row indices) with chunks in it, in token order."""
+    out: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(rows):
+        first = r["token_start"] // inner
+        last = (r["token_start"] + max(r["num_tokens"], 1) - 1) // inner
+        for s in range(first // sc, last // sc + 1):
+            out.setdefault((r["segment"], s), []).append(i)
+    return out
+
+
+def plain_full(root: Path, rows: list[dict]) -> tuple[int, float, bool]:
+    """Each shard file read once; the samples' chunks decoded; each sample's rows checksummed and compared."""
+    data = layout(root).data
     t0 = time.perf_counter()
-    for r in rows:
-        sums = json.loads(r["checksums"])
-        for f in FIELDS:
-            remaining = r["num_tokens"] * row_bytes[f]
-            crc = 0
-            seg = lay.data / r["segment"]
-            inner, shard_chunks = field_geometry(seg, f)
-            first = r["token_start"] // inner
-            for p in sample_files(seg, f, r["token_start"], r["num_tokens"]):  # its shard files, in order
-                shard = int(p.name.split(".")[1])
-                idx = read_index(p, shard_chunks)
-                data = p.read_bytes()
-                for k in range(max(first, shard * shard_chunks), (shard + 1) * shard_chunks):
-                    if remaining <= 0:
-                        break
-                    off, n = (int(x) for x in idx[k - shard * shard_chunks])
-                    buf = memoryview(decode(data[off : off + n]))
-                    take = min(remaining, len(buf))
-                    crc = crc32c.crc32c(buf[:take], crc)
-                    remaining -= take
-                    raw += take
-            all_match &= f"crc32c:{crc:08x}" == sums[f]
-    return raw, time.perf_counter() - t0, all_match
+    raw, ok = 0, True
+    crcs = [dict.fromkeys(FIELDS, 0) for _ in rows]
+    metas: dict[str, dict] = {}
+    for fld in FIELDS:
+        groups: dict[str, dict] = {}
+        for seg in {r["segment"] for r in rows}:
+            m = metas.setdefault(seg, {f: read_array_meta(data / seg / f) for f in FIELDS})[fld]
+            groups[seg] = {"meta": m, "decode": _decoder(m)}
+        seg0 = rows[0]["segment"]
+        m = groups[seg0]["meta"]
+        row_bytes = int(np.prod(m.chunk_shape[1:] or [1])) * m.dtype.itemsize
+        for (seg, s), members in sorted(_by_shard(rows, m.chunk_tokens, m.shard_chunks).items()):
+            inner, sc, decode = m.chunk_tokens, m.shard_chunks, groups[seg]["decode"]
+            whole = (data / seg / shard_path(Path(), fld, DIMS[fld], s)).read_bytes()
+            idx = decode_index(whole[-index_bytes(sc):], sc)
+            for i in members:
+                r = rows[i]
+                a, end = r["token_start"], r["token_start"] + r["num_tokens"]
+                for k in range(max(a // inner, s * sc), min((end - 1) // inner, (s + 1) * sc - 1) + 1):
+                    off, n = (int(x) for x in idx[k - s * sc])
+                    assert off != EMPTY
+                    buf = memoryview(whole[off : off + n] if decode is None else decode(whole[off : off + n]))
+                    lo, hi = max(a, k * inner) - k * inner, min(end, (k + 1) * inner) - k * inner
+                    crcs[i][fld] = crc32c.crc32c(buf[lo * row_bytes : hi * row_bytes], crcs[i][fld])
+                    raw += (hi - lo) * row_bytes
+    for r, c in zip(rows, crcs, strict=True):
+        want = json.loads(r["checksums"])
+        ok &= all(want[f] == f"crc32c:{c[f]:08x}" for f in FIELDS)
+    return raw, time.perf_counter() - t0, ok
+
+
+def plain_quick(root: Path, rows: list[dict]) -> tuple[float, bool]:
+    """Each shard file's size and index (crc32c checked); each sample's chunk bytes summed and compared."""
+    data = layout(root).data
+    t0 = time.perf_counter()
+    got = [0] * len(rows)
+    for seg in {r["segment"] for r in rows}:
+        for p in [data / seg / "zarr.json", *(data / seg / f / "zarr.json" for f in FIELDS)]:
+            os.stat(p)
+    for fld in FIELDS:
+        m = read_array_meta(data / rows[0]["segment"] / fld)
+        inner, sc = m.chunk_tokens, m.shard_chunks
+        for (seg, s), members in sorted(_by_shard(rows, inner, sc).items()):
+            path = data / seg / shard_path(Path(), fld, DIMS[fld], s)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                idx = decode_index(os.pread(f.fileno(), index_bytes(sc), size - index_bytes(sc)), sc)
+            for i in members:
+                r = rows[i]
+                lo = max(r["token_start"] // inner, s * sc) - s * sc
+                hi = min((r["token_start"] + max(r["num_tokens"], 1) - 1) // inner, (s + 1) * sc - 1) - s * sc
+                got[i] += int(idx[lo : hi + 1, 1].sum())
+    ok = all(g == r["nbytes"] for g, r in zip(got, rows, strict=True))
+    return time.perf_counter() - t0, ok
+
+
+def timed_sweep(root: Path, **kw: object):
+    t0 = time.perf_counter()
+    s = run_sweep(root, SweepOptions(**kw), echo=lambda m: None)
+    return s, time.perf_counter() - t0
+
+
+def measure(root: Path, jobs_list: list[int], repeat: int, quick: bool = True) -> list[str]:
+    """The figures, each against its baseline from the same run (interleaved, best of `repeat`)."""
+    rows = _live_rows(root)
+    n = len(rows)
+    plain_full(root, rows)  # warm the page cache for both sides
+    fulls, quicks = [], []
+    sweeps: dict[int, list] = {j: [] for j in jobs_list}
+    qsweeps: list = []
+    for _ in range(repeat):  # interleaved, so drift in the machine's speed hits both sides alike
+        fulls.append(plain_full(root, rows))
+        for jobs in jobs_list:
+            sweeps[jobs].append(timed_sweep(root, jobs=jobs))
+        if quick:
+            quicks.append(plain_quick(root, rows))
+            qsweeps.append(timed_sweep(root, quick=True))
+    raw, secs, ok = min(fulls, key=lambda r: r[1])
+    plain = raw / secs / MB
+    out = [f"{n:,} samples, {raw / MB:,.1f} MB uncompressed ({raw / n:,.0f} B a sample)",
+           f"plain full loop (read + decode + crc32c, 1 thread): {plain:9.1f} MB/s {secs / n * 1e6:9.1f} us/sample"
+           f"  ({secs:.2f} s; checksums {'match' if ok else 'DO NOT match'})"]
+    for jobs in jobs_list:
+        s, wall = min(sweeps[jobs], key=lambda r: r[1])
+        assert s.ok == n and not s.damaged, s.as_dict()
+        out.append(f"hsbuild verify --jobs {jobs}:{' ' * (27 - len(str(jobs)))}{s.raw_bytes / wall / MB:9.1f} MB/s "
+                   f"{wall / n * 1e6:9.1f} us/sample  ({wall:.2f} s whole, reading {s.seconds:.2f} s)  "
+                   f"ratio {secs / wall:.2f}x plain loop (reading alone {secs / s.seconds:.2f}x)")
+    if quick:
+        qsecs, qok = min(quicks, key=lambda r: r[0])
+        s, wall = min(qsweeps, key=lambda r: r[1])
+        assert s.ok == n and not s.damaged, s.as_dict()
+        out.append(f"plain quick loop (sizes + shard indexes, 1 thread):{' ' * 15}{qsecs / n * 1e6:9.1f} us/sample"
+                   f"  ({qsecs:.2f} s; sizes {'match' if qok else 'DO NOT match'})")
+        out.append(f"hsbuild verify --quick:{' ' * 43}{wall / n * 1e6:9.1f} us/sample  ({wall:.2f} s whole, "
+                   f"reading {s.seconds:.2f} s)  ratio {qsecs / wall:.2f}x plain loop (reading alone "
+                   f"{qsecs / s.seconds:.2f}x)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", default="2048", help="tokens a sample, or a range LO-HI (uniform)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--states", type=int, default=4, help="hidden states per token (aux layers + final)")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--codec", default="zstd:1")
+    ap.add_argument("--group", type=int, default=256, help="samples a group (shared shard files), as a run's")
     ap.add_argument("--jobs", default="1,4", help="comma-separated --jobs values to measure")
-    ap.add_argument("--repeat", type=int, default=5, help="best of N timings (interleaved)")
+    ap.add_argument("--repeat", type=int, default=3, help="best of N timings (interleaved)")
+    ap.add_argument("--no-quick", action="store_true", help="skip the --quick measurement")
+    ap.add_argument("--build", type=Path, help="measure this existing build (copied first: sweeps add events)")
+    ap.add_argument("--link", action="store_true", help="with --build: hard-link its data instead of copying "
+                    "it (the log is copied either way)")
+    ap.add_argument("--replicate", type=int, default=1, help="make the build K times as big (hard-linked segments, "
+                    "copied events) before measuring")
     ap.add_argument("--dir", help="where to build (default: a temporary directory, removed afterwards)")
     args = ap.parse_args(argv)
 
@@ -140,28 +306,25 @@ def main(argv: list[str] | None = None) -> None:
     root = base / "build"
     try:
         t0 = time.perf_counter()
-        make_build(root, args.samples, args.tokens, args.hidden, args.states, args.chunk_tokens, args.codec)
-        per_sample = args.tokens * args.hidden * args.states * 2
-        print(f"build: {args.samples} samples x {args.tokens} tokens x hidden {args.hidden} x {args.states} states "
-              f"(bf16, {per_sample / MB:.1f} MB/sample), codec {args.codec}, chunk {args.chunk_tokens} tokens; "
-              f"written in {time.perf_counter() - t0:.1f}s")
-        plain_loop(root, args.codec)  # warm the page cache for both sides
-        jobs_list = [int(j) for j in args.jobs.split(",") if j]
-        plain_runs: list[tuple[int, float, bool]] = []
-        sweeps: dict[int, list] = {j: [] for j in jobs_list}
-        for _ in range(args.repeat):  # interleaved, so drift in the machine's speed hits both sides alike
-            plain_runs.append(plain_loop(root, args.codec))
-            for jobs in jobs_list:
-                sweeps[jobs].append(run_sweep(root, SweepOptions(jobs=jobs), echo=lambda m: None))
-        raw, secs, ok = max(plain_runs, key=lambda r: r[0] / r[1])
-        plain = raw / secs / MB
-        print(f"plain loop (read + numcodecs decode + crc32c, 1 thread): {plain:8.1f} MB/s"
-              f"  ({raw / MB:.0f} MB in {secs:.2f}s, best of {args.repeat}; checksums {'match' if ok else 'DO NOT match'})")
-        for jobs in jobs_list:
-            s = max(sweeps[jobs], key=lambda r: r.raw_mb_per_s)
-            assert s.ok == args.samples and not s.damaged, s.as_dict()
-            print(f"hsbuild verify --jobs {jobs}:{' ' * (28 - len(str(jobs)))}{s.raw_mb_per_s:8.1f} MB/s"
-                  f"  ({s.raw_bytes / MB:.0f} MB in {s.seconds:.2f}s)  ratio {s.raw_mb_per_s / plain:.2f}x plain loop")
+        if args.build:
+            shutil.copytree(args.build, root, ignore=shutil.ignore_patterns(".ballast", "hsbuild.sock"),
+                            copy_function=_link_data if args.link else shutil.copy2)
+            print(f"build: a copy of {args.build}")
+        else:
+            lo, hi = parse_tokens(args.tokens)
+            make_build(root, args.samples, (lo, hi), args.hidden, args.states, args.chunk_tokens, args.codec,
+                       args.group)
+            per_sample = (lo + hi) / 2 * args.hidden * args.states * 2
+            print(f"build: {args.samples} samples x {args.tokens} tokens x hidden {args.hidden} x {args.states} "
+                  f"states (bf16, {per_sample / MB:.3f} MB/sample), codec {args.codec}, chunk {args.chunk_tokens} "
+                  f"tokens, groups of {args.group}; written in {time.perf_counter() - t0:.1f}s")
+        if args.replicate > 1:
+            t0 = time.perf_counter()
+            n = replicate(root, args.replicate)
+            print(f"replicated {args.replicate} times (hard links, events copied): {n:,} samples, log "
+                  f"{layout(root).events.stat().st_size / MB:.1f} MB, in {time.perf_counter() - t0:.1f}s")
+        for line in measure(root, [int(j) for j in args.jobs.split(",") if j], args.repeat, not args.no_quick):
+            print(line)
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)

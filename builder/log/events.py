@@ -216,7 +216,7 @@ class EventLog:
             cur.execute("CREATE TEMP TABLE _fold_columns AS SELECT * FROM fold_checkpoint LIMIT 0")
             cur.execute("DROP TABLE fold_checkpoint")
             cur.execute("CREATE TABLE fold_checkpoint AS SELECT * FROM _fold_columns")
-            cur.execute("INSERT INTO fold_checkpoint BY NAME SELECT * FROM _fold_next")
+            cur.execute("INSERT INTO fold_checkpoint BY NAME SELECT * FROM _fold_next ORDER BY mseq")  # compresses
             cur.execute("DROP TABLE _fold_columns")
             cur.execute("DELETE FROM fold_checkpoint_mark")
             cur.execute("INSERT INTO fold_checkpoint_mark VALUES (?)", [upto])
@@ -409,6 +409,7 @@ class EventBatch:
         self.log, self.run_id, self.before_commit = log, run_id, before_commit
         self.wait = COMMIT_WAIT_S if wait is None else wait
         self.events: list[Event] = []
+        self.max_events = FLUSH_EVENTS  # (an owner whose events come fast, a sweep, commits more at a time)
         self.last_commit = time.monotonic()
         self.stalled_since: float | None = None  # commits fail for lack of space since then
         self.gave_up = False  # DiskFullError was raised once
@@ -425,12 +426,18 @@ class EventBatch:
         ev.run_id = ev.run_id or self.run_id
         self.events.append(ev)
 
+    def due(self, force: bool = False) -> bool:
+        """Whether `flush(force)` would try a commit now (events pending, and forced, FLUSH_EVENTS of them, or
+        FLUSH_SECONDS since the last commit): a caller that flushes often asks this first, cheaply."""
+        return bool(self.events) and (force or len(self.events) >= self.max_events
+                                      or time.monotonic() - self.last_commit >= FLUSH_SECONDS)
+
     def flush(self, force: bool = False) -> bool:
         """Commit the pending events if due. Returns True when none are left pending."""
         now = time.monotonic()
         if not self.events:
             return True
-        if not (force or len(self.events) >= FLUSH_EVENTS or now - self.last_commit >= FLUSH_SECONDS):
+        if not self.due(force):
             return False
         if (force or self.stalled_since is None or now >= self._next_try) and self._try():
             return True

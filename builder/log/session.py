@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import threading
 import time
@@ -89,6 +90,7 @@ class OwnerSession:
         self._ticker_stop = threading.Event()
         self.metrics_at = metrics  # host:port where Prometheus metrics are served while the session lasts
         self.metrics: MetricsServer | None = None
+        self._committer: _Committer | None = None  # the thread the main thread's commits run in (`_off_main`)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def __enter__(self) -> OwnerSession:
@@ -156,6 +158,8 @@ class OwnerSession:
                     for sig, handler in self._old_handlers.items():
                         signal.signal(sig, handler)
                     self._old_handlers = {}
+                    if self._committer is not None:
+                        self._committer.stop()
 
     # -- events --------------------------------------------------------------------------------------------
     def emit(self, ev: Event) -> None:
@@ -171,28 +175,23 @@ class OwnerSession:
         for ev in queued:
             self.batch.emit(ev)
         batch = self.batch
+        force = force or bool(queued)
+        if not batch.due(force):  # nothing to commit yet: an owner may call this for every event it emits
+            return
         with self.watch.track("log commit", self.lay.events):
-            self._off_main(lambda: batch.flush(force or bool(queued)))
+            self._off_main(lambda: batch.flush(force))
 
     def _off_main(self, fn: Callable[[], object]) -> object:
-        """Run `fn` (a commit) in a thread while the main thread waits for it in slices: a stalled volume holds
-        the commit in the kernel, where no signal handler runs, but not this wait. So Ctrl-C during a stall is
-        taken at once and said with what it waits for (`announce_stop`). Elsewhere (another thread, signals not
-        taken) `fn` runs here."""
+        """Run `fn` (a commit) in the session's commit thread while the main thread waits for it in slices: a
+        stalled volume holds the commit in the kernel, where no signal handler runs, but not this wait. So
+        Ctrl-C during a stall is taken at once and said with what it waits for (`announce_stop`). Elsewhere
+        (another thread, signals not taken) `fn` runs here. One thread serves every commit of the session (one
+        commit at a time: the main thread waits for each)."""
         if not self._old_handlers or threading.current_thread() is not threading.main_thread():
             return fn()
-        box: dict = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["result"] = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="hsbuild-commit", daemon=True).start()
+        if self._committer is None:
+            self._committer = _Committer()
+        done, box = self._committer.submit(fn)
         while not done.wait(0.25):
             if self.stop_requested and self.watch.current() is not None:
                 self.announce_stop()
@@ -306,3 +305,31 @@ class OwnerSession:
             self._cached = dict(self.status_fn())  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001 - a status that fails says why, it never kills the server
             self._cached = {**self._cached, "status_error": f"{type(e).__name__}: {e}"}
+
+
+class _Committer:
+    """A daemon thread that runs the functions given to it (the session's log commits), one at a time, for the
+    session's lifetime. A commit the kernel holds (a stalled volume) holds this thread, never the main one."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="hsbuild-commit", daemon=True).start()
+
+    def submit(self, fn: Callable[[], object]) -> tuple[threading.Event, dict]:
+        """Queue `fn`; returns an event set once it ran and a dict that then holds its `result` or `error`."""
+        done, box = threading.Event(), {}
+        self._jobs.put((fn, done, box))
+        return done, box
+
+    def stop(self) -> None:
+        self._jobs.put(None)  # (after the jobs queued before it; a thread stuck in the kernel stays stuck)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, done, box = job
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            finally:
+                done.set()

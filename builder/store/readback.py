@@ -213,22 +213,29 @@ def describe_error(e: BaseException) -> str:
 
 
 def check_with_retries(check: Callable[[], SampleCheck], retries: int = RETRIES, backoff: float = BACKOFF_S,
-                       sleep: Callable[[float], object] = time.sleep) -> SampleCheck:
+                       sleep: Callable[[float], object] = time.sleep,
+                       first_error: BaseException | None = None) -> SampleCheck:
     """Run a check; when it could not run (OSError other than "no such file", MemoryError), try again after
     `backoff`, doubling, up to `retries` more times if the error may be transient. Still failing: a SampleCheck
     with `error` set and no finding (the sample is not condemned). `sleep` returning true stops the retries
-    (pass `threading.Event.wait` to stop at once on Ctrl-C)."""
-    tries = 0
+    (pass `threading.Event.wait` to stop at once on Ctrl-C). `first_error`: a transient error the first try
+    already hit (a check of the sample's whole group, verify/batch.py): `check` runs as the second try, after
+    the first backoff."""
+    tries = 0 if first_error is None else 1
+    e: BaseException | None = first_error
     while True:
-        tries += 1
-        try:
-            return check()
-        except DamagedSampleError as e:
-            return SampleCheck((e.reason, e.problem))
-        except (OSError, MemoryError) as e:
+        if e is not None:
             if not is_transient(e) or tries > retries or sleep(backoff * 2 ** (tries - 1)):
                 return SampleCheck(None, error=f"could not check: {describe_error(e)} "
                                                f"({tries} {'try' if tries == 1 else 'tries'})")
+            e = None
+        tries += 1
+        try:
+            return check()
+        except DamagedSampleError as err:
+            return SampleCheck((err.reason, err.problem))
+        except (OSError, MemoryError) as err:
+            e = err
 
 
 def check_location(data_root: Path, segment: str, token_start: int, num_tokens: int, checksums: dict | str,

@@ -7,10 +7,13 @@ import datetime as dt
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from builder.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SAMPLES_FAILED
 from builder.log.events import EventLog
 from builder.verify.gc import OrphanReport
 from builder.verify.selection import Selection
+from builder.verify.targets import fetch
 
 MB = 1_000_000
 
@@ -112,16 +115,31 @@ class SweepSummary:
 
 
 def find_overlaps(log: EventLog, chunk_tokens: Callable[[str], int]) -> list[Overlap]:
-    """Live samples sharing a chunk: the log says two samples own the same bytes."""
-    _, rows = log.query("SELECT segment, token_start, num_tokens, sample_id FROM samples "
-                        "WHERE state IN ('written', 'verified') ORDER BY segment, token_start, sample_id")
-    out: list[Overlap] = []
-    prev: tuple[str, str, int, int] | None = None  # segment, sample, first chunk, last chunk
-    for seg, start, n, sid in rows:
-        ct = chunk_tokens(seg)
-        first, last = start // ct, (start + max(n, 1) - 1) // ct
-        if prev is not None and prev[0] == seg and first <= prev[3]:
-            out.append(Overlap(seg, prev[1], sid, (prev[2], prev[3]), (first, last)))
-        if prev is None or prev[0] != seg or last > prev[3]:
-            prev = (seg, sid, first, last)
+    """Live samples sharing a chunk: the log says two samples own the same bytes. In (segment, token_start,
+    sample_id) order, a sample overlaps the one before it in its segment that reaches furthest (the first such)."""
+    t = fetch(log, "SELECT segment, token_start, num_tokens, sample_id FROM samples "
+                   "WHERE state IN ('written', 'verified') ORDER BY segment, token_start, sample_id")
+    if not t.num_rows:
+        return []
+    seg = t.column("segment").combine_chunks().dictionary_encode()
+    names = seg.dictionary.to_pylist()
+    code = np.asarray(seg.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    ct = np.array([chunk_tokens(n) for n in names], dtype=np.int64)[code]
+    start = t.column("token_start").to_numpy().astype(np.int64)
+    first = start // ct
+    last = (start + np.maximum(t.column("num_tokens").to_numpy().astype(np.int64), 1) - 1) // ct
+    key = code * (1 << 40) + last  # the furthest chunk so far, per segment (a new segment starts above)
+    reach = np.maximum.accumulate(key)
+    rises = np.ones(len(key), dtype=bool)
+    rises[1:] = key[1:] > reach[:-1]
+    holder = np.maximum.accumulate(np.where(rises, np.arange(len(key)), 0))  # the first row reaching that far
+    prev = np.concatenate(([0], holder[:-1]))
+    hit = np.zeros(len(key), dtype=bool)
+    hit[1:] = (code[1:] == code[:-1]) & (first[1:] <= last[prev[1:]])
+    ids = t.column("sample_id")
+    out = []
+    for i in np.flatnonzero(hit).tolist():
+        j = int(prev[i])
+        out.append(Overlap(names[code[i]], ids[j].as_py(), ids[i].as_py(), (int(first[j]), int(last[j])),
+                           (int(first[i]), int(last[i]))))
     return out

@@ -36,6 +36,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from builder.config import load_config
 from builder.errors import DiskFullError
 from builder.layout import BuildLayout, layout
@@ -45,6 +47,7 @@ from builder.log.session import OwnerSession
 from builder.store.history import history_dir
 from builder.store.segment import DIMS, FIELDS, MANIFEST_DIR, MANIFEST_FORMAT, field_geometry, list_segments
 from builder.store.shard import ShardGeometry, shard_path
+from builder.verify.targets import fetch
 
 PARTIAL_RE = re.compile(r".+\.[0-9a-f]{32}\.partial$")  # zarr LocalStore: path.with_suffix(".<uuid4>.partial")
 TMP_RE = re.compile(r"^\..+\.\d+\.tmp$")  # fsutil.atomic_write_bytes: .<name>.<pid>.tmp
@@ -104,21 +107,35 @@ class OrphanReport:
         return d
 
 
-def referenced_chunks(log: EventLog) -> dict[str, list[tuple[int, int]]]:
-    """Token ranges per segment of every committed `written` event (live or superseded)."""
-    _, rows = log.query("SELECT segment, token_start, num_tokens FROM events "
-                        "WHERE kind = 'written' AND segment IS NOT NULL ORDER BY segment, token_start")
-    out: dict[str, list[tuple[int, int]]] = {}
-    for seg, start, n in rows:
-        out.setdefault(seg, []).append((int(start), int(n)))
+def referenced_chunks(log: EventLog) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Token ranges per segment of every committed `written` event (live or superseded): (token_start,
+    num_tokens) arrays, in token order."""
+    t = fetch(log, "SELECT segment, token_start, num_tokens FROM events "
+                   "WHERE kind = 'written' AND segment IS NOT NULL ORDER BY segment, token_start")
+    seg = t.column("segment").combine_chunks().dictionary_encode()
+    code = np.asarray(seg.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    starts = t.column("token_start").to_numpy().astype(np.int64)
+    counts = t.column("num_tokens").to_numpy().astype(np.int64)
+    bounds = np.flatnonzero(np.diff(code)) + 1
+    out = {}
+    for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(code)], strict=True):
+        if b > a:
+            out[seg.dictionary[int(code[a])].as_py()] = (starts[a:b], counts[a:b])
     return out
 
 
-def _chunk_indices(ranges: list[tuple[int, int]], chunk_tokens: int) -> set[int]:
-    idx: set[int] = set()
-    for start, n in ranges:
-        idx.update(range(start // chunk_tokens, (start + max(n, 1) - 1) // chunk_tokens + 1))
+def _span_indices(starts: np.ndarray, counts: np.ndarray, span: int) -> set[int]:
+    """The indices of the `span`-token pieces (chunks, shards) that token ranges (starts, counts) touch."""
+    first = starts // span
+    last = (starts + np.maximum(counts, 1) - 1) // span
+    idx = set(np.unique(first).tolist())
+    for a, b in zip(first[last > first].tolist(), last[last > first].tolist(), strict=True):
+        idx.update(range(a + 1, b + 1))
     return idx
+
+
+def _chunk_indices(ranges: tuple[np.ndarray, np.ndarray], chunk_tokens: int) -> set[int]:
+    return _span_indices(*ranges, chunk_tokens)
 
 
 def _size(p: str) -> int:
@@ -219,6 +236,19 @@ def may_adopt(sample_id: str, fingerprint: str, registered: dict[str, tuple[str,
     return reg is not None and reg[0] == fingerprint and reg[1] not in DONE_STATES
 
 
+class _Registered:
+    """`registered_samples`, read only if asked (a build whose manifests list only logged samples never asks)."""
+
+    def __init__(self, log: EventLog):
+        self.log = log
+        self._map: dict[str, tuple[str, str]] | None = None
+
+    def get(self, sample_id: str) -> tuple[str, str] | None:
+        if self._map is None:
+            self._map = registered_samples(self.log)
+        return self._map.get(sample_id)
+
+
 def registered_samples(log: EventLog) -> dict[str, tuple[str, str]]:
     """sample_id -> (its current fingerprint, its state), from the `samples` view."""
     _, rows = log.query("SELECT sample_id, fingerprint, state FROM samples")
@@ -250,7 +280,7 @@ def scan_orphans(lay: BuildLayout, log: EventLog) -> OrphanReport:
     """Everything reclaimable in the build, and the durable groups kept because a run would adopt them. The
     caller must hold the build lock."""
     refs = referenced_chunks(log)
-    registered = registered_samples(log)
+    registered = _Registered(log)
     try:
         default_ct: int | None = load_config(lay).chunk_tokens
     except Exception:  # noqa: BLE001 - without a config, only segment metadata says how chunks map
@@ -271,23 +301,24 @@ def scan_orphans(lay: BuildLayout, log: EventLog) -> OrphanReport:
             report.orphans.append(Orphan(str((hist / name).relative_to(root)), "tmp", _size(str(hist / name))))
     for seg in list_segments(lay.data):
         seg_dir = lay.data / seg
-        seg_refs = refs.get(seg, [])
+        seg_refs = refs.get(seg, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
         try:
             ct, sc = field_geometry(seg_dir, "aux_hidden_state")
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             ct, sc = default_ct, 0
-        groups = _groups(seg_dir, {start for start, _ in seg_refs}, registered) if sc else []
+        groups = _groups(seg_dir, set(seg_refs[0].tolist()), registered) if sc else []  # type: ignore[arg-type]
         kept = [g for g in groups if g.referenced or g.adoptable]
-        if not seg_refs and not any(g.adoptable for g in groups):
+        if not len(seg_refs[0]) and not any(g.adoptable for g in groups):
             files = [os.path.join(d, f) for d, _, fs in os.walk(seg_dir) for f in fs]
             report.orphans.append(Orphan(str(seg_dir.relative_to(root)), "segment", sum(map(_size, files)),
                                          len(files)))
             continue
         if sc:
             geo = ShardGeometry(ct, sc)
-            shards = {i for start, n in seg_refs for i in geo.shards(start, n)}
-            for g in kept:  # a kept group is kept whole: its manifest and every shard of each of its samples
-                shards.update(i for start, n in g.ranges for i in geo.shards(start, n))
+            shards = _span_indices(*seg_refs, geo.shard_tokens)
+            ranges = [r for g in kept for r in g.ranges]  # a kept group is kept whole: its manifest, every shard
+            if ranges:
+                shards |= _span_indices(*np.array(ranges, dtype=np.int64).T, geo.shard_tokens)
             for g in kept:
                 if g.adoptable and not g.referenced:
                     own = {i for start, n in g.ranges for i in geo.shards(start, n)}

@@ -123,16 +123,20 @@ class Selection:
     def matches(self, sample_id: str, segment: str, verified_at: dt.datetime | None) -> bool:
         if self.segments and segment not in self.segments:
             return False
-        if self.subset:
-            n, t = parse_subset(self.subset)
-            if stable_part(sample_id, t) != n - 1:
-                return False
-        if self.fraction is not None and _draw(sample_id, int(self.seed or 0)) >= self.fraction:
+        if not self.matches_id(sample_id):
             return False
         if self.not_verified_since is not None and verified_at is not None:
             if verified_at >= dt.datetime.fromisoformat(self.not_verified_since):
                 return False
         return True
+
+    def matches_id(self, sample_id: str) -> bool:
+        """The part of `matches` that depends on the sample id alone: --subset and --fraction."""
+        if self.subset:
+            n, t = parse_subset(self.subset)
+            if stable_part(sample_id, t) != n - 1:
+                return False
+        return self.fraction is None or _draw(sample_id, int(self.seed or 0)) < self.fraction
 
     def describe(self) -> str:
         parts = [self.mode]

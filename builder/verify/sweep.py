@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from builder.config import load_config
@@ -45,6 +45,7 @@ from builder.log.kinds import EventKind
 from builder.log.lock import BuildLock
 from builder.log.session import OwnerSession
 from builder.progress import Echo, NoProgress, quiet
+from builder.store.direct import FieldLayout
 from builder.store.history import Verdicts
 from builder.store.readback import (
     MISMATCH,
@@ -57,32 +58,20 @@ from builder.store.readback import (
     check_with_retries,
     field_specs,
 )
+from builder.verify.batch import check_unit
 from builder.verify.findings import MB, Damage, NotChecked, SweepSummary, find_overlaps
 from builder.verify.gc import scan_orphans
 from builder.verify.selection import Selection, SweepOptions, parse_jobs, parse_rate
+from builder.verify.targets import Target, Targets, select
 
+SWEEP_DETAIL = detail(mode="sweep")
+FLUSH_EVENTS = 8192  # verdicts committed at least every 0.5 s (FLUSH_SECONDS), or once this many are pending  # a sweep's `verified` events'
 STOP_WHAT = "stopping the sweep (Ctrl-C again to exit at once; continue later with --continue)"
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Target:
-    """One sample to check: its live location and what its `written` event recorded."""
-
-    sample_id: str
-    segment: str
-    token_start: int
-    num_tokens: int
-    nbytes: int | None
-    checksums: str
-    fingerprint: str | None
-    attempt: int | None
-    written_seq: int
-    verified_at: dt.datetime | None
 
 
 class RateLimiter:
@@ -126,6 +115,7 @@ class Sweep:
         self.session: OwnerSession | None = None
         self.summary: SweepSummary | None = None
         self._geometry: dict[str, tuple[int, dict | None]] = {}  # segment -> (chunk_tokens, field specs)
+        self._layouts: dict[str, dict[str, FieldLayout] | None] = {}  # segment -> read a unit at a time (`_direct`)
         self.verdicts = Verdicts()  # what this sweep recorded, for its history record
 
     # -- plumbing -------------------------------------------------------------------------------------
@@ -154,6 +144,7 @@ class Sweep:
             self.stop = session.stop_event  # set by Ctrl-C/SIGTERM: the readers and the loop stop
             self.log = session.open(signals=False)
             self.batch = session.batch
+            self.batch.max_events = FLUSH_EVENTS  # a commit costs its fsyncs, not its rows: fewer, bigger ones
             return self._run_locked(session.lock)
 
     def _run_locked(self, lock: BuildLock) -> SweepSummary:
@@ -202,28 +193,12 @@ class Sweep:
         return s
 
     # -- selection --------------------------------------------------------------------------------------
-    def _select(self, chain: list[str]) -> tuple[list[Target], int]:
-        _, rows = self.log.query(
-            "SELECT s.sample_id, s.segment, s.token_start, s.num_tokens, s.nbytes, s.checksums, w.fingerprint, "
-            "w.attempt, w.seq, s.verified_at FROM samples s JOIN ("
-            "  SELECT sample_id, seq, fingerprint, attempt FROM events WHERE kind = 'written'"
-            "  QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY seq DESC) = 1) w USING (sample_id) "
-            "WHERE s.state IN ('written', 'verified') ORDER BY s.segment, s.token_start")
-        if self.selection.segments:
-            known = {r[1] for r in rows}
-            unknown = [g for g in self.selection.segments if g not in known]
-            if unknown:
-                raise UsageError(f"--segment {unknown[0]}: no live sample of this build is stored in that segment")
-        done = self._already_checked(chain)
-        targets, skipped = [], 0
-        for r in rows:
-            t = Target(*r)
-            if not self.selection.matches(t.sample_id, t.segment, t.verified_at):
-                continue
-            if done.get(t.sample_id, -1) > t.written_seq:
-                skipped += 1
-                continue
-            targets.append(t)
+    def _select(self, chain: list[str]) -> tuple[Targets, int]:
+        targets, skipped, known = select(self.log, self.selection, self.selection.mode == "quick",
+                                         self._already_checked(chain))
+        unknown = [g for g in self.selection.segments or [] if g not in known]
+        if unknown:
+            raise UsageError(f"--segment {unknown[0]}: no live sample of this build is stored in that segment")
         return targets, skipped
 
     def _already_checked(self, chain: list[str]) -> dict[str, int]:
@@ -247,20 +222,52 @@ class Sweep:
     def _chunk_tokens(self, segment: str) -> int:
         return self._segment_geometry(segment)[0]
 
-    def _check_one(self, t: Target, reader: SharedReader, limiter: RateLimiter | None) -> SampleCheck:
+    def _direct(self, segment: str, reader: SharedReader) -> dict[str, FieldLayout] | None:
+        """The segment's field layouts when its samples can be checked a unit at a time (verify/batch.py): every
+        field sharded and read directly by hsbuild's reader, and (full sweeps) Zarr opens its arrays. None: its
+        samples are checked one by one (and any trouble found there)."""
+        if segment not in self._layouts:
+            lays = None
+            try:
+                metas = reader.metas(segment)
+                found = {f: FieldLayout.from_meta(m) for f, m in metas.items()}
+                if all(v is not None for v in found.values()):
+                    if self.selection.mode == "full":
+                        reader.arrays(segment)
+                    lays = found
+            except Exception:  # noqa: BLE001 - whatever it is, the per-sample check meets it and says what
+                lays = None
+            self._layouts[segment] = lays  # type: ignore[assignment]
+        return self._layouts[segment]
+
+    def _check_one(self, t: Target, reader: SharedReader, first_error: BaseException | None = None) -> SampleCheck:
         """Check one sample; an error that says nothing about its data (EMFILE, ENOMEM, EIO, ...) is retried with
-        backoff and, if it persists, comes back as `SampleCheck.error`, never as damage."""
+        backoff and, if it persists, comes back as `SampleCheck.error`, never as damage (`first_error`: a transient
+        error its unit's check already hit, its first try)."""
         ct, specs = self._segment_geometry(t.segment)
         if self.selection.mode == "quick":
             return check_with_retries(lambda: check_files(self.lay.data, t.segment, t.token_start, t.num_tokens, ct,
-                                                          t.nbytes, quick=True, specs=specs), sleep=self.stop.wait)
-        res = check_with_retries(lambda: check_sample(self.lay.data, t.segment, t.token_start, t.num_tokens,
-                                                      t.checksums, ct, reader), sleep=self.stop.wait)
+                                                          t.nbytes, quick=True, specs=specs), sleep=self.stop.wait,
+                                      first_error=first_error)
+        return check_with_retries(lambda: check_sample(self.lay.data, t.segment, t.token_start, t.num_tokens,
+                                                       t.checksums, ct, reader), sleep=self.stop.wait,
+                                  first_error=first_error)
+
+    def _check_unit(self, batch: list[Target], reader: SharedReader,
+                    limiter: RateLimiter | None) -> list[SampleCheck]:
+        """Check a unit of samples (verify/batch.py) at once; those it cannot pass are checked one by one."""
+        lays = self._layouts.get(batch[0].segment)
+        if lays is None:
+            res = [self._check_one(t, reader) for t in batch]
+        else:
+            outs = check_unit(self.lay.data, batch[0].segment, lays, batch, self.selection.mode == "quick")
+            res = [o if isinstance(o, SampleCheck) else self._check_one(t, reader, o.first_error)
+                   for o, t in zip(outs, batch, strict=True)]
         if limiter is not None:
-            limiter.charge(res.file_bytes)
+            limiter.charge(sum(r.file_bytes for r in res))
         return res
 
-    def _check_all(self, targets: list[Target]) -> None:
+    def _check_all(self, targets: Targets) -> None:
         s = self.summary
         assert s is not None
         reader = SharedReader(self.lay.data)
@@ -268,25 +275,30 @@ class Sweep:
         bar.start(len(targets), "verify" if s.mode == "full" else "verify --quick")
         limiter = RateLimiter(self.rate, self.stop) if self.rate and s.mode == "full" else None
         t0 = time.monotonic()
-        todo: Iterator[Target] = iter(targets)
-        inflight: dict[Future, Target] = {}
+        todo: Iterator[tuple[int, int]] = targets.units(lambda seg: self._direct(seg, reader))
+        inflight: dict[Future, list[Target]] = {}
         try:
             with ThreadPoolExecutor(self.jobs, thread_name_prefix="hsbuild-verify") as pool:
                 while True:
                     while not self.stop.is_set() and len(inflight) < 2 * self.jobs:
-                        t = next(todo, None)
-                        if t is None:
+                        span = next(todo, None)
+                        if span is None:
                             break
-                        inflight[pool.submit(self._check_one, t, reader, limiter)] = t
+                        batch = targets.take(*span)
+                        inflight[pool.submit(self._check_unit, batch, reader, limiter)] = batch
                     if not inflight:
                         break
                     self._announce_stop()
                     done, _ = wait(list(inflight), timeout=0.2, return_when=FIRST_COMPLETED)
                     for fut in done:
-                        t = inflight.pop(fut)
-                        res = fut.result()
-                        self._record(t, res)
-                        bar.update(1, t.num_tokens, res.file_bytes)
+                        batch = inflight.pop(fut)
+                        results = fut.result()
+                        tokens = nbytes = 0
+                        for t, res in zip(batch, results, strict=True):
+                            self._record(t, res)
+                            tokens += t.num_tokens
+                            nbytes += res.file_bytes
+                        bar.update(len(batch), tokens, nbytes)
                     self.flush()
                     bar.update()
         except BaseException:
@@ -295,6 +307,12 @@ class Sweep:
         finally:
             s.seconds = time.monotonic() - t0
             bar.close()
+
+    def _written_by(self, t: Target) -> tuple[str | None, int | None]:
+        """The fingerprint and attempt of the `written` event a damaged sample is live by (its `failed` event
+        names them, as resume reads it)."""
+        _, rows = self.log.query("SELECT fingerprint, attempt FROM events WHERE seq = ?", [t.written_seq])
+        return rows[0] if rows else (None, None)
 
     def _record(self, t: Target, res: SampleCheck) -> None:
         s = self.summary
@@ -306,14 +324,15 @@ class Sweep:
         s.checked += 1
         s.bytes_read += res.file_bytes if s.mode == "full" else 0
         s.raw_bytes += res.raw_bytes
-        loc = {"sample_id": t.sample_id, "fingerprint": t.fingerprint, "attempt": t.attempt, "segment": t.segment,
-               "token_start": t.token_start, "num_tokens": t.num_tokens}
+        loc = {"sample_id": t.sample_id, "segment": t.segment, "token_start": t.token_start,
+               "num_tokens": t.num_tokens}
         if res.finding is None:
             s.ok += 1
-            if s.mode == "full":
-                self.emit(Event(EventKind.VERIFIED, nbytes=res.file_bytes, detail=detail(mode="sweep"), **loc))
+            if s.mode == "full":  # (the sample's fingerprint and attempt are its `written` event's: not repeated)
+                self.emit(Event(EventKind.VERIFIED, nbytes=res.file_bytes, detail=SWEEP_DETAIL, **loc))
                 self.verdicts.add(t.segment, t.token_start, "verified")
             return
+        loc["fingerprint"], loc["attempt"] = self._written_by(t)
         reason, message = res.finding
         if reason == MISMATCH:
             s.mismatched += 1
