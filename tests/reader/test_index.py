@@ -103,6 +103,26 @@ def check(build, formats=FORMATS) -> list[dict]:
     return reference(build)
 
 
+def check_transfer(build, entries: list[dict]) -> None:
+    """speculators' transfer plugin finds each source row's sample (None where the build holds none)."""
+    from builder.reader.speculators_transfer import HsbuildTransfer  # noqa: PLC0415 (needs hs_connectors)
+
+    tr = HsbuildTransfer(build)
+    f = registry.make_format("speculators", flag="format", exports=True)
+    info = BuildInfo.load(layout(build))
+    rows = {e["row_idx"]: i for i, e in enumerate(entries)}
+    for row in range(max(rows) + 2):
+        got = tr.get_cached(row)
+        if row not in rows:
+            assert got is None, row
+            continue
+        e = entries[rows[row]]
+        t = SegmentReader(layout(build).data).read(e["segment"], e["token_start"], e["num_tokens"], e["checksums"])
+        s = Sample(e["sample_id"], row, rows[row], t["input_ids"].long(), t["loss_mask"].long(),
+                   t["aux_hidden_state"], info.final(t["hidden_state"], f.final_state))
+        assert same(got, {"hidden_states": f.stacked(s), "token_ids": s.input_ids}), row
+
+
 def test_the_index_gives_the_views_items_through_a_builds_life(make_build, cli):
     rows = _rows(8)
     rows[4]["input_ids"][1] = NAN  # fails every run
@@ -112,7 +132,9 @@ def test_the_index_gives_the_views_items_through_a_builds_life(make_build, cli):
     assert "s0004" not in [e["sample_id"] for e in first]
 
     assert skip_samples(build, ["s0002"], note="too long for the trainer")
-    assert "s0002" not in [e["sample_id"] for e in check(build)]
+    skipped = check(build)
+    assert "s0002" not in [e["sample_id"] for e in skipped]
+    check_transfer(build, skipped)
 
     # damage repaired: verify finds it, resume extracts those samples again, elsewhere
     seg = layout(build).data / first[0]["segment"]
@@ -136,6 +158,7 @@ def test_the_index_gives_the_views_items_through_a_builds_life(make_build, cli):
     assert cli("resume", build, "--no-progress", "--accept-source-changes").returncode == 0
     after = check(build)
     assert [e["sample_id"] for e in after] == [r["id"] for r in fixed if r["id"] != "s0002"]
+    check_transfer(build, after)
 
 
 def _append(build, events: list[Event]) -> None:
@@ -217,3 +240,20 @@ def test_an_index_made_for_another_state_of_the_log_is_never_used(make_build, tm
     assert events.stat().st_ino == inode and (after[0], after[1]) == (before[0], before[1])
     assert [e["sample_id"] for e in HiddenStateDataset(build).index] == ["s0000", "s0001", "s0002", "s0003", "s0005"]
     check(build, formats=[None])
+
+
+def test_digits_are_read_as_numbers_only_when_all_are_lowercase_hex():
+    """Every byte value in every place of the 8 digits: only 0-9 and a-f make a number (and the right one);
+    anything else leaves the event's text as it is, compared as before."""
+    import numpy as np  # noqa: PLC0415
+
+    from builder.reader.columns import hex8  # noqa: PLC0415
+
+    texts = [b"0123abcd", b"ffffffff", b"00000000", b"9a8b7c6d"]
+    texts += [b"0" * k + bytes([v]) + b"0" * (7 - k) for k in range(8) for v in range(256)]
+    ok, values = hex8(np.frombuffer(b"".join(texts), dtype="<u8"))
+    for t, good, value in zip(texts, ok.tolist(), values.tolist(), strict=True):
+        is_hex = all(c in b"0123456789abcdef" for c in t)
+        assert good == is_hex, t
+        if is_hex:
+            assert value == int(t, 16), t
