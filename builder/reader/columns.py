@@ -122,19 +122,21 @@ def _strings(col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _ints(col) -> np.ndarray:
-    """An Arrow int64 column as numpy, NULL as -1."""
+    """An Arrow column of signed integers as int64, NULL as -1 (from its buffers: no pyarrow.compute or
+    to_numpy, which import pandas)."""
     arr = _array(col)
     n = len(arr)
-    values = (np.frombuffer(arr.buffers()[1], dtype=np.int64, count=n, offset=arr.offset * 8) if n
-              else np.zeros(0, np.int64))
-    return np.where(_valid(arr), values, -1) if arr.null_count else values.copy()
+    size = arr.type.bit_width // 8
+    values = (np.frombuffer(arr.buffers()[1], dtype=f"<i{size}", count=n, offset=arr.offset * size) if n
+              else np.zeros(0, np.int64)).astype(np.int64)
+    return np.where(_valid(arr), values, -1) if arr.null_count else values
 
 
 def from_arrow(table, key: dict) -> ReaderIndex:
     """The index of the file read's rows (snapshot.rows_sql, in order)."""
     seg = _array(table["segment"]).dictionary_encode()
     names: list[str | None] = seg.dictionary.to_pylist()
-    codes = np.where(_valid(seg.indices), seg.indices.to_numpy(zero_copy_only=False), len(names)).astype(np.uint32)
+    codes = np.where(_valid(seg.indices), _ints(seg.indices), len(names)).astype(np.uint32)
     if seg.null_count:
         names.append(None)
     id_off, id_data, _ = _strings(table["sample_id"])

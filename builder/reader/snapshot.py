@@ -101,11 +101,27 @@ def snapshot(lay: BuildLayout, include_unverified: bool) -> ReaderIndex:
     states = states_sql(include_unverified)
     where, got = read_columns(lay, [KEY_SQL, rows_sql(states)], live_sql(states), timeout=SNAPSHOT_TIMEOUT_S)
     if where == "file":
-        key_table, table = got
-        return from_arrow(table, key_table.to_pylist()[0])
-    cols, rows = got
-    row = dict(zip(cols, rows[0], strict=True))
-    return from_owner(row, {k: row[k] for k in KEY_COLUMNS})
+        index = from_arrow(got[1], got[0].to_pylist()[0])
+    else:
+        cols, rows = got
+        row = dict(zip(cols, rows[0], strict=True))
+        index = from_owner(row, {k: row[k] for k in KEY_COLUMNS})
+    del got
+    give_back_memory()
+    return index
+
+
+def give_back_memory() -> None:
+    """Return what the snapshot's temporaries (Arrow buffers, numpy arrays) left free in the allocators to the
+    system: a training process keeps what it holds, not the peak of making its index (on 945k samples, 155 B a
+    sample of anonymous memory left after it otherwise; 49 B with this)."""
+    import ctypes  # noqa: PLC0415
+
+    import pyarrow as pa  # noqa: PLC0415
+
+    pa.default_memory_pool().release_unused()
+    with contextlib.suppress(OSError, AttributeError):  # (glibc only)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def log_key(lay: BuildLayout) -> dict:
@@ -201,4 +217,9 @@ def load_index(lay: BuildLayout, include_unverified: bool) -> ReaderIndex:
         except OSError:
             return index
         _clean(folder, prefix, made.name)
-        return _open_cached(made, index.key) or index
+        mapped = _open_cached(made, index.key)
+        if mapped is None:
+            return index
+        del index  # (its arrays: the file's mapping serves from now on)
+        give_back_memory()
+        return mapped
