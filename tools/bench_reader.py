@@ -2,7 +2,7 @@
 DataLoader workers read, against the reader as it was (a dict per sample from the `samples` view: `Legacy`
 below, the code of git e888fdf) measured in the same run.
 
-    python tools/bench_reader.py                           # index: 100k and 1M samples; items: 3,000-sample build
+    python tools/bench_reader.py                           # index: 100k and 1M samples; items: 10,000-sample build
     python tools/bench_reader.py --samples 100000 --items 1000
     python tools/bench_reader.py --keep /tmp/bench-reader  # keep (and re-use) the builds
 
@@ -15,10 +15,11 @@ maps it) and its peak. `cached`: a second dataset of the same state of the log (
 `to a worker`: pickling the dataset and unpickling it, as a spawned DataLoader worker receives it.
 
 Items (`items`): a real build (built-in model, hidden 64, 8-32 tokens a sample), every item read once through a
-DataLoader with 0 or 2 workers (forked, spawned), one item at a time (`batch_size=None`) and in batches of 64
-(`collate_concat`). items/s over the whole pass (worker start-up included) and after the first batch; CPU
-microseconds an item in the main process and in the workers (a machine shared with others moves wall times;
-CPU time much less). Each case runs --repeat times, the best kept.
+DataLoader with 0 or 2 workers (forked, spawned), one item at a time (`batch_size=None`) and in batches of 8 and
+64 (`collate_concat`): items/s once every worker delivered four (the steady rate: a spawned worker first
+imports torch, seconds; the time to the first is shown), and over the whole pass; CPU microseconds an item in
+the main process and in the workers (a machine shared with others moves wall times, CPU time much less). Each
+case runs --repeat times, the best kept.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class Legacy:
 
     def __len__(self):
         return len(self.index)
+
+    def __setstate__(self, state):  # (a spawned worker imports what the old reader's module imported)
+        import builder.reader.dataset  # noqa: F401, PLC0415
+
+        self.__dict__.update(state)
 
     def __getitem__(self, i):
         from builder.store.reader import SegmentReader  # noqa: PLC0415
@@ -141,18 +147,19 @@ def child_items(build: str, impl: str, workers: int, context: str, batch: int) -
     n = len(ds)
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     c0, w0 = time.process_time(), time.perf_counter()
-    first = None
+    arrivals = []  # (seconds, items so far) at each batch (or item)
     got = 0
     for b in DataLoader(ds, **kw):
         got += len(b["sample_id"]) if batch else 1
-        if first is None:
-            first, first_items = time.perf_counter() - w0, got
+        arrivals.append((time.perf_counter() - w0, got))
     wall = time.perf_counter() - w0
+    first = arrivals[0][0]
+    since, items = arrivals[min(4 * max(workers, 1), len(arrivals)) - 1]  # once every worker delivered a few
     main = time.process_time() - c0
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # (the workers, joined at the end of the pass)
     kids = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     assert got == n
-    return {"n": n, "items_s": n / wall, "steady_s": (n - first_items) / max(wall - first, 1e-9), "first": first,
+    return {"n": n, "items_s": n / wall, "steady_s": (n - items) / max(wall - since, 1e-9), "first": first,
             "main_us": main / n * 1e6, "workers_us": kids / n * 1e6}
 
 
@@ -214,13 +221,13 @@ def real(work: Path, n: int) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def per(v: float, n: int) -> str:
-    return f"{v / n:,.0f}"
+def size(v: float, n: int) -> str:
+    return f"{v / 2**20:,.0f} MiB ({v / n:,.0f} B/sample)"
 
 
-def measure_construct(build: str, rows: list, repeat: int = 1) -> None:
-    """Construct the legacy and the index reader on `build` (fresh processes, a fresh cache each); rows of
-    (what, seconds, note)."""
+def measure_construct(build: str, rows: list, repeat: int = 1) -> dict:
+    """Construct the legacy and the index reader on `build` (fresh processes, a fresh cache each): rows of
+    (what, seconds, note); returns {impl: its measures}."""
     res = {}
     for impl in ("legacy", "index"):
         best = None
@@ -232,44 +239,60 @@ def measure_construct(build: str, rows: list, repeat: int = 1) -> None:
     old, new = res["legacy"], res["index"]
     n = new["n"]
     rows.append((f"reader construct, {n:,} live samples: legacy", f"{old['wall']:.2f}",
-                 f"cpu {old['cpu']:.2f} s; holds {per(old['anon'], n)} B/sample after (anonymous), peak "
-                 f"{per(old['peak'], n)} B/sample; to a spawned worker {old['worker_wall']:.2f} s, "
-                 f"{old['pickled'] / n:,.0f} B/sample pickled"))
+                 f"cpu {old['cpu']:.2f} s; holds {size(old['anon'], n)} after, peak {size(old['peak'], n)}; "
+                 f"to a spawned worker {old['worker_wall']:.2f} s, {size(old['pickled'], n)} pickled"))
     rows.append(("  index", f"{new['wall']:.2f}",
-                 f"cpu {new['cpu']:.2f} s ({old['cpu'] / new['cpu']:.1f}x less); index {per(new['index_bytes'], n)} "
-                 f"B/sample (a file, mapped: shared); holds {per(new['anon'], n)} B/sample anonymous + "
-                 f"{per(new['file'], n)} file-backed after, peak {per(new['peak'], n)} B/sample; cached "
+                 f"cpu {new['cpu']:.2f} s ({old['cpu'] / new['cpu']:.1f}x less CPU); index file "
+                 f"{size(new['index_bytes'], n)}, mapped (shared); holds {size(new['anon'], n)} anonymous + "
+                 f"{new['file'] / 2**20:,.0f} MiB file-backed after, peak {size(new['peak'], n)}; cached "
                  f"{new['cached_wall']:.2f} s; to a worker {new['worker_wall'] * 1e3:.0f} ms, {new['pickled']:,} B"))
+    return res
+
+
+def marginal(a: dict, b: dict, rows: list) -> None:
+    """What a sample more costs, from two sizes (the fixed part, e.g. modules imported, cancels out)."""
+    for impl in ("legacy", "index"):
+        x, y = a[impl], b[impl]
+        dn = y["n"] - x["n"]
+        parts = [f"held {(y['anon'] - x['anon']) / dn:,.0f} B/sample anonymous"]
+        if impl == "index":
+            parts.append(f"+ {(y['index_bytes'] - x['index_bytes']) / dn:,.0f} B/sample of index file")
+        parts.append(f"peak {(y['peak'] - x['peak']) / dn:,.0f} B/sample; CPU "
+                     f"{(y['cpu'] - x['cpu']) / dn * 1e6:,.2f} s per million samples")
+        rows.append((f"  a sample more, {impl} ({x['n']:,} -> {y['n']:,})", "", ", ".join(parts)))
 
 
 def measure_items(build: str, rows: list, repeat: int) -> None:
-    cases = [(0, "-", 0), (2, "fork", 0), (2, "spawn", 0), (0, "-", 64), (2, "fork", 64), (2, "spawn", 64)]
-    base: dict = {}
-    for impl in ("legacy", "index"):
-        for workers, ctx, batch in cases:
-            best = None
-            for _ in range(repeat):
+    """Each case for the legacy reader and the index, their runs interleaved (the machine's load drifts)."""
+    cases = [(w, c, b) for b in (0, 8, 64) for w, c in ((0, "-"), (2, "fork"), (2, "spawn"))]
+    none: dict = {}
+    for workers, ctx, batch in cases:
+        best: dict = {}
+        for _ in range(repeat):
+            for impl in ("legacy", "index"):
                 r = run_child(["items", build, impl, str(workers), ctx, str(batch)])
-                best = r if best is None or r["items_s"] > best["items_s"] else best
-            what = f"items {impl}, {'one at a time' if not batch else f'batches of {batch}'}, " + \
-                   (f"{workers} workers ({ctx})" if workers else "no workers")
+                if impl not in best or r["steady_s"] > best[impl]["steady_s"]:
+                    best[impl] = r
+        for impl in ("legacy", "index"):
+            r = best[impl]
+            what = (f"items {impl}, {'one at a time' if not batch else f'batches of {batch}'}, "
+                    + (f"{workers} workers ({ctx})" if workers else "no workers"))
             ratio = ""
             if workers == 0:
-                base[(impl, batch)] = best["items_s"]
+                none[(impl, batch)] = r["steady_s"]
             else:
-                ratio = f" ({best['items_s'] / base[(impl, batch)]:.2f}x no workers)"
-            if impl == "index" and ("legacy", workers, ctx, batch) in base:
-                ratio += f" ({best['items_s'] / base[('legacy', workers, ctx, batch)]:.2f}x legacy)"
-            base[(impl, workers, ctx, batch)] = best["items_s"]
-            rows.append((what, f"{best['items_s']:,.0f}/s",
-                         f"after the first batch {best['steady_s']:,.0f}/s{ratio}; first batch {best['first']:.2f} s; "
-                         f"cpu/item main {best['main_us']:.0f} us, workers {best['workers_us']:.0f} us"))
+                ratio = f" ({r['steady_s'] / none[(impl, batch)]:.2f}x no workers)"
+            if impl == "index":
+                ratio += f" ({r['steady_s'] / best['legacy']['steady_s']:.2f}x legacy)"
+            rows.append((what, f"{r['steady_s']:,.0f}/s",
+                         f"steady{ratio}; first after {r['first']:.2f} s; whole pass "
+                         f"{r['items_s']:,.0f}/s; cpu/item main {r['main_us']:.0f} us, workers {r['workers_us']:.0f} us"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", default="100000,1000000", help="sizes of the synthetic builds (index)")
-    ap.add_argument("--items", type=int, default=3000, help="samples of the real build read through a DataLoader")
+    ap.add_argument("--items", type=int, default=10000, help="samples of the real build read through a DataLoader")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--keep", type=Path, help="work directory to keep (builds there are re-used)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -287,8 +310,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, str, str]] = []
     try:
+        sizes = []
         for n in [int(x) for x in a.samples.split(",") if x]:
-            measure_construct(synthetic(work, n), rows, a.repeat)
+            sizes.append(measure_construct(synthetic(work, n), rows, a.repeat))
+        if len(sizes) >= 2:
+            marginal(sizes[0], sizes[-1], rows)
         if a.items:
             measure_items(real(work, a.items), rows, a.repeat)
     finally:
