@@ -144,8 +144,9 @@ class ReaderIndex:
         start = -(-(len(MAGIC) + 8 + len(header)) // ALIGN) * ALIGN
         head = MAGIC + len(header).to_bytes(8, "little") + header
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
         try:
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as f:
                 f.write(head + b"\0" * (start - len(head)))
                 f.write(payload)
                 f.flush()

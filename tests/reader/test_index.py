@@ -257,3 +257,17 @@ def test_digits_are_read_as_numbers_only_when_all_are_lowercase_hex():
         assert good == is_hex, t
         if is_hex:
             assert value == int(t, 16), t
+
+
+def test_a_damaged_index_file_is_made_again(make_build):
+    build = make_build(rows=_rows(4), model=MODEL)
+    run_build(build, RunOptions(workers=1), echo=lambda m: None)
+    want = reference(build)
+    path = HiddenStateDataset(build).index.path
+    for offset in (-5, 30):  # a column's byte (the CRC-32C of the columns), the header's
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0x01
+        path.write_bytes(bytes(data))
+        ds = HiddenStateDataset(build)
+        assert list(ds.index) == want and ds.index.path == path
+        assert path.read_bytes() != bytes(data)  # written again
