@@ -16,6 +16,8 @@ Each measurement runs in its own fresh process; its peak RSS is that process's r
   columns, one token a sample: the plan's own cost, not the source's); building them is timed apart.
 - status / sql: `hsbuild status BUILD --json` and `hsbuild sql BUILD "SELECT state, count(*) FROM samples GROUP
   BY 1"` as subprocesses, wall time; `hsbuild --version` (interpreter start-up and imports) is shown apart.
+- reader: `HiddenStateDataset`'s index made over the same log, against the reader as it was
+  (tools/bench_reader.py, which also measures items/s through DataLoader workers on a real build).
 - source: `load_source` (every sample's tokens held as numpy arrays) of a synthetic JSONL / Parquet source of
   the same number of rows (--source-tokens tokens each, on average), and of one with 8x fewer rows and 8x more
   tokens: from the two, bytes per row and per token, extrapolated to --extrapolate-tokens tokens a row. With
@@ -363,6 +365,7 @@ def main() -> None:
     ap.add_argument("--extrapolate-tokens", type=int, default=2048)
     ap.add_argument("--no-source", action="store_true", help="skip the source measurements")
     ap.add_argument("--verify", action="store_true", help="measure verify too (writes about 9 KB a sample)")
+    ap.add_argument("--no-reader", action="store_true", help="skip the reader's index (tools/bench_reader.py)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -407,6 +410,12 @@ def main() -> None:
         rows.append(("-- checkpoint of the fold, as a run's end leaves it", f"{res['s']:.2f}", mib(rss),
                      f"log {mib(res['before'])} -> {mib(res['after'])}"))
         measure_log(build, a.repeat, startup, rows)
+        if not a.no_reader:  # the trainer's reader over the same log (tools/bench_reader.py: items/s there)
+            import bench_reader  # noqa: PLC0415
+
+            reader_rows: list[tuple[str, str, str]] = []
+            bench_reader.measure_construct(build, reader_rows)
+            rows += [(what, secs, "", note) for what, secs, note in reader_rows]
 
         if not a.no_source:
             t = a.source_tokens

@@ -25,7 +25,7 @@ from builder.errors import BuildLockedError, QueryError, ReadOnlyQueryError
 from builder.layout import BuildLayout
 from builder.log.events import EventLog
 from builder.log.lock import LockState, inspect_lock, socket_path_for
-from builder.log.sandbox import MAX_TIMEOUT_S, QUERY_TIMEOUT_S, QueryInterrupted, query_file
+from builder.log.sandbox import MAX_TIMEOUT_S, QUERY_TIMEOUT_S, QueryInterrupted, arrow_file, query_file
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 OWNER_WAIT_S = 10.0  # how long a client waits for an owner that holds the lock but does not answer yet
@@ -226,6 +226,26 @@ def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S,
                 f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on {stall['path']} "
                 f"({stall['filesystem']}): answered from the log as of the stall's start")
     return reply["columns"], reply["rows"]
+
+
+def read_columns(lay: BuildLayout, statements: list[str], live_sql: str,
+                 timeout: float = QUERY_TIMEOUT_S) -> tuple[str, object]:
+    """hsbuild's own bulk read of a build's log, by columns (the reader's index): with no owner, `statements` read
+    from the file as Arrow tables, all from one state of it: ("file", [tables]); with a live owner, `live_sql`
+    (one statement: a row of scalars, cheap to send as JSON) asked of it: ("owner", (columns, rows)). Each SELECT
+    only, run where user SQL runs (sandbox)."""
+    for sql in (*statements, live_sql):
+        check_read_only(sql)
+    timeout = check_timeout(timeout)
+
+    def offline() -> list:
+        return arrow_file(lay.events, statements, timeout, interrupt_if=lambda: inspect_lock(lay).held)
+
+    reply = _ask_or_read(lay, {"op": "sql", "sql": live_sql, "timeout": timeout}, offline, timeout=10.0,
+                         ask_timeout=timeout + 10.0, wait=max(OWNER_WAIT_S, timeout))
+    if "offline" in reply:
+        return "file", reply["offline"]
+    return "owner", (reply["columns"], reply["rows"])
 
 
 def status_snapshot(lay: BuildLayout, offline_extra: Callable[[EventLog, dict], dict] | None = None) -> dict:

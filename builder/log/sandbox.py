@@ -66,8 +66,9 @@ def sql_error(e: duckdb.Error) -> QueryError:
 
 
 def run_guarded(con: duckdb.DuckDBPyConnection, sql: str, timeout: float,
-                interrupt_if: Callable[[], bool] | None = None) -> tuple[list[str], list[tuple]]:
-    """Run `sql` on `con` and fetch it, interrupting it after `timeout` s or once `interrupt_if()` is true."""
+                interrupt_if: Callable[[], bool] | None = None, arrow: bool = False):
+    """Run `sql` on `con` and fetch it, interrupting it after `timeout` s or once `interrupt_if()` is true:
+    (columns, rows), or with `arrow` an Arrow table."""
     done = threading.Event()
     why: list[str] = []
 
@@ -86,6 +87,8 @@ def run_guarded(con: duckdb.DuckDBPyConnection, sql: str, timeout: float,
     watchdog = threading.Thread(target=watch, name="hsbuild-sql-watchdog", daemon=True)
     watchdog.start()
     try:
+        if arrow:
+            return con.sql(sql).to_arrow_table()
         res = con.execute(sql)
         if not res.description:
             return [], []
@@ -112,10 +115,9 @@ def _damaged(path: Path, e: Exception) -> LogDamagedError:
                            f"rebuild it from the data with `hsbuild rebuild-log {Path(path).parent}`")
 
 
-def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
-               interrupt_if: Callable[[], bool] | None = None) -> tuple[list[str], list[tuple]]:
-    """Run user SQL on the log file of a build no process owns: read-only, locked down, held only for the
-    query. Raises BuildLockedError when an owner holds the file."""
+def _open_file(path: Path) -> duckdb.DuckDBPyConnection:
+    """The log file of a build no process owns, opened read-only and locked down, with this version's views.
+    Raises BuildLockedError when an owner holds the file."""
     try:
         con = duckdb.connect(str(path), read_only=True, config=dict(LOCKDOWN))
     except duckdb.IOException as e:
@@ -126,7 +128,31 @@ def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
         raise _damaged(path, e) from e
     try:
         read_with_current_views(con, path)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
+               interrupt_if: Callable[[], bool] | None = None) -> tuple[list[str], list[tuple]]:
+    """Run user SQL on the log file of a build no process owns: read-only, locked down, held only for the
+    query. Raises BuildLockedError when an owner holds the file."""
+    con = _open_file(path)
+    try:
         return run_guarded(con, sql, timeout, interrupt_if)
+    finally:
+        con.close()
+
+
+def arrow_file(path: Path, statements: list[str], timeout: float = QUERY_TIMEOUT_S,
+               interrupt_if: Callable[[], bool] | None = None) -> list[pa.Table]:
+    """hsbuild's own columnar reads of the log of a build no process owns (the reader's index): each statement's
+    result as an Arrow table, all from one read-only open, so all from one state of the file (no writer can open
+    it meanwhile); locked down and watched as `query_file` is (`timeout` each)."""
+    con = _open_file(path)
+    try:
+        return [run_guarded(con, sql, timeout, interrupt_if, arrow=True) for sql in statements]
     finally:
         con.close()
 

@@ -62,7 +62,8 @@ def read_with_current_views(con: duckdb.DuckDBPyConnection, path: Path | str) ->
     column of another type) raises LogDamagedError naming the file and the error; its own views would answer
     with another version's rules, or fail later in words that name none of this."""
     try:
-        row = con.execute("SELECT value FROM meta WHERE key = 'schema_digest'").fetchone()
+        rows = con.execute("SELECT value FROM meta WHERE key = 'schema_digest'").fetchall()  # (all: no result left
+        row = rows[0] if rows else None  # open on the connection, which its next `sql()` would refuse)
         if row and json.loads(row[0]) == schema_digest():
             return
     except (duckdb.Error, ValueError) as e:

@@ -1,7 +1,10 @@
 """A torch reader for training: the live samples of a build, in source order.
 
 The index is a snapshot of the `samples` view (taken from the live owner during a run, or from the file), so
-only samples whose `written` event committed are ever returned, whatever else sits on disk.
+only samples whose `written` event committed are ever returned, whatever else sits on disk. It is columns of
+numbers (builder/reader/index.py, about 70 B a sample), kept in a file of the user's cache folder that every
+process maps, made once per state of the log (builder/reader/snapshot.py): DataLoader workers, forked or
+spawned, read the parent's index and never make their own.
 
 Every item is read checked: each chunk file the sample needs must be present (Zarr would return zeros for a
 missing one) and, unless `verify_checksums=False`, each field's CRC-32C must match the sample's `written`
@@ -21,6 +24,8 @@ from builder.formats import registry
 from builder.formats.build_info import BuildInfo
 from builder.layout import layout
 from builder.log.query import run_query
+from builder.reader.index import ReaderIndex
+from builder.reader.snapshot import load_index
 from builder.store.reader import SegmentReader
 
 
@@ -53,13 +58,14 @@ class HiddenStateDataset(Dataset):
         elif max_len is not None:
             takers = [f.name for f in registry.formats(exports=True) if "max_len" in f.options]
             raise FormatError("max_len: only with " + " or ".join(f"format={t!r}" for t in takers))
-        states = "('written', 'verified')" if include_unverified else "('verified')"
-        cols, rows = run_query(self.lay, "SELECT sample_id, row_idx, segment, token_start, num_tokens, checksums "
-                                         "FROM samples "
-                                         f"WHERE state IN {states} ORDER BY row_idx")
-        self.index = [dict(zip(cols, r, strict=True)) for r in rows]
+        self.index: ReaderIndex = load_index(self.lay, include_unverified)
         self._reader: SegmentReader | None = None
         self._lossy: dict | None = None
+
+    def __getstate__(self) -> dict:
+        """What a DataLoader worker gets: the index (a mapped file's path, builder/reader/index.py), never this
+        process's open reader."""
+        return {**self.__dict__, "_reader": None}
 
     def __len__(self) -> int:
         return len(self.index)
@@ -81,41 +87,45 @@ class HiddenStateDataset(Dataset):
             from builder.formats.lossy import ERRORS_SQL, summarize  # noqa: PLC0415
 
             want = self.format.final_state if self.format is not None else None
-            self._lossy = summarize(self.info, run_query(self.lay, ERRORS_SQL)[1],
-                                    [e["sample_id"] for e in self.index], want)
+            self._lossy = summarize(self.info, run_query(self.lay, ERRORS_SQL)[1], self.index.sample_ids(), want)
         return self._lossy
 
-    def _read(self, i: int) -> tuple[dict, dict]:
+    def _read(self, i: int) -> tuple[int, dict]:
+        """(entry position, the sample's tensors), read checked."""
         if self._reader is None:  # opened lazily: one per DataLoader worker process
             self._reader = SegmentReader(self.lay.data, verify_checksums=self.verify_checksums)
-        e = self.index[i]
+        n = len(self.index)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for {n} samples")
+        i = int(i) % n
         try:
-            return e, self._reader.read(e["segment"], e["token_start"], e["num_tokens"], e["checksums"])
+            return i, self._reader.read(*self.index.location(i))
         except DamagedSampleError as err:
-            raise err.with_context(sample_id=e["sample_id"], build=str(self.lay.root)) from err.__cause__
+            raise err.with_context(sample_id=self.index.sample_id(i), build=str(self.lay.root)) from err.__cause__
 
     def sample(self, i: int, final_state: str | None = None):
         """Item i as a trainer format's `Sample` (the final state in `final_state`, default the format's)."""
         from builder.formats.base import Sample  # noqa: PLC0415
 
-        e, t = self._read(i)
+        j, t = self._read(i)
         want = final_state or (self.format.final_state if self.format is not None else self.info.final_state)
-        return Sample(e["sample_id"], int(e["row_idx"]), i, t["input_ids"].long(), t["loss_mask"].long(),
-                      t["aux_hidden_state"], self.info.final(t["hidden_state"], want))
+        return Sample(self.index.sample_id(j), int(self.index.row_idx[j]), i, t["input_ids"].long(),
+                      t["loss_mask"].long(), t["aux_hidden_state"], self.info.final(t["hidden_state"], want))
 
     def __getitem__(self, i: int) -> dict:
         if self.format is not None:
             return self.format.item(self.sample(i))
-        e, t = self._read(i)
-        return {"sample_id": e["sample_id"], "input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
+        j, t = self._read(i)
+        return {"sample_id": self.index.sample_id(j), "input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
                 "hidden_state": t["hidden_state"], "aux_hidden_state": t["aux_hidden_state"]}
 
     def by_row(self) -> dict[int, int]:
-        """Source row -> item index (the live samples only)."""
-        return {int(e["row_idx"]): i for i, e in enumerate(self.index)}
+        """Source row -> item index (the live samples only). A dict of every row: `index.position_of_row(row)`
+        answers one without it."""
+        return dict(zip(self.index.row_idx.tolist(), range(len(self.index)), strict=True))
 
     def by_id(self) -> dict[str, int]:
-        return {e["sample_id"]: i for i, e in enumerate(self.index)}
+        return dict(zip(self.index.sample_ids(), range(len(self.index)), strict=True))
 
 
 def collate_concat(items: list[dict]) -> dict:

@@ -35,17 +35,15 @@ class HsbuildTransfer(HiddenStatesTransfer):
         self.build = str(build)
         self.verify_checksums = verify_checksums
         self._ds: HiddenStateDataset | None = None
-        self._rows: dict[int, int] = {}
 
     def setup(self) -> None:
-        if self._ds is None:  # per process: a DataLoader worker opens its own reader
+        if self._ds is None:  # per process: a DataLoader worker opens its own reader (its index: a mapped file)
             self._ds = HiddenStateDataset(self.build, verify_checksums=self.verify_checksums, format="speculators")
-            self._rows = self._ds.by_row()
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         self.setup()
         assert self._ds is not None
-        i = self._rows.get(int(file_idx))
+        i = self._ds.index.position_of_row(int(file_idx))  # (no dict of every row in every worker)
         if i is None:
             return None
         s = self._ds.sample(i)
