@@ -103,8 +103,20 @@ def check(build, formats=FORMATS) -> list[dict]:
     return reference(build)
 
 
+def has_transfer() -> bool:
+    """speculators' hs_connectors is installed (the `trainers` extra plus hs-connectors, as .ci/run installs it)."""
+    try:
+        import hs_connectors.transfer  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
 def check_transfer(build, entries: list[dict]) -> None:
-    """speculators' transfer plugin finds each source row's sample (None where the build holds none)."""
+    """speculators' transfer plugin finds each source row's sample (None where the build holds none); nothing
+    where hs_connectors is not installed (the test that calls it says so at its end)."""
+    if not has_transfer():
+        return
     from builder.reader.speculators_transfer import HsbuildTransfer  # noqa: PLC0415 (needs hs_connectors)
 
     tr = HsbuildTransfer(build)
@@ -159,6 +171,9 @@ def test_the_index_gives_the_views_items_through_a_builds_life(make_build, cli):
     after = check(build)
     assert [e["sample_id"] for e in after] == [r["id"] for r in fixed if r["id"] != "s0002"]
     check_transfer(build, after)
+    if not has_transfer():  # (everything above ran; only speculators' transfer plugin was not checked)
+        pytest.skip("speculators' transfer plugin not checked: hs_connectors is not installed (pip install -e "
+                    "'.[trainers]' and hs-connectors --no-deps, as .ci/run does)")
 
 
 def _append(build, events: list[Event]) -> None:
