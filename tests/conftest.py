@@ -148,6 +148,21 @@ def wait_written(build: Path, k: int, proc: subprocess.Popen | None = None, time
     return n
 
 
+def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    """`pred()`'s first true value within `timeout` seconds; AssertionError naming `what` at the deadline, or at once
+    when `proc` (a run) exits first (with its stderr, when that is a pipe)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            err = f": {proc.stderr.read()}" if proc.stderr is not None else ""
+            raise AssertionError(f"run exited ({proc.returncode}) while waiting for {what}{err}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def live_count(build: Path, sql: str) -> int:
     """The count `sql` (a `SELECT count(*) ...`) gives on `build` now, asked of the run that owns its log (or read
     from the log when none does); -1 while the owner cannot answer (it may be starting, or gone)."""

@@ -15,13 +15,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import forked
 import pytest
-from conftest import Hold, mounted_tmpfs, random_rows, write_jsonl
+from conftest import Hold, mounted_tmpfs, random_rows, wait_for, write_jsonl
 
 from builder.layout import layout
 from builder.log.events import Event, EventLog
@@ -44,18 +43,6 @@ def fill_to(mnt: Path, filler: Path, frac: float) -> None:
     total = st.f_blocks * st.f_frsize
     others = (st.f_blocks - st.f_bavail) * st.f_frsize - (filler.stat().st_size if filler.exists() else 0)
     filler.write_bytes(b"\0" * int(total * frac - others))
-
-
-def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"run exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import forked
 import pytest
-from conftest import random_rows, write_jsonl
+from conftest import random_rows, wait_for, write_jsonl
 
 from builder.layout import layout
 from builder.log.events import EventLog
@@ -46,18 +46,6 @@ def live_status(cli, build: Path) -> dict:
     cp = cli("status", build, "--json")
     assert cp.returncode == 0, cp.stderr
     return json.loads(cp.stdout)
-
-
-def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"run exited ({proc.returncode}) while waiting for {what}: {proc.stderr.read()}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def assert_all_verify(build: Path) -> int:
