@@ -14,7 +14,7 @@ from builder.errors import DiskFullError, UsageError
 from builder.fsutil import fsync_path
 from builder.humanize import human_bytes
 from builder.layout import BuildLayout
-from builder.report.charts import FIGURES, draw_all, require_matplotlib
+from builder.report.charts import FIGURES, check_matplotlib, draw_all, preload_matplotlib
 from builder.report.series import collect
 
 REPORT_NAME = "report.html"
@@ -76,8 +76,10 @@ def make_report(lay: BuildLayout, out: Path | None = None) -> tuple[Path, dict]:
     target = Path(out) if out is not None else default_output(lay)
     if target.is_dir():
         raise UsageError(f"-o {target}: a folder; give the file to write, e.g. {target / REPORT_NAME}")
-    require_matplotlib()  # (before reading anything: one line naming the extra)
+    check_matplotlib()  # (before reading anything: one line naming the extra)
+    loading = preload_matplotlib()  # (its imports, while the log is read)
     series = collect(lay)
+    loading.join()
     svgs = draw_all(series)
     write_atomic(target, render(series, svgs))
     return target, series

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from builder.layout import BuildLayout
 from builder.log.lock import inspect_lock
-from builder.log.query import run_query
+from builder.log.query import run_queries
 from builder.report import queries as Q
 
 MAX_BUCKETS = 240  # points on a time axis: a laptop screen's width of bars
@@ -19,7 +19,7 @@ STATES = ("pending", "started", "written", "verified", "failed", "retired")
 LENGTH_BINS = 40
 QUERY_TIMEOUT_S = 600.0
 
-Ask = Callable[[str], tuple[list[str], list[list]]]  # one SELECT -> (columns, rows)
+Ask = Callable[[list[str]], list[tuple[list[str], list[list]]]]  # SELECTs -> each one's (columns, rows)
 
 
 def bucket_width(span: float) -> float:
@@ -32,26 +32,32 @@ def bucket_width(span: float) -> float:
 
 
 def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIMEOUT_S) -> dict:
-    """Every series of the report, JSON-able. `run`: how a SELECT is asked (default: `run_query` over the build,
-    through its live owner if any)."""
-    run = run or (lambda sql: run_query(lay, sql, timeout=timeout))
+    """Every series of the report, JSON-able. `run`: how SELECTs are asked (default: `run_queries` over the build:
+    through its live owner if any, else all from one read-only open of the log). Two asks: the time axis, then
+    every series over it."""
+    run = run or (lambda sqls: run_queries(lay, sqls, timeout=timeout))
 
-    def ask(sql: str) -> list[dict]:
-        cols, rows = run(sql)
+    def dicts(res: tuple[list[str], list[list]]) -> list[dict]:
+        cols, rows = res
         return [dict(zip(cols, r, strict=True)) for r in rows]
 
     lock = inspect_lock(lay)
     live = (lock.info or {}) if lock.held else {}
-    span = ask(Q.SPAN)[0]
+    span = dicts(run([Q.SPAN])[0])[0]
     t0, t1 = float(span["t0"] or 0.0), float(span["t1"] or 0.0)
     w = bucket_width(t1 - t0)
     nb = int((t1 - t0) // w) + 1
     fmt = {"t0": repr(t0), "w": repr(w)}
     axis = {"t0": t0, "t1": t1, "bucket_s": w, "buckets": nb, "t": [t0 + i * w for i in range(nb)]}
-    meta = {r["key"]: _json(r["value"]) for r in ask(Q.META)}
-    config = (ask(Q.LAST_CONFIG) or [{}])[0]
-    runs = ask(Q.RUNS)
-    marks = ask(Q.MARKS)
+    names = {"meta": Q.META, "config": Q.LAST_CONFIG, "runs": Q.RUNS, "marks": Q.MARKS,
+             "written": Q.WRITTEN.format(**fmt), "moves": Q.MOVES.format(**fmt), "now": Q.NOW,
+             "failed": Q.FAILED.format(**fmt), "workers": Q.WORKERS, "nodes": Q.NODES}
+    if live:  # the recent rate, while a run extracts
+        names["recent"] = Q.RECENT
+    got = dict(zip(names, (dicts(r) for r in run(list(names.values()))), strict=True))
+    meta = {r["key"]: _json(r["value"]) for r in got["meta"]}
+    config = (got["config"] or [{}])[0]
+    runs, marks, cur = got["runs"], got["marks"], got["now"][0]
     out = {
         "build": {"path": str(lay.root), "model": meta.get("model"), "model_fingerprint": meta.get("model_fingerprint"),
                   "format": meta.get("format"), "created_at": meta.get("created_at"), "source": meta.get("source"),
@@ -61,22 +67,21 @@ def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIM
         "axis": axis,
         "runs": runs,
     }
-    out["throughput"] = _throughput(ask(Q.WRITTEN.format(**fmt)), nb, w)
+    out["throughput"] = _throughput(got["written"], nb, w)
     out["events_marked"] = _marks(marks, runs, live.get("run_id"), t1)
-    out["states"] = _states(ask(Q.MOVES.format(**fmt)), ask(Q.REGISTERED)[0], nb)
-    cur = ask(Q.NOW)[0]
+    out["states"] = _states(got["moves"], cur["registered"], nb)
     now = _now(cur["counts"], t1)
-    if live:  # the recent rate, while a run extracts
-        now["recent_samples_per_s"] = ask(Q.RECENT)[0]["recent_samples_per_s"]
+    if live:
+        now["recent_samples_per_s"] = got["recent"][0]["recent_samples_per_s"]
     out["now"] = now
     out["eta"] = _eta(now, runs, bool(live))
     out["lengths"] = _lengths(cur["lengths"] or [])
-    out["generated"] = _generated(ask) if {"finish_reason", "generated"} <= set(run(Q.COLUMNS)[0]) else None
-    out["failures"] = _failures(ask(Q.FAILED.format(**fmt)), cur["failed_most"] or [], nb)
+    out["generated"] = _generated(cur["generated"] or [], cur["dropped_at_limit"])
+    out["failures"] = _failures(got["failed"], cur["failed_most"] or [], nb)
     out["disk"] = _disk(out["throughput"]["disk_bytes"], marks)
     out["verification"] = _verification(out["states"], cur["ages"] or [], runs, now)
-    out["workers"] = _workers(ask(Q.WORKERS), runs)
-    out["nodes"] = ask(Q.NODES)
+    out["workers"] = _workers(got["workers"], runs)
+    out["nodes"] = got["nodes"]
     return out
 
 
@@ -146,7 +151,7 @@ def _pause(p: dict, end: float, ended: bool = True) -> dict:
             "run_id": p["run_id"], "ended": ended, "usage": detail.get("usage") if isinstance(detail, dict) else None}
 
 
-def _states(moves: list[dict], registered: dict, nb: int) -> dict:
+def _states(moves: list[dict], registered: int, nb: int) -> dict:
     """Samples in each state at the end of each bucket (every registered sample starts pending)."""
     delta = {s: [0] * nb for s in STATES}
     for m in moves:
@@ -155,7 +160,7 @@ def _states(moves: list[dict], registered: dict, nb: int) -> dict:
             delta[m["st"]][m["b"]] += m["n"]
     out = {}
     for s in STATES:
-        acc, level = [], next(iter(registered.values())) if s == "pending" else 0
+        acc, level = [], registered if s == "pending" else 0
         for d in delta[s]:
             level += d
             acc.append(level)
@@ -212,17 +217,16 @@ def _quantile(rows: list[dict], n: int, q: float) -> int:
     return rows[-1]["num_tokens"]
 
 
-def _generated(ask: Callable[[str], list[dict]]) -> dict | None:
+def _generated(rows: list[dict], dropped: int) -> dict | None:
     """A regenerating build: generated tokens per stored response, and the share that stopped at the token limit
     (finish_reason 'length') rather than at a stop token; None where no sample says (not a regenerating build)."""
-    rows = ask(Q.GENERATED)
     if not rows:
         return None
     hist = _lengths(_merge([{"num_tokens": r["generated"], "n": r["n"]} for r in rows if r["generated"] is not None]))
     n = sum(r["n"] for r in rows)
     at_limit = sum(r["n"] for r in rows if r["finish_reason"] == "length")
     return {"samples": n, "at_token_limit": at_limit, "truncated_share": at_limit / n if n else None,
-            "dropped_at_token_limit": next(iter(ask(Q.DROPPED_AT_LIMIT)[0].values())), "histogram": hist}
+            "dropped_at_token_limit": dropped, "histogram": hist}
 
 
 def _merge(rows: list[dict]) -> list[dict]:
