@@ -134,8 +134,8 @@ def draw_throughput(fig: Any, s: dict) -> None:
     th, w = s["throughput"], s["axis"]["bucket_s"]
     _step(ax1, s, th["samples_per_s"], color=COLORS["written"], lw=1.2)
     ax1.set_ylabel("samples/s")
-    ax1.set_title(f"1. Throughput over time (each point: {w:g} s), with runs, pauses, stalls, engine and interruptions",
-                  loc="left")
+    ax1.set_title(f"1. Throughput over time (each point: {_width(w)}), with runs, pauses, stalls, engine and "
+                  "interruptions", loc="left")
     _step(ax2, s, th["mb_per_s"], color="#72b7b2", lw=1.2)
     ax2.set_ylabel("MB/s (encoded)")
     _marks(ax1, s, label=True)
@@ -158,6 +158,14 @@ def draw_states(fig: Any, s: dict) -> None:
     ax.legend(fontsize=7, ncol=6, loc="upper left")
     _marks(ax, s, label=False)
     _time_axis(ax, s)
+
+
+def _width(sec: float) -> str:
+    """A bucket's width in its unit: 1 s, 5 min, 1 h, 2 d."""
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if sec >= n and sec % n == 0:
+            return f"{sec / n:g} {unit}"
+    return f"{sec:g} s"
 
 
 def _dur(sec: float | None) -> str:
@@ -279,8 +287,11 @@ def draw_workers(fig: Any, s: dict) -> None:
         axn = axes[1]
         axn.bar(range(len(nodes)), [n["samples_per_s"] or 0 for n in nodes],
                 color=[COLORS["failed"] if n["state"] == "gone" else "#72b7b2" for n in nodes])
-        axn.set_xticks(range(len(nodes)), [f"{n['run_id'][:8]} {n['host'] or str(n['node'])[:8]}" for n in nodes],
+        runs = {n["run_id"] for n in nodes}  # each node by its id (every node of a one-machine cluster: one host)
+        axn.set_xticks(range(len(nodes)), [f"{str(n['node'])[:8]}" + (f"\n{n['host']}" if n["host"] else "")
+                                           + (f"\nrun {n['run_id'][:8]}" if len(runs) > 1 else "") for n in nodes],
                        fontsize=7)
+        axn.set_ylabel("samples/s")
         axn.set_title("per Ray node (red: gone)", loc="left")
 
 

@@ -11,10 +11,15 @@ SPAN = "SELECT epoch(min(ts)) AS t0, epoch(max(ts)) AS t1, count(*) AS n FROM ev
 BUCKET = "floor((epoch(ts) - {t0}) / {w})::BIGINT"
 
 # 1, 5: what each bucket wrote (a sample's disk bytes are its share of its group's blocks, `disk_bytes`; older
-# events without it: its encoded bytes)
-WRITTEN = ("SELECT " + BUCKET + " AS b, count(*) AS samples, coalesce(sum(num_tokens), 0) AS tokens, "
-           "coalesce(sum(nbytes), 0) AS nbytes, "
-           "coalesce(sum(coalesce(TRY_CAST(json_extract(detail, '$.disk_bytes') AS BIGINT), nbytes)), 0) AS disk_bytes "
+# events without it: its encoded bytes). The `written` events `hsbuild rebuild-log` replayed (run id `rebuild`,
+# builder/run/history_replay.py's RUN_ID) carry the rebuild's time, not when they were written: counted apart
+# (`restored`), not as throughput; their bytes are on disk all the same.
+EXTRACTED = "run_id IS DISTINCT FROM 'rebuild'"
+WRITTEN = ("SELECT " + BUCKET + " AS b, count(*) FILTER (WHERE " + EXTRACTED + ") AS samples, "
+           "coalesce(sum(num_tokens) FILTER (WHERE " + EXTRACTED + "), 0) AS tokens, "
+           "coalesce(sum(nbytes) FILTER (WHERE " + EXTRACTED + "), 0) AS nbytes, "
+           "coalesce(sum(coalesce(TRY_CAST(json_extract(detail, '$.disk_bytes') AS BIGINT), nbytes)), 0) AS disk_bytes, "
+           "count(*) FILTER (WHERE NOT (" + EXTRACTED + ")) AS restored "
            "FROM events WHERE kind = 'written' GROUP BY b ORDER BY b")
 
 # 1: where things happened: runs and sweeps, pauses, stalls, the engine, lost workers, the log's own history

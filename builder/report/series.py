@@ -48,7 +48,11 @@ def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIM
     w = bucket_width(t1 - t0)
     nb = int((t1 - t0) // w) + 1
     fmt = {"t0": repr(t0), "w": repr(w)}
-    axis = {"t0": t0, "t1": t1, "bucket_s": w, "buckets": nb, "t": [t0 + i * w for i in range(nb)]}
+    # the last bucket ends at the log's last event: its rates are over the part of it the log covers (at least
+    # 1 s), not its whole width (during a run that would show every report's last point falling)
+    last = min(w, max(t1 - (t0 + (nb - 1) * w), 1.0))
+    axis = {"t0": t0, "t1": t1, "bucket_s": w, "buckets": nb, "last_bucket_s": last,
+            "t": [t0 + i * w for i in range(nb)]}
     names = {"meta": Q.META, "config": Q.LAST_CONFIG, "runs": Q.RUNS, "marks": Q.MARKS,
              "written": Q.WRITTEN.format(**fmt), "moves": Q.MOVES.format(**fmt), "now": Q.NOW,
              "failed": Q.FAILED.format(**fmt), "workers": Q.WORKERS, "nodes": Q.NODES}
@@ -67,8 +71,9 @@ def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIM
         "axis": axis,
         "runs": runs,
     }
-    out["throughput"] = _throughput(got["written"], nb, w)
+    out["throughput"] = _throughput(got["written"], [w] * (nb - 1) + [last])
     out["events_marked"] = _marks(marks, runs, live.get("run_id"), t1)
+    out["rebuilt"] = _rebuilt(marks)
     out["states"] = _states(got["moves"], cur["registered"], nb)
     now = _now(cur["counts"], t1)
     if live:
@@ -100,12 +105,16 @@ def _dense(rows: list[dict], nb: int, key: str) -> list:
     return out
 
 
-def _throughput(rows: list[dict], nb: int, w: float) -> dict:
+def _throughput(rows: list[dict], widths: list[float]) -> dict:
+    """What each bucket wrote, and its rates over each bucket's seconds (`widths`)."""
+    nb = len(widths)
     samples, tokens = _dense(rows, nb, "samples"), _dense(rows, nb, "tokens")
     nbytes, disk = _dense(rows, nb, "nbytes"), _dense(rows, nb, "disk_bytes")
     return {"samples": samples, "tokens": tokens, "nbytes": nbytes, "disk_bytes": disk,
-            "samples_per_s": [n / w for n in samples], "mb_per_s": [b / 1e6 / w for b in nbytes],
-            "tokens_per_s": [t / w for t in tokens]}
+            "restored": _dense(rows, nb, "restored"),
+            "samples_per_s": [n / w for n, w in zip(samples, widths, strict=True)],
+            "mb_per_s": [b / 1e6 / w for b, w in zip(nbytes, widths, strict=True)],
+            "tokens_per_s": [t / w for t, w in zip(tokens, widths, strict=True)]}
 
 
 PAUSE_ENGINE = {"server_unavailable", "staging_full"}
@@ -143,6 +152,19 @@ def _marks(marks: list[dict], runs: list[dict], live_run: str | None, t_end: flo
                            "reason": "no end record"})
     points.sort(key=lambda p: p["t"])
     return {"points": points, "spans": sorted(spans, key=lambda s: s["a"])}
+
+
+def _rebuilt(marks: list[dict]) -> list[dict]:
+    """Each `hsbuild rebuild-log` of this log: when, and what it restored (its `log_rebuilt` event's counts). The
+    history before it is what the rebuild could restore, every event of it at the rebuild's time."""
+    out = []
+    for m in marks:
+        if m["kind"] == "log_rebuilt":
+            d = _json(m["detail"])
+            d = d if isinstance(d, dict) else {}
+            out.append({"t": m["t"], **{k: d.get(k) for k in ("written", "verified", "skipped", "failed",
+                                                                "read_back", "segments")}})
+    return out
 
 
 def _pause(p: dict, end: float, ended: bool = True) -> dict:
