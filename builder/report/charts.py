@@ -108,6 +108,19 @@ def _time_axis(ax: Any, s: dict) -> None:
     ax.set_xlabel("time (UTC)")
 
 
+def _headroom(ax: Any, frac: float = 0.3) -> None:
+    """Room above the data for the legend at the top: it never hides a line."""
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + (hi - lo) * frac)
+
+
+def _counts(axis: Any) -> None:
+    """Ticks at whole numbers on an axis of counts (no 1.25 samples)."""
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _empty(ax: Any, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#666666")
     ax.set_xticks([])
@@ -142,7 +155,8 @@ def draw_throughput(fig: Any, s: dict) -> None:
     _marks(ax2, s, label=False)
     handles, labels = ax1.get_legend_handles_labels()
     if handles:
-        ax1.legend(handles, labels, fontsize=7, ncol=4, loc="upper right", framealpha=0.8)
+        _headroom(ax1, 0.6)
+        ax1.legend(handles, labels, fontsize=7, ncol=5, loc="upper right", framealpha=0.8)
     _time_axis(ax2, s)
 
 
@@ -155,6 +169,8 @@ def draw_states(fig: Any, s: dict) -> None:
                                           f"({eta['basis']})" if eta.get("seconds") else ""))
     ax.set_title(f"2. Samples by state over time; {left}", loc="left")
     ax.set_ylabel("samples")
+    _counts(ax.yaxis)
+    _headroom(ax, 0.2)
     ax.legend(fontsize=7, ncol=6, loc="upper left")
     _marks(ax, s, label=False)
     _time_axis(ax, s)
@@ -188,6 +204,7 @@ def _hist(ax: Any, h: dict, color: str, what: str) -> None:
         ax.axvline(h[q], color="#333333", ls=style, lw=1, label=f"{q} {h[q]}")
     ax.legend(fontsize=7)
     ax.set_ylabel("samples")
+    _counts(ax.yaxis)
 
 
 def draw_lengths(fig: Any, s: dict) -> None:
@@ -221,6 +238,8 @@ def draw_failures(fig: Any, s: dict) -> None:
     ax.stackplot(t, *[counts + counts[-1:] for _, counts in ordered], step="post", colors=palette[:len(ordered)],
                  labels=[f"{r}{' *' if r in f['transient'] else ''} ({f['totals'][r]})" for r, _ in ordered])
     ax.set_ylabel("failed events")
+    _counts(ax.yaxis)
+    _headroom(ax)
     ax.legend(fontsize=7, ncol=3, loc="upper left")
     _marks(ax, s, label=False)
     _time_axis(ax, s)
@@ -229,10 +248,13 @@ def draw_failures(fig: Any, s: dict) -> None:
 def draw_disk(fig: Any, s: dict) -> None:
     ax = fig.subplots()
     d = s["disk"]
-    _step(ax, s, [b / 1e9 for b in d["written_bytes"]], color=COLORS["written"], lw=1.4,
-            label="written (each sample's share of its files' blocks)")
-    ax.set_ylabel("GB written")
     total = d["written_bytes"][-1] if d["written_bytes"] else 0
+    unit, n = next(((u, n) for u, n in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if total >= n),
+                   ("bytes", 1))
+    _step(ax, s, [b / n for b in d["written_bytes"]], color=COLORS["written"], lw=1.4,
+          label="written (each sample's share of its files' blocks)")
+    ax.set_ylabel(f"{unit} written")
+    _headroom(ax)
     ax.set_title(f"5. Bytes on disk over time: {human_bytes(total)} written; free space where the log recorded it",
                  loc="left")
     vol = d["volume"]
@@ -267,6 +289,7 @@ def draw_verification(fig: Any, s: dict) -> None:
     ax2.barh(bins[::-1], [v["by_age"][b] for b in bins[::-1]], color=COLORS["verified"])
     ax2.set_title("last verified, before the last event", loc="left", fontsize=8)
     ax2.set_xlabel("stored samples")
+    _counts(ax2.xaxis)
 
 
 def draw_workers(fig: Any, s: dict) -> None:

@@ -12,15 +12,23 @@ BUCKET = "floor((epoch(ts) - {t0}) / {w})::BIGINT"
 
 # 1, 5: what each bucket wrote (a sample's disk bytes are its share of its group's blocks, `disk_bytes`; older
 # events without it: its encoded bytes). The `written` events `hsbuild rebuild-log` replayed (run id `rebuild`,
-# builder/run/history_replay.py's RUN_ID) carry the rebuild's time, not when they were written: counted apart
-# (`restored`), not as throughput; their bytes are on disk all the same.
-EXTRACTED = "run_id IS DISTINCT FROM 'rebuild'"
-WRITTEN = ("SELECT " + BUCKET + " AS b, count(*) FILTER (WHERE " + EXTRACTED + ") AS samples, "
-           "coalesce(sum(num_tokens) FILTER (WHERE " + EXTRACTED + "), 0) AS tokens, "
-           "coalesce(sum(nbytes) FILTER (WHERE " + EXTRACTED + "), 0) AS nbytes, "
-           "coalesce(sum(coalesce(TRY_CAST(json_extract(detail, '$.disk_bytes') AS BIGINT), nbytes)), 0) AS disk_bytes, "
-           "count(*) FILTER (WHERE NOT (" + EXTRACTED + ")) AS restored "
-           "FROM events WHERE kind = 'written' GROUP BY b ORDER BY b")
+# builder/run/history_replay.py's RUN_ID) and those a run adopted (detail `adopted`: groups a killed run made
+# durable, their events lost) carry the time they were recorded, not when they were extracted: counted apart
+# (`restored`, `adopted`), not as throughput; their bytes are on disk all the same.
+WRITTEN = """
+WITH w AS (
+    SELECT ts, num_tokens, nbytes, coalesce(run_id = 'rebuild', false) AS restored,
+           coalesce(TRY_CAST(json_extract(detail, '$.adopted') AS BOOLEAN), false) AS adopted,
+           coalesce(TRY_CAST(json_extract(detail, '$.disk_bytes') AS BIGINT), nbytes) AS disk
+    FROM events WHERE kind = 'written'
+)
+SELECT """ + BUCKET + """ AS b, count(*) FILTER (WHERE NOT restored AND NOT adopted) AS samples,
+       coalesce(sum(num_tokens) FILTER (WHERE NOT restored AND NOT adopted), 0) AS tokens,
+       coalesce(sum(nbytes) FILTER (WHERE NOT restored AND NOT adopted), 0) AS nbytes,
+       coalesce(sum(disk), 0) AS disk_bytes, count(*) FILTER (WHERE restored) AS restored,
+       count(*) FILTER (WHERE adopted AND NOT restored) AS adopted
+FROM w GROUP BY b ORDER BY b
+"""
 
 # 1: where things happened: runs and sweeps, pauses, stalls, the engine, lost workers, the log's own history
 MARKS = ("SELECT seq, epoch(ts) AS t, kind, run_id, reason, "

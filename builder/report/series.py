@@ -111,7 +111,7 @@ def _throughput(rows: list[dict], widths: list[float]) -> dict:
     samples, tokens = _dense(rows, nb, "samples"), _dense(rows, nb, "tokens")
     nbytes, disk = _dense(rows, nb, "nbytes"), _dense(rows, nb, "disk_bytes")
     return {"samples": samples, "tokens": tokens, "nbytes": nbytes, "disk_bytes": disk,
-            "restored": _dense(rows, nb, "restored"),
+            "restored": _dense(rows, nb, "restored"), "adopted": _dense(rows, nb, "adopted"),
             "samples_per_s": [n / w for n, w in zip(samples, widths, strict=True)],
             "mb_per_s": [b / 1e6 / w for b, w in zip(nbytes, widths, strict=True)],
             "tokens_per_s": [t / w for t, w in zip(tokens, widths, strict=True)]}

@@ -125,12 +125,18 @@ def test_series_are_what_sql_over_the_log_gives(history, tmp_path):
     def bucket(e: dict) -> int:
         return math.floor((e["t"] - t0) / w)
 
-    # 1. throughput: written samples and bytes per bucket
+    # 1. throughput: samples extracted and their bytes per bucket (those a resume adopted from the killed run's
+    # durable groups counted apart: recorded at the resume's start, extracted before the kill)
     written = [e for e in ev if e["kind"] == "written"]
-    per = Counter(bucket(e) for e in written)
+    adopted = [e for e in written if json.loads(e["detail"] or "{}").get("adopted")]
+    extracted = [e for e in written if e not in adopted]
+    per = Counter(bucket(e) for e in extracted)
     assert s["throughput"]["samples"] == [per.get(i, 0) for i in range(nb)]
+    per_adopted = Counter(bucket(e) for e in adopted)
+    assert s["throughput"]["adopted"] == [per_adopted.get(i, 0) for i in range(nb)]
+    assert not any(s["throughput"]["restored"])
     nbytes = defaultdict(int)
-    for e in written:
+    for e in extracted:
         nbytes[bucket(e)] += e["nbytes"]
     # rates over each bucket's seconds: the last one's, the part the log covers (its last event), at least 1 s
     last = min(w, max(ev[-1]["t"] - (t0 + (nb - 1) * w), 1.0))
