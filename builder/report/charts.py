@@ -62,11 +62,11 @@ def require_matplotlib() -> Any:
     return matplotlib, Figure
 
 
-def draw_all(s: dict) -> dict[str, str]:
-    """{figure name: inline SVG} for every figure of FIGURES."""
+def draw_all(s: dict, names: tuple[str, ...] = FIGURES) -> dict[str, str]:
+    """{figure name: inline SVG} for each figure of `names` (default: every one, FIGURES)."""
     matplotlib, figure = require_matplotlib()
     out = {}
-    for name in FIGURES:
+    for name in names:
         with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": name, "font.size": 9,
                                     "axes.spines.top": False, "axes.spines.right": False}):
             tall = name == "throughput"

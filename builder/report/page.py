@@ -15,7 +15,7 @@ from builder.fsutil import fsync_path
 from builder.humanize import human_bytes
 from builder.layout import BuildLayout
 from builder.report.charts import FIGURES, check_matplotlib, draw_all, preload_matplotlib
-from builder.report.series import collect
+from builder.report.series import EARLY_FIGURES, collect
 
 REPORT_NAME = "report.html"
 
@@ -79,9 +79,14 @@ def make_report(lay: BuildLayout, out: Path | None = None) -> tuple[Path, dict]:
         raise UsageError(f"-o {target}: a folder; give the file to write, e.g. {target / REPORT_NAME}")
     check_matplotlib()  # (before reading anything: one line naming the extra)
     loading = preload_matplotlib()  # (its imports, while the log is read)
-    series = collect(lay)
-    loading.join()
-    svgs = draw_all(series)
+    svgs: dict[str, str] = {}
+
+    def draw_early(light: dict) -> None:  # (while the heaviest statements are still asked)
+        loading.join()
+        svgs.update(draw_all(light, EARLY_FIGURES))
+
+    series = collect(lay, on_light=draw_early)
+    svgs.update(draw_all(series, tuple(f for f in FIGURES if f not in svgs)))
     write_atomic(target, render(series, svgs))
     return target, series
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable
 
 from builder.layout import BuildLayout
@@ -31,10 +32,17 @@ def bucket_width(span: float) -> float:
     return float(math.ceil(need / STEPS[-1]) * STEPS[-1])
 
 
-def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIMEOUT_S) -> dict:
+# the figures drawn from the light series alone (`collect`'s `on_light`), while the heavy ones are still asked
+EARLY_FIGURES = ("throughput", "failures", "disk", "workers")
+
+
+def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIMEOUT_S,
+            on_light: Callable[[dict], None] | None = None) -> dict:
     """Every series of the report, JSON-able. `run`: how SELECTs are asked (default: `run_queries` over the build:
-    through its live owner if any, else all from one read-only open of the log). Two asks: the time axis, then
-    every series over it."""
+    through its live owner if any, else from read-only opens of the log). The time axis first; then the two
+    statements that read every sample event or fold every sample (the states over time, the counts now) are asked
+    in a thread while the others are, and `on_light(series)`, if given, is called with the series of
+    EARLY_FIGURES complete (so the page draws those meanwhile: DuckDB gives up the GIL while it queries)."""
     run = run or (lambda sqls: run_queries(lay, sqls, timeout=timeout))
 
     def dicts(res: tuple[list[str], list[list]]) -> list[dict]:
@@ -53,40 +61,61 @@ def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIM
     last = min(w, max(t1 - (t0 + (nb - 1) * w), 1.0))
     axis = {"t0": t0, "t1": t1, "bucket_s": w, "buckets": nb, "last_bucket_s": last,
             "t": [t0 + i * w for i in range(nb)]}
-    names = {"meta": Q.META, "config": Q.LAST_CONFIG, "runs": Q.RUNS, "marks": Q.MARKS,
-             "written": Q.WRITTEN.format(**fmt), "moves": Q.MOVES.format(**fmt), "now": Q.NOW,
-             "failed": Q.FAILED.format(**fmt), "workers": Q.WORKERS, "nodes": Q.NODES}
+    heavy = {"moves": Q.MOVES.format(**fmt), "now": Q.NOW}
     if live:  # the recent rate, while a run extracts
-        names["recent"] = Q.RECENT
-    got = dict(zip(names, (dicts(r) for r in run(list(names.values()))), strict=True))
-    meta = {r["key"]: _json(r["value"]) for r in got["meta"]}
-    config = (got["config"] or [{}])[0]
-    runs, marks, cur = got["runs"], got["marks"], got["now"][0]
-    out = {
-        "build": {"path": str(lay.root), "model": meta.get("model"), "model_fingerprint": meta.get("model_fingerprint"),
-                  "format": meta.get("format"), "created_at": meta.get("created_at"), "source": meta.get("source"),
-                  "config": next(iter(config.values()), None), "events": span["n"],
-                  "live": {"running": bool(live), "run_id": live.get("run_id"), "purpose": live.get("purpose"),
-                           "pid": live.get("pid")}},
-        "axis": axis,
-        "runs": runs,
-    }
-    out["throughput"] = _throughput(got["written"], [w] * (nb - 1) + [last])
-    out["events_marked"] = _marks(marks, runs, live.get("run_id"), t1)
-    out["rebuilt"] = _rebuilt(marks)
-    out["states"] = _states(got["moves"], cur["registered"], nb)
+        heavy["recent"] = Q.RECENT
+    asked: dict = {}
+
+    def ask_heavy() -> None:
+        try:
+            asked["got"] = dict(zip(heavy, (dicts(r) for r in run(list(heavy.values()))), strict=True))
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            asked["error"] = e
+
+    worker = threading.Thread(target=ask_heavy, name="hsbuild-report-series", daemon=True)
+    worker.start()
+    try:
+        light = {"meta": Q.META, "config": Q.LAST_CONFIG, "runs": Q.RUNS, "marks": Q.MARKS,
+                 "written": Q.WRITTEN.format(**fmt), "failed": Q.FAILED.format(**fmt), "workers": Q.WORKERS,
+                 "nodes": Q.NODES}
+        got = dict(zip(light, (dicts(r) for r in run(list(light.values()))), strict=True))
+        meta = {r["key"]: _json(r["value"]) for r in got["meta"]}
+        config = (got["config"] or [{}])[0]
+        runs, marks = got["runs"], got["marks"]
+        build = {"path": str(lay.root), "model": meta.get("model"), "model_fingerprint": meta.get("model_fingerprint"),
+                 "format": meta.get("format"), "created_at": meta.get("created_at"), "source": meta.get("source"),
+                 "config": next(iter(config.values()), None), "events": span["n"],
+                 "live": {"running": bool(live), "run_id": live.get("run_id"), "purpose": live.get("purpose"),
+                          "pid": live.get("pid")}}
+        throughput = _throughput(got["written"], [w] * (nb - 1) + [last])
+        early = {"build": build, "axis": axis, "runs": runs, "throughput": throughput,
+                 "events_marked": _marks(marks, runs, live.get("run_id"), t1), "rebuilt": _rebuilt(marks),
+                 "failures": _failures(got["failed"], [], nb), "disk": _disk(throughput["disk_bytes"], marks),
+                 "workers": _workers(got["workers"], runs), "nodes": got["nodes"]}
+        if on_light is not None:
+            on_light(early)
+    finally:
+        worker.join()
+    if "error" in asked:
+        raise asked["error"]
+    more = asked["got"]
+    cur = more["now"][0]
+    early["failures"]["most"] = cur["failed_most"] or []
+    states = _states(more["moves"], cur["registered"], nb)
     now = _now(cur["counts"], t1)
     if live:
-        now["recent_samples_per_s"] = got["recent"][0]["recent_samples_per_s"]
+        now["recent_samples_per_s"] = more["recent"][0]["recent_samples_per_s"]
+    out = {k: early[k] for k in ("build", "axis", "runs", "throughput", "events_marked", "rebuilt")}
+    out["states"] = states
     out["now"] = now
     out["eta"] = _eta(now, runs, bool(live))
     out["lengths"] = _lengths(cur["lengths"] or [])
     out["generated"] = _generated(cur["generated"] or [], cur["dropped_at_limit"])
-    out["failures"] = _failures(got["failed"], cur["failed_most"] or [], nb)
-    out["disk"] = _disk(out["throughput"]["disk_bytes"], marks)
-    out["verification"] = _verification(out["states"], cur["ages"] or [], runs, now)
-    out["workers"] = _workers(got["workers"], runs)
-    out["nodes"] = got["nodes"]
+    out["failures"] = early["failures"]
+    out["disk"] = early["disk"]
+    out["verification"] = _verification(states, cur["ages"] or [], runs, now)
+    out["workers"] = early["workers"]
+    out["nodes"] = early["nodes"]
     return out
 
 
