@@ -1,4 +1,5 @@
-"""`hsbuild report BUILD [-o FILE] [--json]`: the build's history as one self-contained HTML page (docs/report.md).
+"""`hsbuild report BUILD [-o FILE] [--json]`: the build's history as one self-contained HTML page (README.md,
+"The report page").
 
 Exit codes: 0 written; 2 usage (not a build, a read-only build without -o, matplotlib missing: the `report` extra);
 3 no room to write the page."""

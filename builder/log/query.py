@@ -25,7 +25,14 @@ from builder.errors import BuildLockedError, QueryError, ReadOnlyQueryError
 from builder.layout import BuildLayout
 from builder.log.events import EventLog
 from builder.log.lock import LockState, inspect_lock, socket_path_for
-from builder.log.sandbox import MAX_TIMEOUT_S, QUERY_TIMEOUT_S, QueryInterrupted, arrow_file, query_file
+from builder.log.sandbox import (
+    MAX_TIMEOUT_S,
+    QUERY_TIMEOUT_S,
+    QueryInterrupted,
+    arrow_file,
+    queries_file,
+    query_file,
+)
 
 ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 OWNER_WAIT_S = 10.0  # how long a client waits for an owner that holds the lock but does not answer yet
@@ -226,6 +233,26 @@ def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S,
                 f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on {stall['path']} "
                 f"({stall['filesystem']}): answered from the log as of the stall's start")
     return reply["columns"], reply["rows"]
+
+
+def run_queries(lay: BuildLayout, statements: list[str],
+                timeout: float = QUERY_TIMEOUT_S) -> list[tuple[list[str], list[list]]]:
+    """`run_query` for several statements at once (hsbuild's own: the report's series): with no owner, all from
+    one read-only open of the file (one state of it); with a live owner (or one that takes the build meanwhile),
+    each asked of it."""
+    for sql in statements:
+        check_read_only(sql)
+    timeout = check_timeout(timeout)
+    if not inspect_lock(lay).held:
+        try:
+            got = queries_file(lay.events, statements, timeout, interrupt_if=lambda: inspect_lock(lay).held)
+            return [(cols, [[jsonable(v) for v in r] for r in rows]) for cols, rows in got]
+        except QueryInterrupted as e:
+            if e.reason != "asked":
+                raise
+        except BuildLockedError:
+            pass  # an owner took the build: asked of it below
+    return [run_query(lay, sql, timeout) for sql in statements]
 
 
 def read_columns(lay: BuildLayout, statements: list[str], live_sql: str,

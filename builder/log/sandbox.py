@@ -145,6 +145,18 @@ def query_file(path: Path, sql: str, timeout: float = QUERY_TIMEOUT_S,
         con.close()
 
 
+def queries_file(path: Path, statements: list[str], timeout: float = QUERY_TIMEOUT_S,
+                 interrupt_if: Callable[[], bool] | None = None) -> list[tuple[list[str], list[tuple]]]:
+    """Several SELECTs of hsbuild's own (the report's) on the log of a build no process owns: each one's
+    (columns, rows), all from one read-only open (one state of the file, one open's cost), locked down and watched
+    as `query_file` is (`timeout` each)."""
+    con = _open_file(path)
+    try:
+        return [run_guarded(con, sql, timeout, interrupt_if) for sql in statements]
+    finally:
+        con.close()
+
+
 def arrow_file(path: Path, statements: list[str], timeout: float = QUERY_TIMEOUT_S,
                interrupt_if: Callable[[], bool] | None = None) -> list[pa.Table]:
     """hsbuild's own columnar reads of the log of a build no process owns (the reader's index): each statement's

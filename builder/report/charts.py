@@ -4,8 +4,10 @@ network at view time. Each figure is drawn from `series.collect`'s series only (
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import io
 import re
+import threading
 from typing import Any
 
 from builder.errors import UsageError
@@ -24,21 +26,47 @@ POINT_STYLE = {"run_started": ("#54a24b", "--"), "verify_started": ("#72b7b2", "
                "source_changed": ("#888888", "-."), "init": ("#888888", ":")}
 
 
+MISSING = "hsbuild report draws its charts with matplotlib, which is not installed: pip install 'hsbuild[report]'"
+
+
+def check_matplotlib() -> None:
+    """Refuse in one line, before anything is read, where matplotlib is not installed (found, not imported)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(MISSING)
+
+
+def preload_matplotlib() -> threading.Thread:
+    """Import what drawing needs in a thread (about 0.5 s of CPU), while the log is read (DuckDB gives up the GIL
+    while it queries): `draw_all`'s imports then find the modules loaded, or wait for them. A failure here is
+    left to `draw_all`'s own import to raise."""
+
+    def load() -> None:
+        try:
+            import matplotlib.backends.backend_svg  # noqa: F401, PLC0415
+            import matplotlib.dates  # noqa: F401, PLC0415
+            import matplotlib.figure  # noqa: F401, PLC0415
+        except ImportError:
+            pass
+
+    t = threading.Thread(target=load, name="hsbuild-report-imports", daemon=True)
+    t.start()
+    return t
+
+
 def require_matplotlib() -> Any:
     try:
         import matplotlib  # noqa: PLC0415
         from matplotlib.figure import Figure  # noqa: PLC0415
     except ImportError:
-        raise UsageError("hsbuild report draws its charts with matplotlib, which is not installed: "
-                         "pip install 'hsbuild[report]'") from None
+        raise UsageError(MISSING) from None
     return matplotlib, Figure
 
 
-def draw_all(s: dict) -> dict[str, str]:
-    """{figure name: inline SVG} for every figure of FIGURES."""
+def draw_all(s: dict, names: tuple[str, ...] = FIGURES) -> dict[str, str]:
+    """{figure name: inline SVG} for each figure of `names` (default: every one, FIGURES)."""
     matplotlib, figure = require_matplotlib()
     out = {}
-    for name in FIGURES:
+    for name in names:
         with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": name, "font.size": 9,
                                     "axes.spines.top": False, "axes.spines.right": False}):
             tall = name == "throughput"
@@ -80,6 +108,19 @@ def _time_axis(ax: Any, s: dict) -> None:
     ax.set_xlabel("time (UTC)")
 
 
+def _headroom(ax: Any, frac: float = 0.3) -> None:
+    """Room above the data for the legend at the top: it never hides a line."""
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + (hi - lo) * frac)
+
+
+def _counts(axis: Any) -> None:
+    """Ticks at whole numbers on an axis of counts (no 1.25 samples)."""
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _empty(ax: Any, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#666666")
     ax.set_xticks([])
@@ -106,15 +147,16 @@ def draw_throughput(fig: Any, s: dict) -> None:
     th, w = s["throughput"], s["axis"]["bucket_s"]
     _step(ax1, s, th["samples_per_s"], color=COLORS["written"], lw=1.2)
     ax1.set_ylabel("samples/s")
-    ax1.set_title(f"1. Throughput over time (each point: {w:g} s), with runs, pauses, stalls, engine and interruptions",
-                  loc="left")
+    ax1.set_title(f"1. Throughput over time (each point: {_width(w)}), with runs, pauses, stalls, engine and "
+                  "interruptions", loc="left")
     _step(ax2, s, th["mb_per_s"], color="#72b7b2", lw=1.2)
     ax2.set_ylabel("MB/s (encoded)")
     _marks(ax1, s, label=True)
     _marks(ax2, s, label=False)
     handles, labels = ax1.get_legend_handles_labels()
     if handles:
-        ax1.legend(handles, labels, fontsize=7, ncol=4, loc="upper right", framealpha=0.8)
+        _headroom(ax1, 0.6)
+        ax1.legend(handles, labels, fontsize=7, ncol=5, loc="upper right", framealpha=0.8)
     _time_axis(ax2, s)
 
 
@@ -127,9 +169,19 @@ def draw_states(fig: Any, s: dict) -> None:
                                           f"({eta['basis']})" if eta.get("seconds") else ""))
     ax.set_title(f"2. Samples by state over time; {left}", loc="left")
     ax.set_ylabel("samples")
+    _counts(ax.yaxis)
+    _headroom(ax, 0.2)
     ax.legend(fontsize=7, ncol=6, loc="upper left")
     _marks(ax, s, label=False)
     _time_axis(ax, s)
+
+
+def _width(sec: float) -> str:
+    """A bucket's width in its unit: 1 s, 5 min, 1 h, 2 d."""
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if sec >= n and sec % n == 0:
+            return f"{sec / n:g} {unit}"
+    return f"{sec:g} s"
 
 
 def _dur(sec: float | None) -> str:
@@ -152,6 +204,7 @@ def _hist(ax: Any, h: dict, color: str, what: str) -> None:
         ax.axvline(h[q], color="#333333", ls=style, lw=1, label=f"{q} {h[q]}")
     ax.legend(fontsize=7)
     ax.set_ylabel("samples")
+    _counts(ax.yaxis)
 
 
 def draw_lengths(fig: Any, s: dict) -> None:
@@ -185,6 +238,8 @@ def draw_failures(fig: Any, s: dict) -> None:
     ax.stackplot(t, *[counts + counts[-1:] for _, counts in ordered], step="post", colors=palette[:len(ordered)],
                  labels=[f"{r}{' *' if r in f['transient'] else ''} ({f['totals'][r]})" for r, _ in ordered])
     ax.set_ylabel("failed events")
+    _counts(ax.yaxis)
+    _headroom(ax)
     ax.legend(fontsize=7, ncol=3, loc="upper left")
     _marks(ax, s, label=False)
     _time_axis(ax, s)
@@ -193,10 +248,13 @@ def draw_failures(fig: Any, s: dict) -> None:
 def draw_disk(fig: Any, s: dict) -> None:
     ax = fig.subplots()
     d = s["disk"]
-    _step(ax, s, [b / 1e9 for b in d["written_bytes"]], color=COLORS["written"], lw=1.4,
-            label="written (each sample's share of its files' blocks)")
-    ax.set_ylabel("GB written")
     total = d["written_bytes"][-1] if d["written_bytes"] else 0
+    unit, n = next(((u, n) for u, n in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if total >= n),
+                   ("bytes", 1))
+    _step(ax, s, [b / n for b in d["written_bytes"]], color=COLORS["written"], lw=1.4,
+          label="written (each sample's share of its files' blocks)")
+    ax.set_ylabel(f"{unit} written")
+    _headroom(ax)
     ax.set_title(f"5. Bytes on disk over time: {human_bytes(total)} written; free space where the log recorded it",
                  loc="left")
     vol = d["volume"]
@@ -231,6 +289,7 @@ def draw_verification(fig: Any, s: dict) -> None:
     ax2.barh(bins[::-1], [v["by_age"][b] for b in bins[::-1]], color=COLORS["verified"])
     ax2.set_title("last verified, before the last event", loc="left", fontsize=8)
     ax2.set_xlabel("stored samples")
+    _counts(ax2.xaxis)
 
 
 def draw_workers(fig: Any, s: dict) -> None:
@@ -251,8 +310,11 @@ def draw_workers(fig: Any, s: dict) -> None:
         axn = axes[1]
         axn.bar(range(len(nodes)), [n["samples_per_s"] or 0 for n in nodes],
                 color=[COLORS["failed"] if n["state"] == "gone" else "#72b7b2" for n in nodes])
-        axn.set_xticks(range(len(nodes)), [f"{n['run_id'][:8]} {n['host'] or str(n['node'])[:8]}" for n in nodes],
+        runs = {n["run_id"] for n in nodes}  # each node by its id (every node of a one-machine cluster: one host)
+        axn.set_xticks(range(len(nodes)), [f"{str(n['node'])[:8]}" + (f"\n{n['host']}" if n["host"] else "")
+                                           + (f"\nrun {n['run_id'][:8]}" if len(runs) > 1 else "") for n in nodes],
                        fontsize=7)
+        axn.set_ylabel("samples/s")
         axn.set_title("per Ray node (red: gone)", loc="left")
 
 

@@ -14,8 +14,8 @@ from builder.errors import DiskFullError, UsageError
 from builder.fsutil import fsync_path
 from builder.humanize import human_bytes
 from builder.layout import BuildLayout
-from builder.report.charts import FIGURES, draw_all, require_matplotlib
-from builder.report.series import collect
+from builder.report.charts import FIGURES, check_matplotlib, draw_all, preload_matplotlib
+from builder.report.series import EARLY_FIGURES, collect
 
 REPORT_NAME = "report.html"
 
@@ -27,6 +27,7 @@ table{border-collapse:collapse;font-size:.82em;margin:.4em 0}td,th{border-bottom
 text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}
 .k{color:#666}.bad{color:#c0392b;font-weight:600}figure{margin:.6em 0}figure svg{width:100%;height:auto}
 pre{background:#f6f6f6;padding:.6em;font-size:.8em;overflow:auto}
+.note{background:#fff4e0;border-left:4px solid #f58518;padding:.4em .8em;font-size:.92em}
 """
 
 SECTIONS = {"throughput": "Throughput", "states": "Samples by state", "lengths": "Lengths",
@@ -76,9 +77,16 @@ def make_report(lay: BuildLayout, out: Path | None = None) -> tuple[Path, dict]:
     target = Path(out) if out is not None else default_output(lay)
     if target.is_dir():
         raise UsageError(f"-o {target}: a folder; give the file to write, e.g. {target / REPORT_NAME}")
-    require_matplotlib()  # (before reading anything: one line naming the extra)
-    series = collect(lay)
-    svgs = draw_all(series)
+    check_matplotlib()  # (before reading anything: one line naming the extra)
+    loading = preload_matplotlib()  # (its imports, while the log is read)
+    svgs: dict[str, str] = {}
+
+    def draw_early(light: dict) -> None:  # (while the heaviest statements are still asked)
+        loading.join()
+        svgs.update(draw_all(light, EARLY_FIGURES))
+
+    series = collect(lay, on_light=draw_early)
+    svgs.update(draw_all(series, tuple(f for f in FIGURES if f not in svgs)))
     write_atomic(target, render(series, svgs))
     return target, series
 
@@ -114,13 +122,14 @@ def render(s: dict, svgs: dict[str, str]) -> str:
         f"</span> · <span class='k'>source</span> {_e(b['source'])} · <span class='k'>created</span> "
         f"{_e(_t(b['created_at']))}<br><span class='k'>{_e(state)}</span> · {b['events']:,} events, the last at "
         f"{_e(_t(now.get('last_event_at')))}</p>",
+        _rebuilt(s),
         _table(["samples", "done", "written", "verified", "failed", "in flight", "pending", "retired", "tokens",
                 "data"],
                [[now["total"], now["done"], now["written"], now["verified"], now["failed"], now["started"],
                  now["pending"], now["retired"], f"{now['tokens_done']:,} of {now['tokens_total']:,}",
                  human_bytes(now["bytes_done"])]]),
         "<h2>Configuration</h2>",
-        _table(["format key", "value"], [[k, v] for k, v in fmt.items()]) if fmt else "",
+        _table(["format key", "value"], [[k, "none" if v is None else v] for k, v in fmt.items()]) if fmt else "",
         ("<details><summary>hsbuild.toml as the last run read it</summary>"
          f"<pre>{_e(b['config'])}</pre></details>" if b.get("config") else ""),
         "<h2>Runs and sweeps</h2>", _runs(s),
@@ -131,6 +140,20 @@ def render(s: dict, svgs: dict[str, str]) -> str:
     parts.append("<p class='k'>Made by <code>hsbuild report</code> from the build's event log alone; every series "
                  "above is in <code>hsbuild report BUILD --json</code>.</p></body></html>")
     return "\n".join(parts)
+
+
+def _rebuilt(s: dict) -> str:
+    """A log rebuilt by `hsbuild rebuild-log`: what its history before the rebuild is (docs/design.md section 11)."""
+    out = ""
+    for r in s.get("rebuilt") or []:
+        out += (f"<p class='note'><b>This log was rebuilt</b> from the data by <code>hsbuild rebuild-log</code> at "
+                f"{_e(_t(r['t']))}. The history before then is what it could restore: each sample's state, location "
+                f"and sweep verdicts ({_e(r['written'])} written, {_e(r['verified'])} of them verified by a sweep, "
+                f"{_e(r['skipped'])} skipped" + (f", {_e(r['failed'])} found damaged on reading back" if r["failed"] else "")
+                + "), every one stamped with the rebuild's time, so the charts show them "
+                "there (restored, not extracted: not counted as throughput). The runs, pauses, stalls, failures, "
+                "attempt counts and event times before it were in the lost log only.</p>")
+    return out
 
 
 def _runs(s: dict) -> str:

@@ -11,11 +11,24 @@ SPAN = "SELECT epoch(min(ts)) AS t0, epoch(max(ts)) AS t1, count(*) AS n FROM ev
 BUCKET = "floor((epoch(ts) - {t0}) / {w})::BIGINT"
 
 # 1, 5: what each bucket wrote (a sample's disk bytes are its share of its group's blocks, `disk_bytes`; older
-# events without it: its encoded bytes)
-WRITTEN = ("SELECT " + BUCKET + " AS b, count(*) AS samples, coalesce(sum(num_tokens), 0) AS tokens, "
-           "coalesce(sum(nbytes), 0) AS nbytes, "
-           "coalesce(sum(coalesce(TRY_CAST(json_extract(detail, '$.disk_bytes') AS BIGINT), nbytes)), 0) AS disk_bytes "
-           "FROM events WHERE kind = 'written' GROUP BY b ORDER BY b")
+# events without it: its encoded bytes). The `written` events `hsbuild rebuild-log` replayed (run id `rebuild`,
+# builder/run/history_replay.py's RUN_ID) and those a run adopted (detail `adopted`: groups a killed run made
+# durable, their events lost) carry the time they were recorded, not when they were extracted: counted apart
+# (`restored`, `adopted`), not as throughput; their bytes are on disk all the same.
+WRITTEN = """
+WITH w AS (
+    SELECT ts, num_tokens, nbytes, coalesce(run_id = 'rebuild', false) AS restored,
+           coalesce(TRY_CAST(json_extract(detail, '$.adopted') AS BOOLEAN), false) AS adopted,
+           coalesce(TRY_CAST(json_extract(detail, '$.disk_bytes') AS BIGINT), nbytes) AS disk
+    FROM events WHERE kind = 'written'
+)
+SELECT """ + BUCKET + """ AS b, count(*) FILTER (WHERE NOT restored AND NOT adopted) AS samples,
+       coalesce(sum(num_tokens) FILTER (WHERE NOT restored AND NOT adopted), 0) AS tokens,
+       coalesce(sum(nbytes) FILTER (WHERE NOT restored AND NOT adopted), 0) AS nbytes,
+       coalesce(sum(disk), 0) AS disk_bytes, count(*) FILTER (WHERE restored) AS restored,
+       count(*) FILTER (WHERE adopted AND NOT restored) AS adopted
+FROM w GROUP BY b ORDER BY b
+"""
 
 # 1: where things happened: runs and sweeps, pauses, stalls, the engine, lost workers, the log's own history
 MARKS = ("SELECT seq, epoch(ts) AS t, kind, run_id, reason, "
@@ -37,45 +50,50 @@ RUNS = ("SELECT r.run_id, r.kind, r.started_seq, epoch(r.started_at) AS started_
 # 2: each sample's state after each of its events, by the fold's rule (the `samples` view's): the last
 # started/written/failed/superseded/retired event decides, a `verified` counts only after the current `written`,
 # a transient failure and a `superseded` leave it pending. Counted per bucket as moves from one state to another.
+# One window pass (one sort of the sample events): `sk`, the state a non-`verified` event sets; before each event,
+# `pk` the last such state and `pkind` the kind of the event just before. The state before an event is `verified`
+# where a `verified` came right after a `written` state (later ones change nothing), else `pk` (none: pending); a
+# `verified` event makes it `verified` only where `pk` is `written` (else it is stale: no move).
 MOVES = """
 WITH e AS (
-    SELECT seq, ts, sample_id, kind, reason FROM events
+    SELECT seq, ts, sample_id, kind,
+           CASE WHEN kind = 'verified' THEN NULL
+                WHEN kind = 'superseded' OR (kind = 'failed' AND is_transient(reason)) THEN 'pending'
+                ELSE kind END AS sk
+    FROM events
     WHERE sample_id IS NOT NULL AND kind IN ('started', 'written', 'verified', 'failed', 'superseded', 'retired')
 ),
-m AS (
-    SELECT *, last_value(CASE WHEN kind <> 'verified' THEN kind END IGNORE NULLS)
-              OVER (PARTITION BY sample_id ORDER BY seq ROWS UNBOUNDED PRECEDING) AS mk
+w AS (
+    SELECT ts, kind, sk,
+           last_value(sk IGNORE NULLS) OVER (PARTITION BY sample_id ORDER BY seq
+                                             ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pk,
+           lag(kind) OVER (PARTITION BY sample_id ORDER BY seq) AS pkind
     FROM e
 ),
-s AS (
-    SELECT seq, ts, sample_id,
-           CASE WHEN kind = 'verified' THEN CASE WHEN mk = 'written' THEN 'verified' END
-                WHEN kind = 'superseded' THEN 'pending'
-                WHEN kind = 'failed' AND is_transient(reason) THEN 'pending'
-                ELSE kind END AS st
-    FROM m
-),
 t AS (
-    SELECT ts, st, lag(st, 1, 'pending') OVER (PARTITION BY sample_id ORDER BY seq) AS prev
-    FROM s WHERE st IS NOT NULL
+    SELECT ts, CASE WHEN kind = 'verified' THEN CASE WHEN pk = 'written' THEN 'verified' END ELSE sk END AS st,
+           CASE WHEN pkind = 'verified' AND pk = 'written' THEN 'verified' ELSE coalesce(pk, 'pending') END AS prev
+    FROM w
 )
 SELECT """ + BUCKET + """ AS b, prev, st, count(*) AS n FROM t WHERE st <> prev GROUP BY ALL ORDER BY b, prev, st
 """
 
-REGISTERED = "SELECT count(*) FROM source_samples"
-
-# 2, 3, 4, 6: now, from one pass over the fold (the `samples` view, materialized once): the counts as the
-# `progress` view makes them, tokens per stored sample, how long ago the stored samples were verified (before the
-# log's last event; never), and the samples that failed most
+# 2, 3, 4, 6: now, from one pass over the fold (the `samples` view, materialized once): the samples registered
+# (every one starts pending), the counts as the `progress` view makes them, tokens per stored sample, how long ago
+# the stored samples were verified (before the log's last event; never), the samples that failed most, and for a
+# regenerating build the generated tokens of each stored response and why it ended, and the responses dropped at
+# the token limit (--drop-truncated)
 NOW = """
 WITH s AS MATERIALIZED (
-    SELECT sample_id, state, attempts, num_tokens, nbytes, disk_bytes, source_tokens, verified_at FROM samples
+    SELECT sample_id, state, attempts, num_tokens, nbytes, disk_bytes, source_tokens, verified_at, generated,
+           finish_reason, retired_reason FROM samples
 ),
 mt AS (SELECT max(TRY_CAST(json_extract(value, '$.max_tokens') AS BIGINT)) AS m FROM meta WHERE key = 'format'),
 last AS (SELECT max(ts) AS ts FROM events),
 fm AS (SELECT sample_id, count(*) AS failures, count(DISTINCT reason) AS reasons, arg_max(reason, seq) AS last_reason
        FROM events WHERE kind = 'failed' GROUP BY sample_id ORDER BY failures DESC, sample_id LIMIT 10)
 SELECT
+    (SELECT count(*) FROM s) AS registered,
     (SELECT {'total': count(*) FILTER (WHERE state <> 'retired'),
              'pending': count(*) FILTER (WHERE state = 'pending'),
              'started': count(*) FILTER (WHERE state = 'started'),
@@ -101,7 +119,11 @@ SELECT
            GROUP BY bin)) AS ages,
     (SELECT list({'sample_id': fm.sample_id, 'failures': failures, 'reasons': reasons, 'last_reason': last_reason,
                   'state': s.state, 'attempts': s.attempts} ORDER BY failures DESC, fm.sample_id)
-     FROM fm LEFT JOIN s USING (sample_id)) AS failed_most
+     FROM fm LEFT JOIN s USING (sample_id)) AS failed_most,
+    (SELECT list({'generated': generated, 'finish_reason': finish_reason, 'n': n} ORDER BY generated, finish_reason)
+     FROM (SELECT generated, finish_reason, count(*) AS n FROM s WHERE state IN ('written', 'verified')
+           AND (generated IS NOT NULL OR finish_reason IS NOT NULL) GROUP BY ALL)) AS generated,
+    (SELECT count(*) FROM s WHERE state = 'retired' AND retired_reason = 'at_token_limit') AS dropped_at_limit
 """
 AGE_BINS = ("within 1 h", "within 1 day", "within 7 days", "older", "never")
 
@@ -116,12 +138,6 @@ recent AS (
 )
 SELECT CASE WHEN n > 1 AND span > 0 THEN (n - 1) / span END AS recent_samples_per_s FROM recent
 """
-
-# 3, a regenerating build (its `samples` view has these columns): generated tokens and why each response ended
-COLUMNS = "SELECT * FROM samples LIMIT 0"
-GENERATED = ("SELECT generated, finish_reason, count(*) AS n FROM samples WHERE state IN ('written', 'verified') "
-             "AND (generated IS NOT NULL OR finish_reason IS NOT NULL) GROUP BY ALL ORDER BY generated")
-DROPPED_AT_LIMIT = "SELECT count(*) FROM samples WHERE state = 'retired' AND retired_reason = 'at_token_limit'"
 
 # 4: failed events per bucket and reason (transient ones too: marked)
 FAILED = ("SELECT " + BUCKET + " AS b, reason, is_transient(reason) AS transient, count(*) AS n "

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable
 
 from builder.layout import BuildLayout
 from builder.log.lock import inspect_lock
-from builder.log.query import run_query
+from builder.log.query import run_queries
 from builder.report import queries as Q
 
 MAX_BUCKETS = 240  # points on a time axis: a laptop screen's width of bars
@@ -19,7 +20,7 @@ STATES = ("pending", "started", "written", "verified", "failed", "retired")
 LENGTH_BINS = 40
 QUERY_TIMEOUT_S = 600.0
 
-Ask = Callable[[str], tuple[list[str], list[list]]]  # one SELECT -> (columns, rows)
+Ask = Callable[[list[str]], list[tuple[list[str], list[list]]]]  # SELECTs -> each one's (columns, rows)
 
 
 def bucket_width(span: float) -> float:
@@ -31,52 +32,90 @@ def bucket_width(span: float) -> float:
     return float(math.ceil(need / STEPS[-1]) * STEPS[-1])
 
 
-def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIMEOUT_S) -> dict:
-    """Every series of the report, JSON-able. `run`: how a SELECT is asked (default: `run_query` over the build,
-    through its live owner if any)."""
-    run = run or (lambda sql: run_query(lay, sql, timeout=timeout))
+# the figures drawn from the light series alone (`collect`'s `on_light`), while the heavy ones are still asked
+EARLY_FIGURES = ("throughput", "failures", "disk", "workers")
 
-    def ask(sql: str) -> list[dict]:
-        cols, rows = run(sql)
+
+def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIMEOUT_S,
+            on_light: Callable[[dict], None] | None = None) -> dict:
+    """Every series of the report, JSON-able. `run`: how SELECTs are asked (default: `run_queries` over the build:
+    through its live owner if any, else from read-only opens of the log). The time axis first; then the two
+    statements that read every sample event or fold every sample (the states over time, the counts now) are asked
+    in a thread while the others are, and `on_light(series)`, if given, is called with the series of
+    EARLY_FIGURES complete (so the page draws those meanwhile: DuckDB gives up the GIL while it queries)."""
+    run = run or (lambda sqls: run_queries(lay, sqls, timeout=timeout))
+
+    def dicts(res: tuple[list[str], list[list]]) -> list[dict]:
+        cols, rows = res
         return [dict(zip(cols, r, strict=True)) for r in rows]
 
     lock = inspect_lock(lay)
     live = (lock.info or {}) if lock.held else {}
-    span = ask(Q.SPAN)[0]
+    span = dicts(run([Q.SPAN])[0])[0]
     t0, t1 = float(span["t0"] or 0.0), float(span["t1"] or 0.0)
     w = bucket_width(t1 - t0)
     nb = int((t1 - t0) // w) + 1
     fmt = {"t0": repr(t0), "w": repr(w)}
-    axis = {"t0": t0, "t1": t1, "bucket_s": w, "buckets": nb, "t": [t0 + i * w for i in range(nb)]}
-    meta = {r["key"]: _json(r["value"]) for r in ask(Q.META)}
-    config = (ask(Q.LAST_CONFIG) or [{}])[0]
-    runs = ask(Q.RUNS)
-    marks = ask(Q.MARKS)
-    out = {
-        "build": {"path": str(lay.root), "model": meta.get("model"), "model_fingerprint": meta.get("model_fingerprint"),
-                  "format": meta.get("format"), "created_at": meta.get("created_at"), "source": meta.get("source"),
-                  "config": next(iter(config.values()), None), "events": span["n"],
-                  "live": {"running": bool(live), "run_id": live.get("run_id"), "purpose": live.get("purpose"),
-                           "pid": live.get("pid")}},
-        "axis": axis,
-        "runs": runs,
-    }
-    out["throughput"] = _throughput(ask(Q.WRITTEN.format(**fmt)), nb, w)
-    out["events_marked"] = _marks(marks, runs, live.get("run_id"), t1)
-    out["states"] = _states(ask(Q.MOVES.format(**fmt)), ask(Q.REGISTERED)[0], nb)
-    cur = ask(Q.NOW)[0]
-    now = _now(cur["counts"], t1)
+    # the last bucket ends at the log's last event: its rates are over the part of it the log covers (at least
+    # 1 s), not its whole width (during a run that would show every report's last point falling)
+    last = min(w, max(t1 - (t0 + (nb - 1) * w), 1.0))
+    axis = {"t0": t0, "t1": t1, "bucket_s": w, "buckets": nb, "last_bucket_s": last,
+            "t": [t0 + i * w for i in range(nb)]}
+    heavy = {"moves": Q.MOVES.format(**fmt), "now": Q.NOW}
     if live:  # the recent rate, while a run extracts
-        now["recent_samples_per_s"] = ask(Q.RECENT)[0]["recent_samples_per_s"]
+        heavy["recent"] = Q.RECENT
+    asked: dict = {}
+
+    def ask_heavy() -> None:
+        try:
+            asked["got"] = dict(zip(heavy, (dicts(r) for r in run(list(heavy.values()))), strict=True))
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            asked["error"] = e
+
+    worker = threading.Thread(target=ask_heavy, name="hsbuild-report-series", daemon=True)
+    worker.start()
+    try:
+        light = {"meta": Q.META, "config": Q.LAST_CONFIG, "runs": Q.RUNS, "marks": Q.MARKS,
+                 "written": Q.WRITTEN.format(**fmt), "failed": Q.FAILED.format(**fmt), "workers": Q.WORKERS,
+                 "nodes": Q.NODES}
+        got = dict(zip(light, (dicts(r) for r in run(list(light.values()))), strict=True))
+        meta = {r["key"]: _json(r["value"]) for r in got["meta"]}
+        config = (got["config"] or [{}])[0]
+        runs, marks = got["runs"], got["marks"]
+        build = {"path": str(lay.root), "model": meta.get("model"), "model_fingerprint": meta.get("model_fingerprint"),
+                 "format": meta.get("format"), "created_at": meta.get("created_at"), "source": meta.get("source"),
+                 "config": next(iter(config.values()), None), "events": span["n"],
+                 "live": {"running": bool(live), "run_id": live.get("run_id"), "purpose": live.get("purpose"),
+                          "pid": live.get("pid")}}
+        throughput = _throughput(got["written"], [w] * (nb - 1) + [last])
+        early = {"build": build, "axis": axis, "runs": runs, "throughput": throughput,
+                 "events_marked": _marks(marks, runs, live.get("run_id"), t1), "rebuilt": _rebuilt(marks),
+                 "failures": _failures(got["failed"], [], nb), "disk": _disk(throughput["disk_bytes"], marks),
+                 "workers": _workers(got["workers"], runs), "nodes": got["nodes"]}
+        if on_light is not None:
+            on_light(early)
+    finally:
+        worker.join()
+    if "error" in asked:
+        raise asked["error"]
+    more = asked["got"]
+    cur = more["now"][0]
+    early["failures"]["most"] = cur["failed_most"] or []
+    states = _states(more["moves"], cur["registered"], nb)
+    now = _now(cur["counts"], t1)
+    if live:
+        now["recent_samples_per_s"] = more["recent"][0]["recent_samples_per_s"]
+    out = {k: early[k] for k in ("build", "axis", "runs", "throughput", "events_marked", "rebuilt")}
+    out["states"] = states
     out["now"] = now
     out["eta"] = _eta(now, runs, bool(live))
     out["lengths"] = _lengths(cur["lengths"] or [])
-    out["generated"] = _generated(ask) if {"finish_reason", "generated"} <= set(run(Q.COLUMNS)[0]) else None
-    out["failures"] = _failures(ask(Q.FAILED.format(**fmt)), cur["failed_most"] or [], nb)
-    out["disk"] = _disk(out["throughput"]["disk_bytes"], marks)
-    out["verification"] = _verification(out["states"], cur["ages"] or [], runs, now)
-    out["workers"] = _workers(ask(Q.WORKERS), runs)
-    out["nodes"] = ask(Q.NODES)
+    out["generated"] = _generated(cur["generated"] or [], cur["dropped_at_limit"])
+    out["failures"] = early["failures"]
+    out["disk"] = early["disk"]
+    out["verification"] = _verification(states, cur["ages"] or [], runs, now)
+    out["workers"] = early["workers"]
+    out["nodes"] = early["nodes"]
     return out
 
 
@@ -95,12 +134,16 @@ def _dense(rows: list[dict], nb: int, key: str) -> list:
     return out
 
 
-def _throughput(rows: list[dict], nb: int, w: float) -> dict:
+def _throughput(rows: list[dict], widths: list[float]) -> dict:
+    """What each bucket wrote, and its rates over each bucket's seconds (`widths`)."""
+    nb = len(widths)
     samples, tokens = _dense(rows, nb, "samples"), _dense(rows, nb, "tokens")
     nbytes, disk = _dense(rows, nb, "nbytes"), _dense(rows, nb, "disk_bytes")
     return {"samples": samples, "tokens": tokens, "nbytes": nbytes, "disk_bytes": disk,
-            "samples_per_s": [n / w for n in samples], "mb_per_s": [b / 1e6 / w for b in nbytes],
-            "tokens_per_s": [t / w for t in tokens]}
+            "restored": _dense(rows, nb, "restored"), "adopted": _dense(rows, nb, "adopted"),
+            "samples_per_s": [n / w for n, w in zip(samples, widths, strict=True)],
+            "mb_per_s": [b / 1e6 / w for b, w in zip(nbytes, widths, strict=True)],
+            "tokens_per_s": [t / w for t, w in zip(tokens, widths, strict=True)]}
 
 
 PAUSE_ENGINE = {"server_unavailable", "staging_full"}
@@ -140,13 +183,26 @@ def _marks(marks: list[dict], runs: list[dict], live_run: str | None, t_end: flo
     return {"points": points, "spans": sorted(spans, key=lambda s: s["a"])}
 
 
+def _rebuilt(marks: list[dict]) -> list[dict]:
+    """Each `hsbuild rebuild-log` of this log: when, and what it restored (its `log_rebuilt` event's counts). The
+    history before it is what the rebuild could restore, every event of it at the rebuild's time."""
+    out = []
+    for m in marks:
+        if m["kind"] == "log_rebuilt":
+            d = _json(m["detail"])
+            d = d if isinstance(d, dict) else {}
+            out.append({"t": m["t"], **{k: d.get(k) for k in ("written", "verified", "skipped", "failed",
+                                                                "read_back", "segments")}})
+    return out
+
+
 def _pause(p: dict, end: float, ended: bool = True) -> dict:
     detail = _json(p["detail"]) or {}
     return {"kind": "engine" if p["reason"] in PAUSE_ENGINE else "pause", "a": p["t"], "b": end, "reason": p["reason"],
             "run_id": p["run_id"], "ended": ended, "usage": detail.get("usage") if isinstance(detail, dict) else None}
 
 
-def _states(moves: list[dict], registered: dict, nb: int) -> dict:
+def _states(moves: list[dict], registered: int, nb: int) -> dict:
     """Samples in each state at the end of each bucket (every registered sample starts pending)."""
     delta = {s: [0] * nb for s in STATES}
     for m in moves:
@@ -155,7 +211,7 @@ def _states(moves: list[dict], registered: dict, nb: int) -> dict:
             delta[m["st"]][m["b"]] += m["n"]
     out = {}
     for s in STATES:
-        acc, level = [], next(iter(registered.values())) if s == "pending" else 0
+        acc, level = [], registered if s == "pending" else 0
         for d in delta[s]:
             level += d
             acc.append(level)
@@ -212,17 +268,16 @@ def _quantile(rows: list[dict], n: int, q: float) -> int:
     return rows[-1]["num_tokens"]
 
 
-def _generated(ask: Callable[[str], list[dict]]) -> dict | None:
+def _generated(rows: list[dict], dropped: int) -> dict | None:
     """A regenerating build: generated tokens per stored response, and the share that stopped at the token limit
     (finish_reason 'length') rather than at a stop token; None where no sample says (not a regenerating build)."""
-    rows = ask(Q.GENERATED)
     if not rows:
         return None
     hist = _lengths(_merge([{"num_tokens": r["generated"], "n": r["n"]} for r in rows if r["generated"] is not None]))
     n = sum(r["n"] for r in rows)
     at_limit = sum(r["n"] for r in rows if r["finish_reason"] == "length")
     return {"samples": n, "at_token_limit": at_limit, "truncated_share": at_limit / n if n else None,
-            "dropped_at_token_limit": next(iter(ask(Q.DROPPED_AT_LIMIT)[0].values())), "histogram": hist}
+            "dropped_at_token_limit": dropped, "histogram": hist}
 
 
 def _merge(rows: list[dict]) -> list[dict]:

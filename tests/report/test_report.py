@@ -20,6 +20,7 @@ from pathlib import Path
 
 import forked
 import pytest
+from browser import chromium, console_errors, figure_svg, render
 from conftest import Hold, mounted_tmpfs, random_rows, wait_for, write_jsonl
 
 from builder.layout import layout
@@ -124,14 +125,25 @@ def test_series_are_what_sql_over_the_log_gives(history, tmp_path):
     def bucket(e: dict) -> int:
         return math.floor((e["t"] - t0) / w)
 
-    # 1. throughput: written samples and bytes per bucket
+    # 1. throughput: samples extracted and their bytes per bucket (those a resume adopted from the killed run's
+    # durable groups counted apart: recorded at the resume's start, extracted before the kill)
     written = [e for e in ev if e["kind"] == "written"]
-    per = Counter(bucket(e) for e in written)
+    adopted = [e for e in written if json.loads(e["detail"] or "{}").get("adopted")]
+    extracted = [e for e in written if e not in adopted]
+    per = Counter(bucket(e) for e in extracted)
     assert s["throughput"]["samples"] == [per.get(i, 0) for i in range(nb)]
+    per_adopted = Counter(bucket(e) for e in adopted)
+    assert s["throughput"]["adopted"] == [per_adopted.get(i, 0) for i in range(nb)]
+    assert not any(s["throughput"]["restored"])
     nbytes = defaultdict(int)
-    for e in written:
+    for e in extracted:
         nbytes[bucket(e)] += e["nbytes"]
-    assert s["throughput"]["mb_per_s"] == pytest.approx([nbytes.get(i, 0) / 1e6 / w for i in range(nb)])
+    # rates over each bucket's seconds: the last one's, the part the log covers (its last event), at least 1 s
+    last = min(w, max(ev[-1]["t"] - (t0 + (nb - 1) * w), 1.0))
+    assert a["last_bucket_s"] == pytest.approx(last)
+    secs = [w] * (nb - 1) + [last]
+    assert s["throughput"]["mb_per_s"] == pytest.approx([nbytes.get(i, 0) / 1e6 / secs[i] for i in range(nb)])
+    assert s["throughput"]["samples_per_s"] == pytest.approx([per.get(i, 0) / secs[i] for i in range(nb)])
     # the kill, the pause, the runs
     runs = [e for e in ev if e["kind"] == "run_started"]
     assert len(runs) == 2
@@ -235,6 +247,18 @@ def test_a_rebuilt_log_is_reported(history, tmp_path):
     for k in ("written", "verified", "retired", "tokens_done"):
         assert s["now"][k] == orig["now"][k], k
     assert [p for p in s["events_marked"]["points"] if p["kind"] == "log_rebuilt"]
+    # the restored samples carry the rebuild's time: counted apart, not as throughput; the page says what the
+    # history before the rebuild is
+    with EventLog(layout(copy).events, read_only=True) as log:
+        (written,) = log.query("SELECT count(*) FROM events WHERE kind = 'written'")[1][0]
+        (t_rebuilt,) = log.query("SELECT epoch(ts) FROM events WHERE kind = 'log_rebuilt'")[1][0]
+    assert sum(s["throughput"]["restored"]) == written  # (an older durable attempt too: a superseded `written`)
+    assert not any(s["throughput"]["samples"]) and not any(s["throughput"]["mb_per_s"])
+    assert s["disk"]["written_bytes"][-1] > 0  # their bytes are on disk all the same
+    live = view.get("written", 0) + view["verified"]
+    assert [(r["t"], r["written"], r["verified"]) for r in s["rebuilt"]] == [(t_rebuilt, live, view["verified"])]
+    assert "This log was rebuilt" in (copy / "report.html").read_text()
+    assert orig["rebuilt"] == [] and sum(orig["throughput"]["restored"]) == 0
 
 
 def test_a_read_only_build_needs_o(history, tmp_path):
@@ -264,32 +288,6 @@ def test_without_matplotlib_one_line_names_the_extra(history, tmp_path):
     assert len(cp.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
-def chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    why = "no Chromium here (apt-get install chromium): the report page is not rendered in a browser"
-    if os.environ.get("HSBUILD_REQUIRE_CHROMIUM") == "1":
-        pytest.fail(f"HSBUILD_REQUIRE_CHROMIUM=1 but: {why}", pytrace=False)
-    pytest.skip(why)
-
-
-def headless(browser: str, page: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                           "--no-first-run", "--enable-logging=stderr", "--v=0", *flags, page.as_uri()],
-                          capture_output=True, text=True, timeout=120)
-
-
-def render(browser: str, page: Path, png: Path) -> tuple[str, str]:
-    """(the DOM as the browser built it, the browser's log) after loading `page`, and its screenshot in `png`."""
-    shot = headless(browser, page, "--window-size=1280,3000", f"--screenshot={png}")
-    assert png.is_file(), shot.stderr[-2000:]
-    dom = headless(browser, page, "--dump-dom")
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    return dom.stdout, shot.stderr + dom.stderr
-
-
 def test_the_page_renders_in_chromium(history, tmp_path):
     from cli_runner import hsbuild
 
@@ -298,11 +296,9 @@ def test_the_page_renders_in_chromium(history, tmp_path):
     assert hsbuild("report", history["build"], "-o", page).returncode == 0
     png = tmp_path / "report.png"
     dom, log = render(browser, page, png)
-    errors = [line for line in log.splitlines() if "CONSOLE" in line or "Uncaught" in line]
-    assert not errors, errors
+    assert not console_errors(log), console_errors(log)
     for name in FIGURES:  # every chart, drawn (an SVG inside its figure)
-        at = dom.find(f'id="fig-{name}"')
-        assert at >= 0 and dom.find("<svg", at) >= 0 and dom.find("<svg", at) < dom.find("</figure>", at), name
+        assert figure_svg(dom, name), name
     img = mpimg.imread(png)[..., :3]
     assert img.shape[0] >= 1000 and img.std() > 0.05  # not a blank page
     html = page.read_text()  # nothing fetched at view time: no script, no link or source elsewhere

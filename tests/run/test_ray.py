@@ -72,7 +72,49 @@ def _per_node_written(url: str) -> dict[str, float]:
             if s.name == "hsbuild_node_samples_written"}
 
 
-def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build, cli, hold, monkeypatch):
+def report_per_node(cli, build, tmp_path) -> dict:
+    """`hsbuild report` (figure 7): its per-node series are what the log's raw events give (each worker's node from
+    its `worker_placed` event, its `written` and `worker_lost` events), and the page, in headless Chromium, draws
+    them (each node named in the per-node chart). Returns the nodes by id."""
+    pytest.importorskip("matplotlib", reason="hsbuild report needs the `report` extra (matplotlib)")
+    from browser import chromium, console_errors, figure_svg, render  # noqa: PLC0415 (tests/browser.py)
+
+    page = tmp_path / "report.html"
+    cp = cli("report", build, "-o", page, "--json")
+    assert cp.returncode == 0, cp.stderr
+    got = {n["node"]: n for n in json.loads(cp.stdout)["nodes"]}
+    with EventLog(layout(build).events, read_only=True) as log:
+        ev = log.query_dicts("SELECT kind, run_id, worker, detail, epoch(ts) AS t FROM events "
+                             "WHERE kind IN ('worker_placed', 'worker_lost', 'written') ORDER BY seq")
+    placed = {(e["run_id"], e["worker"]): json.loads(e["detail"]) | {"t": e["t"]} for e in ev
+              if e["kind"] == "worker_placed"}
+    want: dict[str, dict] = {}
+    for (_run, _w), p in placed.items():
+        n = want.setdefault(p["node"], {"workers": 0, "lost": set(), "writes": [], "since": p["t"]})
+        n["workers"] += 1
+        n["since"] = min(n["since"], p["t"])
+    for e in ev:
+        p = placed.get((e["run_id"], e["worker"]))
+        if p is not None and e["kind"] == "written":
+            want[p["node"]]["writes"].append(e["t"])
+        elif p is not None and e["kind"] == "worker_lost":
+            want[p["node"]]["lost"].add(e["worker"])
+    assert set(got) == set(want)
+    for node, w in want.items():
+        g = got[node]
+        assert (g["workers"], g["workers_lost"], g["written"]) == (w["workers"], len(w["lost"]), len(w["writes"]))
+        assert g["state"] == ("gone" if len(w["lost"]) == w["workers"] else "up")
+        if w["writes"]:
+            assert g["samples_per_s"] == pytest.approx(len(w["writes"]) / (max(w["writes"]) - w["since"]))
+    dom, blog = render(chromium(), page, tmp_path / "report.png")
+    assert not console_errors(blog), console_errors(blog)
+    svg = figure_svg(dom, "workers")
+    assert "per Ray node" in svg and all(node[:8] in svg for node in want), svg[:2000]
+    return got
+
+
+def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build, cli, hold, monkeypatch,
+                                                             tmp_path):
     c, nodes = cluster
     # The run is held by the test hook: each worker stops with its 3rd sample in hand, the 2 before it written
     # one by one (the driver passes HSBUILD_* settings on to its actors). A node goes while its worker holds: it
@@ -141,6 +183,8 @@ def test_a_node_removed_mid_run_its_samples_go_to_the_others(cluster, make_build
     assert f"node:    {removed[0][:12]} ({socket.gethostname()}): 1 worker(s)" in text and "GONE since" in text, text
     verify_clean(cli, build)
     assert assert_bit_exact(build) == 48
+    reported = report_per_node(cli, build, tmp_path)  # the report's figure 7: the removed node drawn gone
+    assert reported[removed[0]]["state"] == "gone" and sum(n["written"] for n in reported.values()) == 48
 
 
 def test_a_worker_lost_after_the_others_ran_out_of_work_is_taken_over_by_an_idle_one(cluster, make_build, hold,
