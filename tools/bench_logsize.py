@@ -42,8 +42,7 @@ PARTS = (
 
 
 def hsbuild(*args: str) -> str:
-    cp = subprocess.run([sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True,
-                        cwd=str(ROOT), env=None)
+    cp = subprocess.run([sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True)
     if cp.returncode not in (0,):
         raise RuntimeError(f"hsbuild {' '.join(args[:2])}: exit {cp.returncode}: {cp.stderr[-2000:]}")
     return cp.stdout
