@@ -41,6 +41,9 @@ PARTS = (
 )
 
 
+INDEX = "the unique index on `seq`"
+
+
 def hsbuild(*args: str) -> str:
     cp = subprocess.run([sys.executable, "-m", "builder.cli", *args], capture_output=True, text=True)
     if cp.returncode not in (0,):
@@ -88,6 +91,22 @@ def measure(build: Path) -> dict:
                 c.close()
             out[name] = part.stat().st_size - base
             part.unlink()
+        sizes = []  # the unique index on seq: the events' seq column with it, less without it
+        for index in (False, True):
+            part = Path(tmp) / "part.duckdb"
+            c = duckdb.connect(str(part))
+            try:
+                c.execute(f"ATTACH '{events}' AS l (READ_ONLY)")
+                c.execute("CREATE TABLE t AS SELECT seq FROM l.events")
+                c.execute("DETACH l")
+                if index:
+                    c.execute("CREATE UNIQUE INDEX t_seq ON t (seq)")
+                c.execute("CHECKPOINT")
+            finally:
+                c.close()
+            sizes.append(part.stat().st_size)
+            part.unlink()
+        out[INDEX] = sizes[1] - sizes[0]
     return out
 
 
@@ -97,7 +116,7 @@ def show(label: str, m: dict, base: dict | None) -> None:
     print(f"\n{label}: {m['samples']:,} samples; file {m['file'] / 1e6:.1f} MB")
     print(f"  file {(m['file'] - fixed['file']) / n:.0f} B a sample beyond the tiny build's {fixed['file'] / 1e6:.1f} MB"
           f"; blocks in use {(m['used'] - fixed['used']) / n:.0f} B, free {(m['free'] - fixed['free']) / n:.0f} B")
-    for name, _ in PARTS:
+    for name in [p[0] for p in PARTS] + [INDEX]:
         print(f"  {name:<34} {m[name] / m['samples']:6.1f} B a sample")
 
 
