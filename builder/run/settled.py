@@ -101,7 +101,10 @@ FROM sample_fold f WHERE f.sample_id IN (SELECT sample_id FROM source_samples)
 def settled(lay: BuildLayout, cfg: BuildConfig) -> Settled | None:
     """The build has nothing to do, and its source is the one its last run read (see the module's docstring):
     what to say. None: the long way decides (also on any error here: it reports errors itself)."""
-    lock = inspect_lock(lay)
+    try:
+        lock = inspect_lock(lay)
+    except OSError:
+        return None
     if lock.held or lock.info or not lay.events.exists():
         return None
     now = source_stat(Path(cfg.source))
