@@ -9,6 +9,7 @@ source's rows nor a replay into a plan: a resume then records nothing and starts
 
 It answers only when it can be sure, else None and the resume takes the long way (which may well find nothing
 to do either, and says so as before):
+- the build can be written (a read-only one is refused by the long way, nothing to do or not);
 - no owner holds the build, and the last one released it cleanly (a dead owner's record is the long way's to
   name, in its `run_started`);
 - the log's views are this version's (an older log is upgraded by the long way, as an owner opens it);
@@ -101,6 +102,8 @@ FROM sample_fold f WHERE f.sample_id IN (SELECT sample_id FROM source_samples)
 def settled(lay: BuildLayout, cfg: BuildConfig) -> Settled | None:
     """The build has nothing to do, and its source is the one its last run read (see the module's docstring):
     what to say. None: the long way decides (also on any error here: it reports errors itself)."""
+    if not _writable(lay):
+        return None  # a build that cannot be written: the long way refuses it, as it refuses any resume of it
     try:
         lock = inspect_lock(lay)
     except OSError:
@@ -135,6 +138,20 @@ def settled(lay: BuildLayout, cfg: BuildConfig) -> Settled | None:
         return None
     finally:
         log.close()
+
+
+def _writable(lay: BuildLayout) -> bool:
+    """Could a run own the build: its lock file opens for writing (not on a read-only volume) and its directory
+    takes new files (as `BuildLock.acquire` asks; nothing is written here)."""
+    try:
+        fd = os.open(lay.lock, os.O_RDWR)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    else:
+        os.close(fd)
+    return os.access(lay.root, os.W_OK | os.X_OK)
 
 
 def resume_settled(prep: Prepared) -> Settled | None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import random_rows, set_config, write_jsonl
+from conftest import mounted_tmpfs, random_rows, set_config, write_jsonl
 
 from builder.config import BuildConfig
 from builder.layout import layout
@@ -170,6 +171,21 @@ def test_a_failed_sample_is_resumed(make_build, cli, no_racy_wait):
                        f"intermediate=128,nan_token={nan}")
     assert cli("run", build, "--no-progress").returncode == 1
     _long_way(cli, build, code=1)  # retried (attempts left), failed again: exit 1 as before, never "done"
+
+
+def test_a_complete_build_that_cannot_be_written_is_refused_as_before(tmp_path, cli, no_racy_wait):
+    """resume refuses a read-only build (exit 2, "not writable"), nothing to do or not: never "done" instead."""
+    with mounted_tmpfs(tmp_path / "mnt", "64m") as mnt:
+        src = write_jsonl(mnt / "src.jsonl", random_rows(3))
+        build = mnt / "b"
+        cli("init", build, "--source", src, "--model", "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,"
+            "intermediate=128", "--high", "0.998", "--low", "0.997", "--flood", "0.999", check=True)
+        cli("run", build, "--no-progress", check=True)
+        assert _runs(build)[-1]["stat"] is not None
+        _nothing_to_do(cli, build)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        cp = cli("resume", build, "--no-progress")
+        assert cp.returncode == 2 and "not writable" in cp.stderr, cp.stdout + cp.stderr
 
 
 def test_a_source_modified_just_before_the_run_gets_no_identity(tmp_path):
