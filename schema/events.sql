@@ -81,7 +81,7 @@ CREATE TABLE IF NOT EXISTS fold_checkpoint (
     mkind         VARCHAR,
     m_num_tokens  BIGINT,
     m_nbytes      BIGINT,
-    m_detail      VARCHAR,
+    m_detail      VARCHAR,    -- (a written event's: only {finish_reason, generated}, when it has them; else NULL)
     m_segment     VARCHAR,
     m_token_start BIGINT,
     m_checksums   VARCHAR,

@@ -61,7 +61,12 @@ SELECT
     CASE WHEN t.mseq IS NULL THEN f.mkind ELSE tm.kind END AS mkind,
     CASE WHEN t.mseq IS NULL THEN f.m_num_tokens ELSE tm.num_tokens END AS m_num_tokens,
     CASE WHEN t.mseq IS NULL THEN f.m_nbytes ELSE tm.nbytes END AS m_nbytes,
-    CASE WHEN t.mseq IS NULL THEN f.m_detail ELSE tm.detail END AS m_detail,
+    -- a `written` event's detail carries only what the views read of it (a regenerated sample's finish_reason
+    -- and generated; its disk_bytes is m_disk_bytes): the rest (timings, truncated) stays in the event alone
+    CASE WHEN t.mseq IS NULL THEN f.m_detail WHEN tm.kind <> 'written' THEN tm.detail
+         WHEN json_extract(tm.detail, '$.finish_reason') IS NOT NULL
+              THEN json_object('finish_reason', json_extract_string(tm.detail, '$.finish_reason'),
+                               'generated', json_extract(tm.detail, '$.generated'))::VARCHAR END AS m_detail,
     CASE WHEN t.mseq IS NULL THEN f.m_segment ELSE tm.segment END AS m_segment,
     CASE WHEN t.mseq IS NULL THEN f.m_token_start ELSE tm.token_start END AS m_token_start,
     CASE WHEN t.mseq IS NULL THEN f.m_checksums ELSE tm.checksums END AS m_checksums,

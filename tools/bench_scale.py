@@ -18,6 +18,10 @@ Each measurement runs in its own fresh process; its peak RSS is that process's r
   BY 1"` as subprocesses, wall time; `hsbuild --version` (interpreter start-up and imports) is shown apart.
 - reader: `HiddenStateDataset`'s index made over the same log, against the reader as it was
   (tools/bench_reader.py, which also measures items/s through DataLoader workers on a real build).
+- resume: `hsbuild resume` on a complete build of a real source of the same size, the long way and with nothing
+  to do, against `hsbuild --version` and `status` (tools/bench_resume.py, its own build).
+- --log-size: what a sample costs in the log of a real build, after its run and after a full verify, part by
+  part (tools/bench_logsize.py).
 - source: `load_source` (every sample's tokens held as numpy arrays) of a synthetic JSONL / Parquet source of
   the same number of rows (--source-tokens tokens each, on average), and of one with 8x fewer rows and 8x more
   tokens: from the two, bytes per row and per token, extrapolated to --extrapolate-tokens tokens a row. With
@@ -366,6 +370,9 @@ def main() -> None:
     ap.add_argument("--no-source", action="store_true", help="skip the source measurements")
     ap.add_argument("--verify", action="store_true", help="measure verify too (writes about 9 KB a sample)")
     ap.add_argument("--no-reader", action="store_true", help="skip the reader's index (tools/bench_reader.py)")
+    ap.add_argument("--no-resume", action="store_true", help="skip resume on a complete build (tools/bench_resume.py)")
+    ap.add_argument("--log-size", action="store_true", help="measure what a sample costs in the log on a real build "
+                    "of --samples samples: a run and a full verify (tools/bench_logsize.py; about 6 min at 100k)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -417,6 +424,10 @@ def main() -> None:
             bench_reader.measure_construct(build, reader_rows)
             rows += [(what, secs, "", note) for what, secs, note in reader_rows]
 
+        if not a.no_resume:  # a complete build of a real source: resume the long way, then with nothing to do
+            import bench_resume  # noqa: PLC0415
+
+            rows += [(what, secs, "", note) for what, secs, note in bench_resume.measure(a.samples, work, a.repeat)]
         if not a.no_source:
             t = a.source_tokens
             points = []
@@ -458,6 +469,10 @@ def main() -> None:
 
     if a.verify:
         measure_verify(a.samples)
+    if a.log_size:
+        import bench_logsize  # noqa: PLC0415
+
+        bench_logsize.main(["--samples", str(a.samples)])
 
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     print(f"\n{'measure':<{w[0]}}  {'seconds':>{w[1]}}  {'peak RSS':>{w[2]}}  note")

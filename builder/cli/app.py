@@ -175,7 +175,18 @@ def cmd_run(args: argparse.Namespace, resume: bool = False) -> int:
                       flood=args.flood, min_free=args.min_free, take_over=args.take_over, launch=args.launch,
                       inflight=args.inflight, source=args.source, accept_source_changes=args.accept_source_changes,
                       ray=args.ray, trust_server=args.trust_server, metrics=args.metrics)
-    prepared = prepare(args.build, opts, start_workers=True)
+    # a resume with nothing to do is answered from the log before any worker starts (run/settled.py)
+    prepared = prepare(args.build, opts, start_workers=not resume)
+    if resume:
+        from builder.run.preparation import with_standby  # noqa: PLC0415
+        from builder.run.settled import resume_settled  # noqa: PLC0415
+
+        done = resume_settled(prepared)
+        if done is not None:
+            print(done.line(), file=sys.stderr)
+            print(f"nothing to do: {done.done} done, {done.retired} retired; wrote 0, failed 0")
+            return EXIT_OK
+        prepared = with_standby(prepared)
     try:
         return _run(args, resume, prepared)
     finally:

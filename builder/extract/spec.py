@@ -188,6 +188,11 @@ class HfTokenizer:
                                  "input_ids)") from None
         return self._tok
 
+    @property
+    def loaded(self) -> bool:
+        """Whether a row needed it (its files then decided the samples' tokens)."""
+        return self._tok is not None
+
     def encode(self, text: str) -> list[int]:
         return self._load()(text)["input_ids"]
 

@@ -38,6 +38,7 @@ from builder.run.messages import WorkerSettings
 from builder.run.plan import Plan, make_plan
 from builder.run.preparation import Prepared, RunOptions, prepare
 from builder.run.regenerate import RegenSettings
+from builder.run.settled import source_stat
 from builder.run.spawning import Workers
 from builder.run.status import SpacePause, live_status
 from builder.run.supervision import Supervisor, first_probe
@@ -86,6 +87,7 @@ class Coordinator:
         self._pause: SpacePause | None = None
         self._dispatch: Dispatcher | None = None
         self._reports: Reports | None = None
+        self._source_stat: dict | None = None  # the source's identity as read (`settled.source_stat`)
 
     @property
     def space(self) -> SpaceMonitor:
@@ -119,8 +121,12 @@ class Coordinator:
             # validate the source before the log is even opened: bad input changes nothing
             session.phase = "starting: reading the source"
             source = catch.source_path()
-            samples = sources.load_source(source, tokenizer_for(prep.cfg), build=prep.lay,
-                                          regenerate=prep.cfg.turns_read())
+            stat = source_stat(source)  # (before reading: a write while it is read makes it another file)
+            tokenizer = tokenizer_for(prep.cfg)
+            samples = sources.load_source(source, tokenizer, build=prep.lay, regenerate=prep.cfg.turns_read())
+            # the file's identity, recorded in run_started: a later resume with nothing to do is answered from the
+            # log (run/settled.py); not where a model directory's tokenizer made the tokens (its files count too)
+            self._source_stat = None if isinstance(tokenizer, HfTokenizer) and tokenizer.loaded else stat
             session.phase = "starting: replaying the log"
             # (the signals are taken once the run has started: Ctrl-C before that ends it at once)
             session.open(signals=False)
@@ -175,7 +181,7 @@ class Coordinator:
             config=prep.cfg.to_toml(),
             config_fingerprint=prep.cfg.fingerprint(), model_fingerprint=meta.get("model_fingerprint"),
             code_fingerprint=code_fingerprint(), pid=os.getpid(), previous_owner=previous,
-            history_ordinal=ordinal,
+            history_ordinal=ordinal, **({"source_stat": self._source_stat} if self._source_stat is not None else {}),
             **({"import": {"dir": str(Path(prep.opts.imports.dir).absolute()), "format": prep.opts.imports.format,
                            **report.dump.summary()}} if report.dump is not None else {}))))
         session.flush(force=True)

@@ -158,11 +158,18 @@ def prepare(build: str | Path, opts: RunOptions | None = None, start_workers: bo
     if standby is not None and (opts.ray or standby.workers != workers):
         standby.close()  # not this run's count: the run starts its own
         standby = None
-    if standby is None and start_workers and not opts.ray and 0 < workers <= STANDBY_MAX:
-        standby = Standby(workers, preload_hf=preload_hf)
-    return Prepared(opts=opts, lay=lay, cfg=cfg, backend=backend, workers=workers, workers_why=why, threads=threads,
+    prep = Prepared(opts=opts, lay=lay, cfg=cfg, backend=backend, workers=workers, workers_why=why, threads=threads,
                     device=device, compute_device=compute_device, stop_grace=grace, preload_hf=preload_hf,
                     dump_claim=dump_claim, standby=standby)
+    return with_standby(prep) if start_workers else prep
+
+
+def with_standby(prep: Prepared) -> Prepared:
+    """The run with its standby workers started, with the count decided (as `prepare(..., start_workers=True)`
+    starts them): the CLI's resume starts them only once it knows there is something to do (run/settled.py)."""
+    if prep.standby is None and not prep.opts.ray and 0 < prep.workers <= STANDBY_MAX:
+        return replace(prep, standby=Standby(prep.workers, preload_hf=prep.preload_hf))
+    return prep
 
 
 def _check_ray(opts: RunOptions, cfg: BuildConfig, backend: backends.BackendSpec) -> None:

@@ -108,7 +108,10 @@ events_st = st.lists(raw_event, max_size=24)
 FAIL_REASONS = ["nonfinite", "checksum_mismatch", "no_space", "import_truncated"]
 DETAILS = [None, json.dumps({"disk_bytes": 4096, "seconds": 0.1, "finish_reason": "length", "generated": 3}),
            json.dumps({"row": 7, "note": "n"}),
-           json.dumps({"note": "too long", "row": "not a number"})]
+           json.dumps({"note": "too long", "row": "not a number"}),
+           # a written event's: without a finish_reason (the fold keeps none of it), with one but no `generated`
+           json.dumps({"disk_bytes": 512, "seconds": 0.2, "truncated": 3}),
+           json.dumps({"disk_bytes": 512, "finish_reason": "stop"})]
 
 
 def _events(raw) -> list[Event]:
