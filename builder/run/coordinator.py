@@ -143,6 +143,7 @@ class Coordinator:
             self.prep = self.prep.moved_to(source)
         prep = self.prep
         catch.adopt_unlogged(previous)
+        catch.adopt_drops()
         plan = make_plan(log, samples, prep.cfg.max_attempts, None if prep.importing else prep.opts.limit)
         report = RunReport(self.run_id, plan)
         if prep.importing:
@@ -281,7 +282,8 @@ class Coordinator:
         reports = self._reports = Reports(
             session, workers, dispatch, self._space, engine, bar, self.echo, fingerprint=meta.get("model_fingerprint"),
             watermarks=prep.cfg.watermarks, data=prep.lay.data,
-            imported=Imported(dump.files, prep.opts.imports.format) if dump is not None else None)
+            imported=Imported(dump.files, prep.opts.imports.format) if dump is not None else None,
+            run_id=self.run_id, run_ordinal=ordinal)
         gpus = GpuSampler(interval=5.0) if gpu_build else None
         # once stopping, workers still running a grace period after the stop request (or a worker's death) are
         # killed and named: a hung or SIGSTOPped worker cannot hold the run forever
@@ -317,6 +319,7 @@ class Coordinator:
                 for since, grace in ((stop_since, prep.stop_grace), (abort_since, abort_grace)):
                     if since is not None and now - since > grace:
                         reports.give_up_on(grace)
+                reports.drops.commit()  # (the drops' history record before their events)
                 stats = gpus.poll() if gpus else None
                 if stats:
                     session.emit(Event("gpu_stats", detail=detail(devices=stats)))
@@ -329,6 +332,7 @@ class Coordinator:
             flags.stop, flags.gate_open = True, True
             bar.close()
             try:
+                reports.drops.commit(force=True)
                 session.flush(force=True)
                 session.announce_stop()  # Ctrl-C as the loop's last turn drew the final reports: said here, once
             finally:

@@ -6,6 +6,8 @@ What comes back, and what cannot (the log alone held it):
 - written: the newest durable attempt of each sample, in write order (a run's ordinal, then the attempt), every
   older durable attempt before it as a superseded `written` (its bytes stay referenced, as they were);
 - skipped (`hsbuild skip`) and brought back (`--undo`): from their records;
+- responses dropped at the token limit (--drop-truncated): retired `at_token_limit` with their figures
+  (generated, finish_reason, seed, turns), from the runs' `drop` records;
 - verified, and failed by a sweep (checksum_mismatch, missing_data, unreadable): from the sweeps' records, each
   verdict applied only to the location it judged, and only while that is still the sample's current one;
 - not restored: failures a run recorded (a failed sample without newer durable data comes back pending and is
@@ -33,6 +35,7 @@ from typing import Protocol
 from builder.errors import UsageError
 from builder.log.events import Event, detail
 from builder.progress import NoProgress, Progress
+from builder.run.handling import drop_event
 from builder.store.history import LOST_RECORD, VERDICTS, HistoryRecord
 from builder.store.readback import SharedReader, check_sample, check_with_retries, segment_chunk_tokens
 
@@ -79,6 +82,7 @@ class ReplayReport:
     written: int = 0  # samples restored written or verified, their bytes read back good (or not readable)
     verified: int = 0  # of them, verified by a sweep's record
     skipped: int = 0  # retired as skipped
+    dropped: int = 0  # retired at the token limit (--drop-truncated)
     failed: int = 0  # failed: by a sweep's record, or damaged when read back
     failed_by_verify: int = 0  # verdicts `failed` a sweep's record applied
     older_attempts: int = 0  # durable attempts superseded by a newer one (restored as superseded `written`)
@@ -97,6 +101,7 @@ class _State:
     kind: str  # written | retired | pending | failed
     loc: DurableSample | None = None
     verified: bool = False
+    dropped: bool = False  # retired at the token limit (a `drop` record), not skipped
 
 
 def replay(entries: list, records: list[HistoryRecord], source: Mapping[str, SourceRow],
@@ -138,7 +143,8 @@ def tally(states: dict[str, _State], rep: ReplayReport) -> None:
     """The samples per state the rebuilt log gives (after the read-back)."""
     rep.written = sum(st.kind == "written" for st in states.values())
     rep.verified = sum(st.kind == "written" and st.verified for st in states.values())
-    rep.skipped = sum(st.kind == "retired" for st in states.values())
+    rep.skipped = sum(st.kind == "retired" and not st.dropped for st in states.values())
+    rep.dropped = sum(st.kind == "retired" and st.dropped for st in states.values())
     rep.failed = sum(st.kind == "failed" for st in states.values())
 
 
@@ -187,6 +193,17 @@ def _apply_record(r: HistoryRecord, source: Mapping[str, SourceRow], states: dic
                 states[sid] = _State("pending")
             else:
                 rep.stale += 1
+        return out
+    if r.kind == "drop":  # responses retired at the token limit (--drop-truncated)
+        for x in r.body.get("samples", []):
+            sid, fp = str(x.get("sample_id")), x.get("fingerprint")
+            reg, st = source.get(sid), states.get(sid, _State("pending"))
+            if reg is None or reg.fingerprint != fp:  # the source changed since: that change superseded it
+                rep.stale += 1
+                continue
+            out.append(drop_event(sid, fp, x.get("attempt"), dict(x.get("generation") or {}), r.name,
+                                  run_id=RUN_ID, rebuilt=True))
+            states[sid] = _State("retired", st.loc, dropped=True)
         return out
     if r.kind == "verify":
         for segment, by_verdict in sorted(r.body.get("verdicts", {}).items()):

@@ -8,7 +8,7 @@ pack headers).
 - `adopt`: record such samples as written after a full read-back check of their checksums, instead of
   re-extracting them (resume does this).
 - `rebuild_log`: a new log from hsbuild.toml, the source, every segment's manifests and the build's history
-  records (data/history/: runs, skips, verify verdicts), replayed in write order and read back
+  records (data/history/: runs, skips, verify verdicts, dropped responses), replayed in write order and read back
   (builder/run/history_replay.py); the old log is kept beside it, renamed.
 
 Write order: a run's ordinal (its history record, builder/store/history.py), then the attempt (a run numbers a
@@ -31,6 +31,7 @@ from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
 from builder.progress import Progress
+from builder.run.handling import AT_TOKEN_LIMIT, drop_event
 from builder.run.history_replay import (
     RUN_ID,
     DurableSample,
@@ -73,6 +74,34 @@ def unlogged(log: EventLog, data_root: Path) -> list[DurableSample]:
     _, rows = log.query("SELECT DISTINCT segment, token_start FROM events WHERE kind = 'written'")
     known = {(r[0], int(r[1])) for r in rows}
     return [d for d in durable_samples(data_root) if (d.segment, d.token_start) not in known]
+
+
+def unlogged_drops(log: EventLog, data_root: Path) -> list[Event]:
+    """The `retired` events the log lacks of responses dropped with --drop-truncated (a run killed between a
+    `drop` history record and its events' commit): each entry of a drop record that no `retired` event naming
+    that record holds, whose sample is registered with the entry's fingerprint and not done (written, verified,
+    retired). A sample once dropped is thereby never generated again."""
+    records = read_history(data_root, ("drop",))
+    if not records:
+        return []
+    _, rows = log.query("SELECT sample_id, json_extract_string(detail, '$.record') FROM events "
+                        "WHERE kind = 'retired' AND reason = ?", [AT_TOKEN_LIMIT])
+    logged = {(r[0], r[1]) for r in rows}
+    missed = [(r.name, x) for r in records for x in r.body.get("samples", [])
+              if (str(x.get("sample_id")), r.name) not in logged]
+    if not missed:
+        return []
+    _, rows = log.query("SELECT sample_id, fingerprint, state FROM samples WHERE sample_id IN (SELECT unnest(?))",
+                        [sorted({str(x.get("sample_id")) for _, x in missed})])
+    now = {r[0]: (r[1], r[2]) for r in rows}
+    out = []
+    for name, x in missed:
+        sid, fp = str(x.get("sample_id")), x.get("fingerprint")
+        fp_now, state = now.get(sid, (None, None))
+        if fp_now == fp and state not in ("written", "verified", "retired"):
+            out.append(drop_event(sid, fp, x.get("attempt"), dict(x.get("generation") or {}), name, adopted=True))
+            now[sid] = (fp_now, "retired")
+    return out
 
 
 @dataclass
@@ -124,7 +153,7 @@ class RebuildReport:
     def pending(self) -> int:
         """Registered samples the rebuilt log gives no state (no durable data, or brought back by --undo)."""
         h = self.history
-        return self.registered - h.written - h.skipped - h.failed
+        return self.registered - h.written - h.skipped - h.dropped - h.failed
 
 
 def rebuild_log(build: str | Path, make_meta: Callable[[BuildLayout], dict],
@@ -172,7 +201,8 @@ def rebuild_log(build: str | Path, make_meta: Callable[[BuildLayout], dict],
                         *sealed, Event("log_rebuilt", run_id=RUN_ID, detail=detail(
                             kept_as=rep.kept_as, segments=rep.segments, layout1_segments=rep.layout1_segments,
                             records=dict(h.records), written=h.written, verified=h.verified, skipped=h.skipped,
-                            failed=h.failed, failed_by_verify=h.failed_by_verify, older_attempts=h.older_attempts,
+                            dropped=h.dropped, failed=h.failed, failed_by_verify=h.failed_by_verify,
+                            older_attempts=h.older_attempts,
                             foreign=h.foreign, stale=h.stale, read_back=h.read_back, read_bytes=h.read_bytes,
                             damaged=[sid for sid, _ in h.damaged][:1000],
                             not_checked=[sid for sid, _ in h.not_checked][:1000]))])
