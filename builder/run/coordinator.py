@@ -41,7 +41,7 @@ from builder.run.regenerate import RegenSettings
 from builder.run.spawning import Workers
 from builder.run.status import SpacePause, live_status
 from builder.run.supervision import Supervisor, first_probe
-from builder.space.capacity import measured_bytes_per_token, stored_tokens
+from builder.space.capacity import measured_bytes_per_token, response_allowance, stored_tokens
 from builder.space.watermarks import SpaceMonitor
 from builder.store.codec import parse_codec
 from builder.store.history import next_ordinal
@@ -158,7 +158,8 @@ class Coordinator:
             gpu_build = doc.gpu_build
             for line in warning_lines(doc):
                 self.echo(line)
-        self._space.preflight(stored_tokens(plan.todo, prep.cfg.max_tokens), meta, measured_bytes_per_token(log),
+        self._space.preflight(stored_tokens(plan.todo, prep.cfg.max_tokens, response_allowance(log, meta)), meta,
+                              measured_bytes_per_token(log),
                               allow_overcommit=prep.opts.allow_overcommit, echo=self.echo,
                               remaining_samples=len(plan.todo))
         catch.give_up_interrupted(plan)
