@@ -46,7 +46,7 @@ from builder.run.messages import (
     Unreachable,
     Written,
 )
-from builder.store.history import write_record
+from builder.store.history import history_dir, write_record
 
 if TYPE_CHECKING:
     from builder.config import Watermarks
@@ -88,9 +88,10 @@ def drop_event(sample_id: str, fingerprint: str, attempt: int | None, generation
 class Drops:
     """Dropped responses not yet recorded: written as one `drop` history record, then emitted as `retired`."""
 
-    def __init__(self, data: Path, run_id: str, run_ordinal: int, emit: Callable[[Event], None],
+    def __init__(self, data: Path, run_id: str, run_ordinal: int, session: OwnerSession,
                  echo: Callable[[str], None]):
-        self._data, self._run_id, self._after, self._emit, self._echo = data, run_id, run_ordinal, emit, echo
+        self._data, self._run_id, self._after, self._echo = data, run_id, run_ordinal, echo
+        self._session = session
         self._held: list[Dropped] = []
         self._since = 0.0
         self._said = False
@@ -108,9 +109,10 @@ class Drops:
         if not held or not (force or len(held) >= DROP_BATCH or time.monotonic() - self._since >= DROP_SECONDS):
             return
         try:
-            rec = write_record(self._data, "drop", self._run_id, {"samples": [
-                {"sample_id": m.sample_id, "fingerprint": m.fingerprint, "attempt": m.attempt,
-                 "generation": m.generation} for m in held]}, after=self._after)
+            with self._session.watch.track("drop history record", history_dir(self._data)):  # (a stalled volume)
+                rec = write_record(self._data, "drop", self._run_id, {"samples": [
+                    {"sample_id": m.sample_id, "fingerprint": m.fingerprint, "attempt": m.attempt,
+                     "generation": m.generation} for m in held]}, after=self._after)
         except (DiskFullError, OSError) as e:
             if force or not self._said:
                 self._echo(f"\n{len(held)} dropped response(s) (--drop-truncated) not recorded yet: {e}"
@@ -121,7 +123,8 @@ class Drops:
         testhook.after_record("drop")  # (the suite's SIGKILL between the record and the events)
         self._held = []
         for m in held:
-            self._emit(drop_event(m.sample_id, m.fingerprint, m.attempt, m.generation, rec.name, worker=m.worker))
+            self._session.emit(drop_event(m.sample_id, m.fingerprint, m.attempt, m.generation, rec.name,
+                                          worker=m.worker))
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ class Reports:
         self._fingerprint, self._wm, self._data = fingerprint, watermarks, data
         self._imported = imported
         self.tally = Tally()
-        self.drops = Drops(data, run_id, run_ordinal, self._emit, echo)
+        self.drops = Drops(data, run_id, run_ordinal, session, echo)
         self._aborted: str | None = None
         self._landed = False
 
