@@ -72,8 +72,10 @@ class Tally:
 # a regenerated response that stopped at the token limit, retired (--drop-truncated): the `retired` reason, note
 AT_TOKEN_LIMIT = "at_token_limit"
 DROP_NOTE = "its response stopped at the token limit (--drop-truncated)"
-DROP_SECONDS = 1.0  # drops gathered at most this long before their record is written and their events emitted
-DROP_BATCH = 1000  # ... or this many
+# drops gathered at most this long (or this many) before their record is written and their events emitted: a
+# record at most every 5 s, so a long build's data/history/ stays small (each run start lists it)
+DROP_SECONDS = 5.0
+DROP_BATCH = 10000
 
 
 def drop_event(sample_id: str, fingerprint: str, attempt: int | None, generation: dict, record: str,
@@ -117,8 +119,9 @@ class Drops:
             if force or not self._said:
                 self._echo(f"\n{len(held)} dropped response(s) (--drop-truncated) not recorded yet: {e}"
                            + ("; they are left for the next run, which generates them again" if force else
-                              "; tried again shortly"))
+                              f"; tried again in {DROP_SECONDS:g} s"))
                 self._said = True
+            self._since = time.monotonic()
             return
         testhook.after_record("drop")  # (the suite's SIGKILL between the record and the events)
         self._held = []

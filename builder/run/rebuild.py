@@ -41,7 +41,7 @@ from builder.run.history_replay import (
     tally,
     written_events,
 )
-from builder.store.history import read_history, run_ordinals, segment_run
+from builder.store.history import read_history, record_names, run_ordinals, segment_run
 from builder.store.readback import check_sample, segment_chunk_tokens
 from builder.store.reader import SegmentReader
 from builder.store.segment import MANIFEST_DIR, SEAL_NAME, list_segments, read_manifests
@@ -81,12 +81,14 @@ def unlogged_drops(log: EventLog, data_root: Path) -> list[Event]:
     `drop` history record and its events' commit): each entry of a drop record that no `retired` event naming
     that record holds, whose sample is registered with the entry's fingerprint and not done (written, verified,
     retired). A sample once dropped is thereby never generated again."""
-    records = read_history(data_root, ("drop",))
-    if not records:
+    names = record_names(data_root, "drop")
+    if not names:
         return []
     _, rows = log.query("SELECT sample_id, json_extract_string(detail, '$.record') FROM events "
                         "WHERE kind = 'retired' AND reason = ?", [AT_TOKEN_LIMIT])
     logged = {(r[0], r[1]) for r in rows}
+    # (a record's events commit together: only a record the log never names is read)
+    records = read_history(data_root, ("drop",), set(names) - {r[1] for r in rows})
     missed = [(r.name, x) for r in records for x in r.body.get("samples", [])
               if (str(x.get("sample_id")), r.name) not in logged]
     if not missed:

@@ -149,12 +149,18 @@ def ensure_run_record(data_root: Path, ordinal: int, run_id: str) -> None:
     _write_once(d, name, _record_bytes("run", ordinal, run_id, time.time(), {}), exist_ok=True)
 
 
-def read_history(data_root: Path, kinds: tuple[str, ...] = KINDS) -> list[HistoryRecord]:
-    """Every record (of these kinds), by ordinal. One that cannot be read whole is refused (UsageError naming
-    it): without it the history cannot be replayed faithfully, and hsbuild does not guess."""
+def record_names(data_root: Path, kind: str) -> list[str]:
+    """The names of the records of one kind, by ordinal (from the names alone: nothing is read)."""
+    return [name for _, k, _, name in _names(data_root) if k == kind]
+
+
+def read_history(data_root: Path, kinds: tuple[str, ...] = KINDS, names: set[str] | None = None
+                 ) -> list[HistoryRecord]:
+    """Every record (of these kinds; of these names), by ordinal. One that cannot be read whole is refused
+    (UsageError naming it): without it the history cannot be replayed faithfully, and hsbuild does not guess."""
     out = []
     for ordinal, kind, _id8, name in _names(data_root):
-        if kind not in kinds:
+        if kind not in kinds or (names is not None and name not in names):
             continue
         p = history_dir(data_root) / name
         try:
