@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +38,8 @@ from builder.progress import NoProgress, Progress
 from builder.run.handling import drop_event
 from builder.store.history import LOST_RECORD, VERDICTS, HistoryRecord
 from builder.store.readback import SharedReader, check_sample, check_with_retries, segment_chunk_tokens
+from builder.store.segment import DIMS, FIELDS, MANIFEST_DIR, field_geometry
+from builder.store.shard import ShardGeometry, shard_path
 
 RUN_ID = "rebuild"  # the run id of every event rebuild-log writes
 
@@ -68,6 +70,9 @@ class DurableSample:
     fp8_error: dict | None = None  # an fp8 build: the measured error, as its `written` event records it
     ordinal: int = 0  # the ordinal of the run that wrote it (its history record); 0: a run without one
     generation: dict | None = None  # a regenerated sample: generated, finish_reason, seed, turns (its manifest's)
+    group_start: int = 0  # its group (manifest): where its shards start, the tokens and bytes its samples hold
+    group_tokens: int = 0
+    group_nbytes: int = 0
 
     @property
     def order(self) -> tuple:
@@ -105,9 +110,11 @@ class _State:
 
 
 def replay(entries: list, records: list[HistoryRecord], source: Mapping[str, SourceRow],
-           rep: ReplayReport) -> tuple[list[Event], dict[str, _State]]:
+           rep: ReplayReport, disk: Mapping[tuple[str, int], int] | None = None
+           ) -> tuple[list[Event], dict[str, _State]]:
     """The events of the history, in order: `entries` (manifest entries, each with `order`, its place in write
-    order) and `records` merged by ordinal. Returns the events and each sample's state after them."""
+    order) and `records` merged by ordinal; `disk`: each entry's share of its group's blocks (`disk_shares`).
+    Returns the events and each sample's state after them."""
     timeline: list[tuple[tuple, object]] = [(d.order, d) for d in entries]
     rep.records.update(r.kind for r in records)
     timeline += [((r.ordinal, -1, 0.0, "", 0), r) for r in records if r.kind != "run"]  # (runs: their ordinals)
@@ -133,7 +140,7 @@ def replay(entries: list, records: list[HistoryRecord], source: Mapping[str, Sou
         if d.sample_id in seen:
             rep.older_attempts += 1
         seen.add(d.sample_id)
-        events.append(written_event(d))
+        events.append(written_event(d, (disk or {}).get((d.segment, d.token_start))))
         states[d.sample_id] = _State("written", d)
         at_loc[(d.segment, d.token_start)] = d.sample_id
     return events, states
@@ -148,13 +155,54 @@ def tally(states: dict[str, _State], rep: ReplayReport) -> None:
     rep.failed = sum(st.kind == "failed" for st in states.values())
 
 
-def written_events(d: DurableSample, how: str) -> list[Event]:
-    """A durable sample recorded: `written` (detail {how: true}), then `verified` (what adoption records)."""
+def disk_shares(data_root: Path, entries: Iterable[DurableSample]) -> dict[tuple[str, int], int]:
+    """Each sample's share of what its group occupies on disk (the allocated blocks of its shard files and its
+    manifest, shared in proportion to the samples' bytes), as its writer counted it for its `written` event's
+    `disk_bytes` (`SegmentWriter.commit`), by (segment, token_start); the capacity projection measures bytes
+    per token from it. A group whose files cannot be found is left out."""
+    out: dict[tuple[str, int], int] = {}
+    geometry: dict[str, list | None] = {}
+    allocated: dict[tuple[str, int], int | None] = {}
+    for d in entries:
+        if d.group_nbytes <= 0:
+            continue
+        seg_dir = data_root / d.segment
+        if d.segment not in geometry:
+            try:
+                geometry[d.segment] = [(f, ShardGeometry(*field_geometry(seg_dir, f))) for f in FIELDS]
+            except (OSError, ValueError, KeyError, IndexError, TypeError, ZeroDivisionError):
+                geometry[d.segment] = None
+        geo = geometry[d.segment]
+        key = (d.segment, d.group_start)
+        if key not in allocated:
+            allocated[key] = None if geo is None else _allocated(
+                [seg_dir / MANIFEST_DIR / f"{d.group_start}.json",
+                 *(shard_path(seg_dir, f, DIMS[f], i) for f, g in geo if g.shard_chunks
+                   for i in g.shards(d.group_start, d.group_tokens))])
+        if allocated[key] is not None:
+            out[(d.segment, d.token_start)] = allocated[key] * d.nbytes // d.group_nbytes
+    return out
+
+
+def _allocated(paths: list[Path]) -> int | None:
+    total = 0
+    for p in paths:
+        try:
+            total += os.stat(p).st_blocks * 512
+        except OSError:
+            return None  # (a file gone: no share to give)
+    return total
+
+
+def written_events(d: DurableSample, how: str, disk_bytes: int | None = None) -> list[Event]:
+    """A durable sample recorded: `written` (detail {how: true}, and its share of its group's blocks on disk
+    where known), then `verified` (what adoption records)."""
     return [
         Event("written", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
               token_start=d.token_start, num_tokens=d.num_tokens, nbytes=d.nbytes,
               checksums=json.dumps(d.checksums, sort_keys=True),
               detail=detail(**{how: True}, truncated=d.truncated,
+                            **({"disk_bytes": disk_bytes} if disk_bytes is not None else {}),
                             **({"fp8_error": {k: round(v, 6) for k, v in d.fp8_error.items()}}
                                if d.fp8_error else {}), **(d.generation or {}))),
         Event("verified", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
@@ -162,8 +210,8 @@ def written_events(d: DurableSample, how: str) -> list[Event]:
     ]
 
 
-def written_event(d: DurableSample) -> Event:
-    ev = written_events(d, "rebuilt")[0]  # written only: a verification comes back from a sweep's record
+def written_event(d: DurableSample, disk_bytes: int | None = None) -> Event:
+    ev = written_events(d, "rebuilt", disk_bytes)[0]  # written only: a verification comes from a sweep's record
     ev.run_id = RUN_ID
     return ev
 

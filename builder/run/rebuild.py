@@ -36,6 +36,7 @@ from builder.run.history_replay import (
     RUN_ID,
     DurableSample,
     ReplayReport,
+    disk_shares,
     read_back,
     replay,
     tally,
@@ -55,6 +56,7 @@ def durable_samples(data_root: Path) -> list[DurableSample]:
     for seg in list_segments(data_root):
         ordinal = ordinals.get(segment_run(seg), 0)
         for m in read_manifests(data_root / seg):
+            group = _group(m)
             for s in m.get("samples", []):
                 try:
                     out.append(DurableSample(seg, str(s["sample_id"]), str(s["fingerprint"]), int(s["attempt"]),
@@ -63,10 +65,23 @@ def durable_samples(data_root: Path) -> list[DurableSample]:
                                              int(s.get("truncated", 0)),
                                              s["fp8_error"] if isinstance(s.get("fp8_error"), dict) else None,
                                              ordinal,
-                                             s["generation"] if isinstance(s.get("generation"), dict) else None))
+                                             s["generation"] if isinstance(s.get("generation"), dict) else None,
+                                             *group))
                 except (KeyError, TypeError, ValueError):
                     continue
     return sorted(out, key=lambda d: d.order)
+
+
+def _group(m: dict) -> tuple[int, int, int]:
+    """A manifest's group: where its shards start, the tokens its samples span from there, their bytes (0, 0, 0
+    when it cannot say)."""
+    try:
+        start = int(m.get("group_start", 0))
+        samples = m.get("samples", [])
+        end = max(int(s["token_start"]) + int(s["num_tokens"]) for s in samples)
+        return start, end - start, sum(int(s["nbytes"]) for s in samples)
+    except (KeyError, TypeError, ValueError):
+        return 0, 0, 0
 
 
 def unlogged(log: EventLog, data_root: Path) -> list[DurableSample]:
@@ -131,13 +146,14 @@ def adopt(log: EventLog, data_root: Path, emit: Callable[[Event], None],
         newest[d.sample_id] = d  # candidates are in write order: the last one wins
     rep.stale += len(candidates) - rep.stale - len(newest)
     reader = SegmentReader(data_root)
+    disk = disk_shares(data_root, newest.values())
     for d in newest.values():
         ct = segment_chunk_tokens(data_root / d.segment) or 1
         res = check_sample(data_root, d.segment, d.token_start, d.num_tokens, d.checksums, ct, reader)
         if not res.ok:
             rep.damaged.append(d.sample_id)
             continue
-        for ev in written_events(d, "adopted"):
+        for ev in written_events(d, "adopted", disk.get((d.segment, d.token_start))):
             emit(ev)
         rep.adopted.append(d.sample_id)
     return rep
@@ -176,7 +192,8 @@ def rebuild_log(build: str | Path, make_meta: Callable[[BuildLayout], dict],
         records = read_history(lay.data)  # (refused here, before the old log is moved, when one is damaged)
         rep = RebuildReport(None)
         source = {s.sample_id: s for s in samples}
-        events, states = replay(durable_samples(lay.data), records, source, rep.history)
+        entries = durable_samples(lay.data)
+        events, states = replay(entries, records, source, rep.history, disk_shares(lay.data, entries))
         events += read_back(lay.data, states, rep.history, jobs, progress)
         tally(states, rep.history)
         rep.registered = len(samples)

@@ -26,10 +26,10 @@ MODEL = "builtin:hidden=64,layers=4,heads=2,kv_heads=1,intermediate=128,vocab=8"
 N = 12
 RUN = ("--no-progress", "--workers", "1", "--device", "cpu")
 # what a user reads of each sample, and relies on being the same after rebuild-log
-VIEW = ("SELECT sample_id, state, retired_reason, retired_note, finish_reason, generated, num_tokens, segment, "
-        "token_start, checksums FROM samples ORDER BY sample_id")
+VIEW = ("SELECT sample_id, state, retired_reason, retired_note, finish_reason, generated, num_tokens, disk_bytes, "
+        "segment, token_start, checksums FROM samples ORDER BY sample_id")
 STATUS_KEYS = ("total", "done", "written", "failed", "pending", "retired", "tokens_done", "tokens_total",
-               "at_token_limit", "dropped_at_token_limit")
+               "at_token_limit", "dropped_at_token_limit", "disk_bytes_done", "todo_tokens", "response_allowance")
 
 
 def _rows() -> list[dict]:
