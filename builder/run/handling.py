@@ -105,8 +105,9 @@ class Drops:
 
     def commit(self, force: bool = False) -> None:
         """The record, then the events, when due (or now, with `force`). A record that cannot be written (a full
-        volume, an I/O error) keeps the drops held, tried again at the next call; at the run's end (`force`) they
-        are said lost: the log leaves those samples `started`, and the next run generates them again."""
+        volume, an I/O error) keeps the drops held, tried again DROP_SECONDS later; at the run's end (`force`)
+        they are said not recorded: the log leaves those samples `started`, and the next run generates them
+        again."""
         held = self._held
         if not held or not (force or len(held) >= DROP_BATCH or time.monotonic() - self._since >= DROP_SECONDS):
             return

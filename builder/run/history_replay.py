@@ -4,7 +4,9 @@ the state the lost log gave it, then every sample restored as written read back 
 
 What comes back, and what cannot (the log alone held it):
 - written: the newest durable attempt of each sample, in write order (a run's ordinal, then the attempt), every
-  older durable attempt before it as a superseded `written` (its bytes stay referenced, as they were);
+  older durable attempt before it as a superseded `written` (its bytes stay referenced, as they were), each
+  with what its manifest entry holds (a regenerated sample's generation figures) and its share of its group's
+  blocks on disk, measured again (`disk_shares`);
 - skipped (`hsbuild skip`) and brought back (`--undo`): from their records;
 - responses dropped at the token limit (--drop-truncated): retired `at_token_limit` with their figures
   (generated, finish_reason, seed, turns), from the runs' `drop` records;
