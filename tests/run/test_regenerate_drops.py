@@ -8,6 +8,7 @@ never generated again, the build the same as one never killed."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -56,6 +57,11 @@ def _view(build) -> list[tuple]:
         return log.query(VIEW)[1]
 
 
+def _sql(build, q: str) -> tuple:
+    with EventLog(layout(build).events, read_only=True) as log:
+        return log.query(q)[1][0]
+
+
 def _status(cli, build) -> dict:
     cp = cli("status", build, "--json")
     assert cp.returncode == 0, cp.stderr
@@ -80,6 +86,10 @@ def test_rebuild_log_keeps_the_drops(tmp_path, cli):
     assert states == {"written:None", "retired:at_token_limit"}, states  # (the build holds both kinds)
     status = _status(cli, build)
     assert status["dropped_at_token_limit"] == sum(r[2] == "at_token_limit" for r in before) > 0
+    # (--turns all: the written two-turn conversations grew by more than --max-new-tokens, so the allowance for a
+    # sample not yet generated is the measured mean growth)
+    grown, n = _sql(build, "SELECT sum(num_tokens - source_tokens), count(*) FROM samples WHERE state = 'written'")
+    assert grown / n > 4 and status["response_allowance"] == math.ceil(grown / n)
     chat = _export(cli, build, tmp_path / "chat-before")
     assert len(chat) == sum(r[1] == "written" for r in before)  # (one conversation a kept sample)
 
