@@ -113,6 +113,16 @@ def test_rebuild_log_keeps_the_drops(tmp_path, cli):
         assert log.query("SELECT count(*) FROM events WHERE kind = 'started'")[1][0][0] == 0
     assert _view(build) == before
 
+    # a damaged drop record is refused, naming it and what is lost without it, before anything changes
+    damaged = lay.data / "history" / recs[0].name
+    damaged.write_bytes(b"\x00" * 40)
+    log_before = lay.events.read_bytes()
+    cp = cli("rebuild-log", build)
+    assert cp.returncode == 2, cp.stdout + cp.stderr
+    assert len(cp.stderr.strip().splitlines()) == 1 and str(damaged) in cp.stderr
+    assert "come back pending" in cp.stderr
+    assert lay.events.read_bytes() == log_before
+
 
 @pytest.mark.claim("crash")
 def test_sigkill_between_the_drop_record_and_its_events(tmp_path, cli):
