@@ -320,7 +320,7 @@ class Coordinator:
                 for since, grace in ((stop_since, prep.stop_grace), (abort_since, abort_grace)):
                     if since is not None and now - since > grace:
                         reports.give_up_on(grace)
-                reports.drops.commit()  # (the drops' history record before their events)
+                reports.commit_drops()  # (the drops' history record before their events)
                 stats = gpus.poll() if gpus else None
                 if stats:
                     session.emit(Event("gpu_stats", detail=detail(devices=stats)))
@@ -333,7 +333,7 @@ class Coordinator:
             flags.stop, flags.gate_open = True, True
             bar.close()
             try:
-                reports.drops.commit(force=True)
+                reports.commit_drops(force=True)
                 session.flush(force=True)
                 session.announce_stop()  # Ctrl-C as the loop's last turn drew the final reports: said here, once
             finally:

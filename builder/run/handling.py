@@ -91,9 +91,9 @@ class Drops:
     """Dropped responses not yet recorded: written as one `drop` history record, then emitted as `retired`."""
 
     def __init__(self, data: Path, run_id: str, run_ordinal: int, session: OwnerSession,
-                 echo: Callable[[str], None]):
+                 echo: Callable[[str], None], on_full: Callable[[], None]):
         self._data, self._run_id, self._after, self._echo = data, run_id, run_ordinal, echo
-        self._session = session
+        self._session, self._on_full = session, on_full
         self._held: list[Dropped] = []
         self._since = 0.0
         self._said = False
@@ -103,32 +103,36 @@ class Drops:
             self._since = time.monotonic()
         self._held.append(msg)
 
-    def commit(self, force: bool = False) -> None:
-        """The record, then the events, when due (or now, with `force`). A record that cannot be written (a full
-        volume, an I/O error) keeps the drops held, tried again DROP_SECONDS later; at the run's end (`force`)
+    def commit(self, force: bool = False) -> int:
+        """The record, then the events, when due (or now, with `force`); returns how many were recorded. A record
+        that cannot be written (an I/O error; a full volume, which pauses the run and gives up the ballast, as a
+        sample's write does) keeps the drops held, tried again DROP_SECONDS later; at the run's end (`force`)
         they are said not recorded: the log leaves those samples `started`, and the next run generates them
         again."""
         held = self._held
         if not held or not (force or len(held) >= DROP_BATCH or time.monotonic() - self._since >= DROP_SECONDS):
-            return
+            return 0
         try:
             with self._session.watch.track("drop history record", history_dir(self._data)):  # (a stalled volume)
                 rec = write_record(self._data, "drop", self._run_id, {"samples": [
                     {"sample_id": m.sample_id, "fingerprint": m.fingerprint, "attempt": m.attempt,
                      "generation": m.generation} for m in held]}, after=self._after)
         except (DiskFullError, OSError) as e:
+            if isinstance(e, DiskFullError):
+                self._on_full()
             if force or not self._said:
                 self._echo(f"\n{len(held)} dropped response(s) (--drop-truncated) not recorded yet: {e}"
                            + ("; they are left for the next run, which generates them again" if force else
                               f"; tried again in {DROP_SECONDS:g} s"))
                 self._said = True
             self._since = time.monotonic()
-            return
+            return 0
         testhook.after_record("drop")  # (the suite's SIGKILL between the record and the events)
         self._held = []
         for m in held:
             self._session.emit(drop_event(m.sample_id, m.fingerprint, m.attempt, m.generation, rec.name,
                                           worker=m.worker))
+        return len(held)
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ class Reports:
         self._fingerprint, self._wm, self._data = fingerprint, watermarks, data
         self._imported = imported
         self.tally = Tally()
-        self.drops = Drops(data, run_id, run_ordinal, session, echo)
+        self._drops = Drops(data, run_id, run_ordinal, session, echo, space.disk_full)
         self._aborted: str | None = None
         self._landed = False
 
@@ -169,6 +173,10 @@ class Reports:
 
     def _emit(self, ev: Event) -> None:
         self._session.emit(ev)
+
+    def commit_drops(self, force: bool = False) -> None:
+        """The dropped responses gathered, recorded beside the data and retired, when due (`Drops.commit`)."""
+        self.tally.dropped += self._drops.commit(force)
 
     # -- one worker's messages ---------------------------------------------------------------------------------
     def drain(self, w: int) -> None:
@@ -223,9 +231,8 @@ class Reports:
             case Written():
                 self._written(msg)
             case Dropped(sample_id=sid):
-                self.drops.add(msg)  # recorded beside the data, then retired (`Drops.commit`)
+                self._drops.add(msg)  # recorded beside the data, then retired (`commit_drops`)
                 st.done(wid, sid)
-                self.tally.dropped += 1
                 self._bar.update(1)
             case Failed(sample_id=sid, attempt=attempt, fingerprint=fp, reason=reason, message=message):
                 self._emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason=reason,

@@ -162,3 +162,37 @@ def test_sigkill_between_the_drop_record_and_its_events(tmp_path, cli):
         return [(r[0], "written" if r[1] == "verified" else r[1], *r[2:7]) for r in rows]
 
     assert same(_view(build)) == same(whole)
+
+
+def test_a_drop_record_that_cannot_be_written(tmp_path, cli):
+    """Where the record cannot be written (here data/history/ is a file, not a folder: every response is dropped,
+    so the run writes no segment and needs no record of its own), the drops are not retired: the run says so, the
+    samples stay in flight, and the next run generates them again and records them."""
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"id": f"d{i}", "messages": [
+        {"role": "user", "content": f"question {i}?"}]} for i in range(4)])
+    build = tmp_path / "b"
+    cp = cli("init", build, "--source", src, "--model", MODEL.removesuffix(",vocab=8"), "--regenerate",
+             "--max-new-tokens", "1", "--drop-truncated", "--allow-overcommit")  # (one token: never the EOS)
+    assert cp.returncode == 0, cp.stderr
+    hist = layout(build).data / "history"
+    assert not hist.exists()
+    hist.write_bytes(b"")
+    cp = cli("run", build, *RUN)
+    assert cp.returncode == 0, cp.stderr
+    assert "4 dropped response(s) (--drop-truncated) not recorded yet" in cp.stderr
+    assert "left for the next run, which generates them again" in cp.stderr
+    with EventLog(layout(build).events, read_only=True) as log:
+        states = dict(log.query("SELECT state, count(*) FROM samples GROUP BY 1")[1])
+    assert states == {"started": 4}  # never retired without its record
+
+    hist.unlink()
+    cp = cli("resume", build, *RUN)
+    assert cp.returncode == 0, cp.stderr
+    assert "4 regenerated response(s) stopped at the token limit" in cp.stderr
+    recs = read_history(layout(build).data, ("drop",))
+    with EventLog(layout(build).events, read_only=True) as log:
+        rows = log.query("SELECT sample_id, state, retired_reason FROM samples ORDER BY 1")[1]
+        named = {r[0] for r in log.query("SELECT json_extract_string(detail, '$.record') FROM events "
+                                         "WHERE kind = 'retired'")[1]}
+    assert rows == [(f"d{i}", "retired", "at_token_limit") for i in range(4)]
+    assert named == {r.name for r in recs} and len(recs) == 1
