@@ -191,6 +191,11 @@ counts AS (
         coalesce(sum(least(source_tokens, coalesce((SELECT TRY_CAST(json_extract(value, '$.max_tokens') AS BIGINT)
                                                     FROM meta WHERE key = 'format'), source_tokens)))
                  FILTER (WHERE state NOT IN ('written', 'verified', 'retired')), 0) AS todo_tokens,
+        -- a regenerating build (docs/regenerate.md): the tokens its written samples hold beyond their first
+        -- prompt (the responses, and with --turns all the later turns), for the allowance below
+        coalesce(sum(num_tokens - source_tokens) FILTER (WHERE state IN ('written', 'verified')
+                                                          AND finish_reason IS NOT NULL), 0) AS grown_tokens,
+        count(*) FILTER (WHERE state IN ('written', 'verified') AND finish_reason IS NOT NULL) AS grown_samples,
         -- regenerated responses that stopped at the token limit (finish_reason 'length'): kept in the build, and
         -- retired for it (--drop-truncated)
         count(*) FILTER (WHERE state IN ('written', 'verified') AND finish_reason = 'length') AS at_token_limit,
@@ -198,9 +203,38 @@ counts AS (
         -- failed samples per reason (a map; NULL when none failed)
         histogram(coalesce(error, 'unknown')) FILTER (WHERE state = 'failed') AS failed_by_reason
     FROM st_r
+),
+-- A regenerating build stores each sample's (final) prompt and the generated tokens, but registers its first
+-- prompt only (`source_tokens`): each sample not yet generated counts its first prompt plus an allowance,
+-- max_new_tokens, or the mean its written samples grew beyond their first prompts where that is larger (with
+-- --turns all, a conversation's later turns); --max-tokens bounds prompt and response, so no sample counts more.
+-- The expected tokens: those written, and the allowance for the others (the capacity projection's todo_tokens).
+regen AS (
+    SELECT CASE WHEN coalesce(TRY_CAST(json_extract(value, '$.regenerate') AS BOOLEAN), false)
+                THEN TRY_CAST(json_extract(value, '$.max_new_tokens') AS BIGINT) END AS max_new,
+           TRY_CAST(json_extract(value, '$.max_tokens') AS BIGINT) AS max_tokens
+    FROM meta WHERE key = 'format'
+),
+allowance AS (
+    SELECT CAST(ceil(greatest(g.max_new, coalesce(c.grown_tokens / nullif(c.grown_samples, 0), 0))) AS BIGINT)
+               AS response_allowance,
+           CASE WHEN c.grown_tokens > g.max_new * c.grown_samples THEN 'measured' ELSE 'max_new_tokens' END
+               AS allowance_basis
+    FROM counts c, regen g WHERE g.max_new IS NOT NULL
+),
+expected AS (
+    SELECT a.response_allowance, a.allowance_basis,
+           least(c.todo_tokens + c.todo_samples * a.response_allowance,
+                 coalesce(c.todo_samples * g.max_tokens, c.todo_tokens + c.todo_samples * a.response_allowance))
+               AS todo_tokens
+    FROM counts c, regen g, allowance a
 )
 SELECT
-    c.*,
+    c.* REPLACE (
+        coalesce(x.todo_tokens, c.todo_tokens) AS todo_tokens,
+        CASE WHEN x.todo_tokens IS NULL THEN c.tokens_total ELSE c.tokens_done + x.todo_tokens END AS tokens_total),
+    x.response_allowance,
+    x.allowance_basis,
     c.written + c.verified AS done,
     c.total - c.written - c.verified - c.failed AS remaining,
     CASE WHEN r.n > 1 AND r.span > 0 THEN (r.n - 1) / r.span END AS recent_samples_per_s,
@@ -208,7 +242,7 @@ SELECT
     CASE WHEN r.n > 1 AND r.span > 0
          THEN (c.total - c.written - c.verified - c.failed) / ((r.n - 1) / r.span) END AS eta_seconds,
     (SELECT max(ts) FROM events) AS last_event_at
-FROM counts c, recent r;
+FROM counts c CROSS JOIN recent r LEFT JOIN expected x ON true;
 
 -- One row per run (or verify sweep): when, with what, and how it ended. Runs are ordered by the log (the seq of
 -- their start event, `started_seq`), never by wall time: a clock set back makes a later run's `started_at` older.

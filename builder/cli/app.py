@@ -244,7 +244,14 @@ def status_lines(st: dict) -> list[str]:
     lines.append(f"samples: {st['total']} total | {st['done']} done ({st['written']} written, {st['verified']} "
                  f"verified) | {st['failed']} failed | {st['started']} in flight/interrupted | {st['pending']} pending"
                  + (f" | {st['retired']} retired (removed from the source or skipped)" if st.get("retired") else ""))
-    lines.append(f"tokens:  {st['tokens_done']:,} of {st['tokens_total']:,} | data {human_bytes(st['bytes_done'])}")
+    allowance = st.get("response_allowance")  # a regenerating build: the samples not yet generated estimated
+    lines.append(f"tokens:  {st['tokens_done']:,} of {'about ' if allowance is not None else ''}"
+                 f"{st['tokens_total']:,} | data {human_bytes(st['bytes_done'])}")
+    if allowance is not None:
+        lines.append(f"         (each sample not yet generated counted as its first prompt + {allowance:,} tokens: "
+                     + ("--max-new-tokens, an upper bound of one response" if st.get("allowance_basis") ==
+                        "max_new_tokens" else "the mean the written samples grew by beyond their first prompts")
+                     + ")")
     if st.get("failed_by_reason"):
         reasons = ", ".join(f"{k} {v}" for k, v in st["failed_by_reason"].items())
         lines.append(f"failed:  {reasons} (details: SELECT sample_id, error, error_detail FROM samples "

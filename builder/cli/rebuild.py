@@ -23,7 +23,7 @@ def add_commands(sub, out) -> None:  # noqa: ARG001 - (no --json yet)
     p = sub.add_parser("rebuild-log", help="rebuild a lost or damaged event log from the data and its history",
                        description="Rebuilds events.duckdb from hsbuild.toml, the source, every segment's "
                                    "manifests and the build's history records (data/history/: runs, skips, verify "
-                                   "verdicts), replayed in the order they were written; the old log is kept, "
+                                   "verdicts, dropped responses), replayed in the order they were written; the old log is kept, "
                                    "renamed. Every sample it restores as written is read back against its "
                                    "checksums first (a full read of the build's data: the price of never serving "
                                    "wrong bytes); a damaged one is recorded failed and `hsbuild resume` extracts "
@@ -61,7 +61,8 @@ def cmd_rebuild_log(args: argparse.Namespace) -> int:
           + (f"; {len(h.not_checked)} could not be read (left written, not checked: run `hsbuild verify {b}` "
              f"once the storage answers): {named(h.not_checked)}" if h.not_checked else ""))
     print(f"restored: {h.written} of {rep.registered} sample(s) written ({h.verified} verified by a sweep's "
-          f"record), {h.skipped} skipped" + (f", {h.failed} failed (damaged data)" if h.failed else "")
+          f"record), {h.skipped} skipped"
+          + (f", {h.dropped} dropped at the token limit (--drop-truncated)" if h.dropped else "") + (f", {h.failed} failed (damaged data)" if h.failed else "")
           + f"; {rep.pending} pending (no durable data)")
     print(NOT_RESTORED)
     todo = rep.pending + h.failed

@@ -16,7 +16,7 @@ from builder.config import load_config
 from builder.errors import SourceChangedError, SourceError, UsageError
 from builder.log.events import Event, detail
 from builder.run.plan import INTERRUPTED_EXTRA, Plan
-from builder.run.rebuild import adopt, unlogged
+from builder.run.rebuild import adopt, unlogged, unlogged_drops
 from builder.run.source_changes import diff_source, record_source, refusal
 
 if TYPE_CHECKING:
@@ -95,6 +95,18 @@ class CatchUp:
         self._echo(f"the log was behind the data: {len(missed)} durable sample(s) had no `written` event ({why}); "
                    f"adopted {len(rep.adopted)} after reading them back"
                    + (f"; {len(rep.damaged)} failed the check and are extracted again" if rep.damaged else ""))
+
+    def adopt_drops(self) -> None:
+        """Responses dropped with --drop-truncated whose `drop` history record is durable but whose `retired`
+        events the log lacks (a crash between the two): retired now, as the record says, never generated again."""
+        events = unlogged_drops(self._session.log, self._prep.lay.data)
+        if not events:
+            return
+        for ev in events:
+            self._emit(ev)
+        self._session.flush(force=True)
+        self._echo(f"the log was behind the data: {len(events)} dropped response(s) (--drop-truncated) recorded in "
+                   "data/history/ had no `retired` event (a crash before the log's commit); retired now")
 
     def give_up_interrupted(self, plan: Plan) -> None:
         """Record the samples left in flight too often as failed, with the reason, so `status`, the `samples`

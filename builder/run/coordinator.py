@@ -42,7 +42,7 @@ from builder.run.settled import source_stat
 from builder.run.spawning import Workers
 from builder.run.status import SpacePause, live_status
 from builder.run.supervision import Supervisor, first_probe
-from builder.space.capacity import measured_bytes_per_token, stored_tokens
+from builder.space.capacity import measured_bytes_per_token, response_allowance, stored_tokens
 from builder.space.watermarks import SpaceMonitor
 from builder.store.codec import parse_codec
 from builder.store.history import next_ordinal
@@ -149,6 +149,7 @@ class Coordinator:
             self.prep = self.prep.moved_to(source)
         prep = self.prep
         catch.adopt_unlogged(previous)
+        catch.adopt_drops()
         plan = make_plan(log, samples, prep.cfg.max_attempts, None if prep.importing else prep.opts.limit)
         report = RunReport(self.run_id, plan)
         if prep.importing:
@@ -163,7 +164,8 @@ class Coordinator:
             gpu_build = doc.gpu_build
             for line in warning_lines(doc):
                 self.echo(line)
-        self._space.preflight(stored_tokens(plan.todo, prep.cfg.max_tokens), meta, measured_bytes_per_token(log),
+        self._space.preflight(stored_tokens(plan.todo, prep.cfg.max_tokens, response_allowance(log, meta)), meta,
+                              measured_bytes_per_token(log),
                               allow_overcommit=prep.opts.allow_overcommit, echo=self.echo,
                               remaining_samples=len(plan.todo))
         catch.give_up_interrupted(plan)
@@ -287,7 +289,8 @@ class Coordinator:
         reports = self._reports = Reports(
             session, workers, dispatch, self._space, engine, bar, self.echo, fingerprint=meta.get("model_fingerprint"),
             watermarks=prep.cfg.watermarks, data=prep.lay.data,
-            imported=Imported(dump.files, prep.opts.imports.format) if dump is not None else None)
+            imported=Imported(dump.files, prep.opts.imports.format) if dump is not None else None,
+            run_id=self.run_id, run_ordinal=ordinal)
         gpus = GpuSampler(interval=5.0) if gpu_build else None
         # once stopping, workers still running a grace period after the stop request (or a worker's death) are
         # killed and named: a hung or SIGSTOPped worker cannot hold the run forever
@@ -323,6 +326,7 @@ class Coordinator:
                 for since, grace in ((stop_since, prep.stop_grace), (abort_since, abort_grace)):
                     if since is not None and now - since > grace:
                         reports.give_up_on(grace)
+                reports.commit_drops()  # (the drops' history record before their events)
                 stats = gpus.poll() if gpus else None
                 if stats:
                     session.emit(Event("gpu_stats", detail=detail(devices=stats)))
@@ -335,6 +339,7 @@ class Coordinator:
             flags.stop, flags.gate_open = True, True
             bar.close()
             try:
+                reports.commit_drops(force=True)
                 session.flush(force=True)
                 session.announce_stop()  # Ctrl-C as the loop's last turn drew the final reports: said here, once
             finally:

@@ -5,19 +5,28 @@ dispatch what became of each sample (builder/run/dispatch.py), the space monitor
 room, and the engine's supervisor what the engine failed to serve (builder/run/supervision.py). A worker that
 died, was lost with its node, or did not stop in time is judged here too. It owns what the run reports of its
 samples (`Tally`) and whether a worker's death stops the run (`aborted`).
+
+A response dropped with --drop-truncated is written nowhere in the data, so its retirement is kept beside the
+data first: the drops are gathered (`Drops`), written as one `drop` history record (builder/store/history.py,
+fsynced) at most every DROP_SECONDS, and only then are their `retired` events emitted, each naming the record.
+A crash before the record loses the drops (those samples are `started` in the log: the next run generates them
+again); a crash after it, before the events commit, leaves a record the next run catches up on
+(builder/run/catchup.py) and rebuild-log replays (builder/run/history_replay.py).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from builder.errors import ModelError
+from builder.errors import DiskFullError, ModelError
 from builder.humanize import human_bytes, pct
 from builder.log.events import Event, detail
+from builder.run import testhook
 from builder.run.messages import (
     Abandoned,
     Deferred,
@@ -37,6 +46,7 @@ from builder.run.messages import (
     Unreachable,
     Written,
 )
+from builder.store.history import history_dir, write_record
 
 if TYPE_CHECKING:
     from builder.config import Watermarks
@@ -59,8 +69,70 @@ class Tally:
     dropped: int = 0  # ... retired instead (--drop-truncated)
 
 
-# a regenerated response that stopped at the token limit, retired (--drop-truncated): the `retired` reason
+# a regenerated response that stopped at the token limit, retired (--drop-truncated): the `retired` reason, note
 AT_TOKEN_LIMIT = "at_token_limit"
+DROP_NOTE = "its response stopped at the token limit (--drop-truncated)"
+# drops gathered at most this long (or this many) before their record is written and their events emitted: a
+# record at most every 5 s, so a long build's data/history/ stays small (each run start lists it)
+DROP_SECONDS = 5.0
+DROP_BATCH = 10000
+
+
+def drop_event(sample_id: str, fingerprint: str, attempt: int | None, generation: dict, record: str,
+               worker: int | None = None, run_id: str | None = None, **more: object) -> Event:
+    """The `retired` event of a dropped response (its detail: the note, the history record that holds the drop,
+    `more`, and the generation's figures)."""
+    return Event("retired", run_id=run_id, sample_id=sample_id, fingerprint=fingerprint, attempt=attempt,
+                 worker=worker, reason=AT_TOKEN_LIMIT,
+                 detail=detail(note=DROP_NOTE, record=record, **more, **generation))
+
+
+class Drops:
+    """Dropped responses not yet recorded: written as one `drop` history record, then emitted as `retired`."""
+
+    def __init__(self, data: Path, run_id: str, run_ordinal: int, session: OwnerSession,
+                 echo: Callable[[str], None], on_full: Callable[[], None]):
+        self._data, self._run_id, self._after, self._echo = data, run_id, run_ordinal, echo
+        self._session, self._on_full = session, on_full
+        self._held: list[Dropped] = []
+        self._since = 0.0
+        self._said = False
+
+    def add(self, msg: Dropped) -> None:
+        if not self._held:
+            self._since = time.monotonic()
+        self._held.append(msg)
+
+    def commit(self, force: bool = False) -> int:
+        """The record, then the events, when due (or now, with `force`); returns how many were recorded. A record
+        that cannot be written (an I/O error; a full volume, which pauses the run and gives up the ballast, as a
+        sample's write does) keeps the drops held, tried again DROP_SECONDS later; at the run's end (`force`)
+        they are said not recorded: the log leaves those samples `started`, and the next run generates them
+        again."""
+        held = self._held
+        if not held or not (force or len(held) >= DROP_BATCH or time.monotonic() - self._since >= DROP_SECONDS):
+            return 0
+        try:
+            with self._session.watch.track("drop history record", history_dir(self._data)):  # (a stalled volume)
+                rec = write_record(self._data, "drop", self._run_id, {"samples": [
+                    {"sample_id": m.sample_id, "fingerprint": m.fingerprint, "attempt": m.attempt,
+                     "generation": m.generation} for m in held]}, after=self._after)
+        except (DiskFullError, OSError) as e:
+            if isinstance(e, DiskFullError):
+                self._on_full()
+            if force or not self._said:
+                self._echo(f"\n{len(held)} dropped response(s) (--drop-truncated) not recorded yet: {e}"
+                           + ("; they are left for the next run, which generates them again" if force else
+                              f"; tried again in {DROP_SECONDS:g} s"))
+                self._said = True
+            self._since = time.monotonic()
+            return 0
+        testhook.after_record("drop")  # (the suite's SIGKILL between the record and the events)
+        self._held = []
+        for m in held:
+            self._session.emit(drop_event(m.sample_id, m.fingerprint, m.attempt, m.generation, rec.name,
+                                          worker=m.worker))
+        return len(held)
 
 
 @dataclass(frozen=True)
@@ -77,13 +149,15 @@ class Reports:
 
     def __init__(self, session: OwnerSession, workers: Workers, dispatch: Dispatcher, space: SpaceMonitor,
                  engine: Supervisor, bar: Progress, echo: Callable[[str], None], *, fingerprint: str | None,
-                 watermarks: Watermarks, data: Path, imported: Imported | None = None):
+                 watermarks: Watermarks, data: Path, imported: Imported | None = None, run_id: str = "",
+                 run_ordinal: int = 0):
         self._session, self._workers, self._dispatch = session, workers, dispatch
         self._space, self._engine = space, engine
         self._bar, self._echo = bar, echo
         self._fingerprint, self._wm, self._data = fingerprint, watermarks, data
         self._imported = imported
         self.tally = Tally()
+        self._drops = Drops(data, run_id, run_ordinal, session, echo, space.disk_full)
         self._aborted: str | None = None
         self._landed = False
 
@@ -99,6 +173,10 @@ class Reports:
 
     def _emit(self, ev: Event) -> None:
         self._session.emit(ev)
+
+    def commit_drops(self, force: bool = False) -> None:
+        """The dropped responses gathered, recorded beside the data and retired, when due (`Drops.commit`)."""
+        self.tally.dropped += self._drops.commit(force)
 
     # -- one worker's messages ---------------------------------------------------------------------------------
     def drain(self, w: int) -> None:
@@ -152,12 +230,9 @@ class Reports:
                 self._engine.rechecked(wid, found)
             case Written():
                 self._written(msg)
-            case Dropped(sample_id=sid, fingerprint=fp, generation=info):
-                self._emit(Event("retired", sample_id=sid, fingerprint=fp, attempt=msg.attempt, worker=wid,
-                                 reason=AT_TOKEN_LIMIT, detail=detail(
-                                     note="its response stopped at the token limit (--drop-truncated)", **info)))
+            case Dropped(sample_id=sid):
+                self._drops.add(msg)  # recorded beside the data, then retired (`commit_drops`)
                 st.done(wid, sid)
-                self.tally.dropped += 1
                 self._bar.update(1)
             case Failed(sample_id=sid, attempt=attempt, fingerprint=fp, reason=reason, message=message):
                 self._emit(Event("failed", sample_id=sid, fingerprint=fp, attempt=attempt, worker=wid, reason=reason,

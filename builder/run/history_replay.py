@@ -4,8 +4,12 @@ the state the lost log gave it, then every sample restored as written read back 
 
 What comes back, and what cannot (the log alone held it):
 - written: the newest durable attempt of each sample, in write order (a run's ordinal, then the attempt), every
-  older durable attempt before it as a superseded `written` (its bytes stay referenced, as they were);
+  older durable attempt before it as a superseded `written` (its bytes stay referenced, as they were), each
+  with what its manifest entry holds (a regenerated sample's generation figures) and its share of its group's
+  blocks on disk, measured again (`disk_shares`);
 - skipped (`hsbuild skip`) and brought back (`--undo`): from their records;
+- responses dropped at the token limit (--drop-truncated): retired `at_token_limit` with their figures
+  (generated, finish_reason, seed, turns), from the runs' `drop` records;
 - verified, and failed by a sweep (checksum_mismatch, missing_data, unreadable): from the sweeps' records, each
   verdict applied only to the location it judged, and only while that is still the sample's current one;
 - not restored: failures a run recorded (a failed sample without newer durable data comes back pending and is
@@ -24,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +37,11 @@ from typing import Protocol
 from builder.errors import UsageError
 from builder.log.events import Event, detail
 from builder.progress import NoProgress, Progress
+from builder.run.handling import drop_event
 from builder.store.history import LOST_RECORD, VERDICTS, HistoryRecord
 from builder.store.readback import SharedReader, check_sample, check_with_retries, segment_chunk_tokens
+from builder.store.segment import DIMS, FIELDS, MANIFEST_DIR, field_geometry
+from builder.store.shard import ShardGeometry, shard_path
 
 RUN_ID = "rebuild"  # the run id of every event rebuild-log writes
 
@@ -65,6 +72,9 @@ class DurableSample:
     fp8_error: dict | None = None  # an fp8 build: the measured error, as its `written` event records it
     ordinal: int = 0  # the ordinal of the run that wrote it (its history record); 0: a run without one
     generation: dict | None = None  # a regenerated sample: generated, finish_reason, seed, turns (its manifest's)
+    group_start: int = 0  # its group (manifest): where its shards start, the tokens and bytes its samples hold
+    group_tokens: int = 0
+    group_nbytes: int = 0
 
     @property
     def order(self) -> tuple:
@@ -79,6 +89,7 @@ class ReplayReport:
     written: int = 0  # samples restored written or verified, their bytes read back good (or not readable)
     verified: int = 0  # of them, verified by a sweep's record
     skipped: int = 0  # retired as skipped
+    dropped: int = 0  # retired at the token limit (--drop-truncated)
     failed: int = 0  # failed: by a sweep's record, or damaged when read back
     failed_by_verify: int = 0  # verdicts `failed` a sweep's record applied
     older_attempts: int = 0  # durable attempts superseded by a newer one (restored as superseded `written`)
@@ -97,12 +108,15 @@ class _State:
     kind: str  # written | retired | pending | failed
     loc: DurableSample | None = None
     verified: bool = False
+    dropped: bool = False  # retired at the token limit (a `drop` record), not skipped
 
 
 def replay(entries: list, records: list[HistoryRecord], source: Mapping[str, SourceRow],
-           rep: ReplayReport) -> tuple[list[Event], dict[str, _State]]:
+           rep: ReplayReport, disk: Mapping[tuple[str, int], int] | None = None
+           ) -> tuple[list[Event], dict[str, _State]]:
     """The events of the history, in order: `entries` (manifest entries, each with `order`, its place in write
-    order) and `records` merged by ordinal. Returns the events and each sample's state after them."""
+    order) and `records` merged by ordinal; `disk`: each entry's share of its group's blocks (`disk_shares`).
+    Returns the events and each sample's state after them."""
     timeline: list[tuple[tuple, object]] = [(d.order, d) for d in entries]
     rep.records.update(r.kind for r in records)
     timeline += [((r.ordinal, -1, 0.0, "", 0), r) for r in records if r.kind != "run"]  # (runs: their ordinals)
@@ -128,7 +142,7 @@ def replay(entries: list, records: list[HistoryRecord], source: Mapping[str, Sou
         if d.sample_id in seen:
             rep.older_attempts += 1
         seen.add(d.sample_id)
-        events.append(written_event(d))
+        events.append(written_event(d, (disk or {}).get((d.segment, d.token_start))))
         states[d.sample_id] = _State("written", d)
         at_loc[(d.segment, d.token_start)] = d.sample_id
     return events, states
@@ -138,17 +152,59 @@ def tally(states: dict[str, _State], rep: ReplayReport) -> None:
     """The samples per state the rebuilt log gives (after the read-back)."""
     rep.written = sum(st.kind == "written" for st in states.values())
     rep.verified = sum(st.kind == "written" and st.verified for st in states.values())
-    rep.skipped = sum(st.kind == "retired" for st in states.values())
+    rep.skipped = sum(st.kind == "retired" and not st.dropped for st in states.values())
+    rep.dropped = sum(st.kind == "retired" and st.dropped for st in states.values())
     rep.failed = sum(st.kind == "failed" for st in states.values())
 
 
-def written_events(d: DurableSample, how: str) -> list[Event]:
-    """A durable sample recorded: `written` (detail {how: true}), then `verified` (what adoption records)."""
+def disk_shares(data_root: Path, entries: Iterable[DurableSample]) -> dict[tuple[str, int], int]:
+    """Each sample's share of what its group occupies on disk (the allocated blocks of its shard files and its
+    manifest, shared in proportion to the samples' bytes), as its writer counted it for its `written` event's
+    `disk_bytes` (`SegmentWriter.commit`), by (segment, token_start); the capacity projection measures bytes
+    per token from it. A group whose files cannot be found is left out."""
+    out: dict[tuple[str, int], int] = {}
+    geometry: dict[str, list | None] = {}
+    allocated: dict[tuple[str, int], int | None] = {}
+    for d in entries:
+        if d.group_nbytes <= 0:
+            continue
+        seg_dir = data_root / d.segment
+        if d.segment not in geometry:
+            try:
+                geometry[d.segment] = [(f, ShardGeometry(*field_geometry(seg_dir, f))) for f in FIELDS]
+            except (OSError, ValueError, KeyError, IndexError, TypeError, ZeroDivisionError):
+                geometry[d.segment] = None
+        geo = geometry[d.segment]
+        key = (d.segment, d.group_start)
+        if key not in allocated:
+            allocated[key] = None if geo is None else _allocated(
+                [seg_dir / MANIFEST_DIR / f"{d.group_start}.json",
+                 *(shard_path(seg_dir, f, DIMS[f], i) for f, g in geo if g.shard_chunks
+                   for i in g.shards(d.group_start, d.group_tokens))])
+        if allocated[key] is not None:
+            out[(d.segment, d.token_start)] = allocated[key] * d.nbytes // d.group_nbytes
+    return out
+
+
+def _allocated(paths: list[Path]) -> int | None:
+    total = 0
+    for p in paths:
+        try:
+            total += os.stat(p).st_blocks * 512
+        except OSError:
+            return None  # (a file gone: no share to give)
+    return total
+
+
+def written_events(d: DurableSample, how: str, disk_bytes: int | None = None) -> list[Event]:
+    """A durable sample recorded: `written` (detail {how: true}, and its share of its group's blocks on disk
+    where known), then `verified` (what adoption records)."""
     return [
         Event("written", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
               token_start=d.token_start, num_tokens=d.num_tokens, nbytes=d.nbytes,
               checksums=json.dumps(d.checksums, sort_keys=True),
               detail=detail(**{how: True}, truncated=d.truncated,
+                            **({"disk_bytes": disk_bytes} if disk_bytes is not None else {}),
                             **({"fp8_error": {k: round(v, 6) for k, v in d.fp8_error.items()}}
                                if d.fp8_error else {}), **(d.generation or {}))),
         Event("verified", sample_id=d.sample_id, fingerprint=d.fingerprint, attempt=d.attempt, segment=d.segment,
@@ -156,8 +212,8 @@ def written_events(d: DurableSample, how: str) -> list[Event]:
     ]
 
 
-def written_event(d: DurableSample) -> Event:
-    ev = written_events(d, "rebuilt")[0]  # written only: a verification comes back from a sweep's record
+def written_event(d: DurableSample, disk_bytes: int | None = None) -> Event:
+    ev = written_events(d, "rebuilt", disk_bytes)[0]  # written only: a verification comes from a sweep's record
     ev.run_id = RUN_ID
     return ev
 
@@ -187,6 +243,17 @@ def _apply_record(r: HistoryRecord, source: Mapping[str, SourceRow], states: dic
                 states[sid] = _State("pending")
             else:
                 rep.stale += 1
+        return out
+    if r.kind == "drop":  # responses retired at the token limit (--drop-truncated)
+        for x in r.body.get("samples", []):
+            sid, fp = str(x.get("sample_id")), x.get("fingerprint")
+            reg, st = source.get(sid), states.get(sid, _State("pending"))
+            if reg is None or reg.fingerprint != fp:  # the source changed since: that change superseded it
+                rep.stale += 1
+                continue
+            out.append(drop_event(sid, fp, x.get("attempt"), dict(x.get("generation") or {}), r.name,
+                                  run_id=RUN_ID, rebuilt=True))
+            states[sid] = _State("retired", st.loc, dropped=True)
         return out
     if r.kind == "verify":
         for segment, by_verdict in sorted(r.body.get("verdicts", {}).items()):

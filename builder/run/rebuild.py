@@ -8,7 +8,7 @@ pack headers).
 - `adopt`: record such samples as written after a full read-back check of their checksums, instead of
   re-extracting them (resume does this).
 - `rebuild_log`: a new log from hsbuild.toml, the source, every segment's manifests and the build's history
-  records (data/history/: runs, skips, verify verdicts), replayed in write order and read back
+  records (data/history/: runs, skips, verify verdicts, dropped responses), replayed in write order and read back
   (builder/run/history_replay.py); the old log is kept beside it, renamed.
 
 Write order: a run's ordinal (its history record, builder/store/history.py), then the attempt (a run numbers a
@@ -31,16 +31,18 @@ from builder.layout import BuildLayout, layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.lock import BuildLock
 from builder.progress import Progress
+from builder.run.handling import AT_TOKEN_LIMIT, drop_event
 from builder.run.history_replay import (
     RUN_ID,
     DurableSample,
     ReplayReport,
+    disk_shares,
     read_back,
     replay,
     tally,
     written_events,
 )
-from builder.store.history import read_history, run_ordinals, segment_run
+from builder.store.history import read_history, record_names, run_ordinals, segment_run
 from builder.store.readback import check_sample, segment_chunk_tokens
 from builder.store.reader import SegmentReader
 from builder.store.segment import MANIFEST_DIR, SEAL_NAME, list_segments, read_manifests
@@ -54,6 +56,7 @@ def durable_samples(data_root: Path) -> list[DurableSample]:
     for seg in list_segments(data_root):
         ordinal = ordinals.get(segment_run(seg), 0)
         for m in read_manifests(data_root / seg):
+            group = _group(m)
             for s in m.get("samples", []):
                 try:
                     out.append(DurableSample(seg, str(s["sample_id"]), str(s["fingerprint"]), int(s["attempt"]),
@@ -62,10 +65,23 @@ def durable_samples(data_root: Path) -> list[DurableSample]:
                                              int(s.get("truncated", 0)),
                                              s["fp8_error"] if isinstance(s.get("fp8_error"), dict) else None,
                                              ordinal,
-                                             s["generation"] if isinstance(s.get("generation"), dict) else None))
+                                             s["generation"] if isinstance(s.get("generation"), dict) else None,
+                                             *group))
                 except (KeyError, TypeError, ValueError):
                     continue
     return sorted(out, key=lambda d: d.order)
+
+
+def _group(m: dict) -> tuple[int, int, int]:
+    """A manifest's group: where its shards start, the tokens its samples span from there, their bytes (0, 0, 0
+    when it cannot say)."""
+    try:
+        start = int(m.get("group_start", 0))
+        samples = m.get("samples", [])
+        end = max(int(s["token_start"]) + int(s["num_tokens"]) for s in samples)
+        return start, end - start, sum(int(s["nbytes"]) for s in samples)
+    except (KeyError, TypeError, ValueError):
+        return 0, 0, 0
 
 
 def unlogged(log: EventLog, data_root: Path) -> list[DurableSample]:
@@ -73,6 +89,36 @@ def unlogged(log: EventLog, data_root: Path) -> list[DurableSample]:
     _, rows = log.query("SELECT DISTINCT segment, token_start FROM events WHERE kind = 'written'")
     known = {(r[0], int(r[1])) for r in rows}
     return [d for d in durable_samples(data_root) if (d.segment, d.token_start) not in known]
+
+
+def unlogged_drops(log: EventLog, data_root: Path) -> list[Event]:
+    """The `retired` events the log lacks of responses dropped with --drop-truncated (a run killed between a
+    `drop` history record and its events' commit): each entry of a drop record that no `retired` event naming
+    that record holds, whose sample is registered with the entry's fingerprint and not done (written, verified,
+    retired). A sample once dropped is thereby never generated again."""
+    names = record_names(data_root, "drop")
+    if not names:
+        return []
+    _, rows = log.query("SELECT sample_id, json_extract_string(detail, '$.record') FROM events "
+                        "WHERE kind = 'retired' AND reason = ?", [AT_TOKEN_LIMIT])
+    logged = {(r[0], r[1]) for r in rows}
+    # (a record's events commit together: only a record the log never names is read)
+    records = read_history(data_root, ("drop",), set(names) - {r[1] for r in rows})
+    missed = [(r.name, x) for r in records for x in r.body.get("samples", [])
+              if (str(x.get("sample_id")), r.name) not in logged]
+    if not missed:
+        return []
+    _, rows = log.query("SELECT sample_id, fingerprint, state FROM samples WHERE sample_id IN (SELECT unnest(?))",
+                        [sorted({str(x.get("sample_id")) for _, x in missed})])
+    now = {r[0]: (r[1], r[2]) for r in rows}
+    out = []
+    for name, x in missed:
+        sid, fp = str(x.get("sample_id")), x.get("fingerprint")
+        fp_now, state = now.get(sid, (None, None))
+        if fp_now == fp and state not in ("written", "verified", "retired"):
+            out.append(drop_event(sid, fp, x.get("attempt"), dict(x.get("generation") or {}), name, adopted=True))
+            now[sid] = (fp_now, "retired")
+    return out
 
 
 @dataclass
@@ -100,13 +146,14 @@ def adopt(log: EventLog, data_root: Path, emit: Callable[[Event], None],
         newest[d.sample_id] = d  # candidates are in write order: the last one wins
     rep.stale += len(candidates) - rep.stale - len(newest)
     reader = SegmentReader(data_root)
+    disk = disk_shares(data_root, newest.values())
     for d in newest.values():
         ct = segment_chunk_tokens(data_root / d.segment) or 1
         res = check_sample(data_root, d.segment, d.token_start, d.num_tokens, d.checksums, ct, reader)
         if not res.ok:
             rep.damaged.append(d.sample_id)
             continue
-        for ev in written_events(d, "adopted"):
+        for ev in written_events(d, "adopted", disk.get((d.segment, d.token_start))):
             emit(ev)
         rep.adopted.append(d.sample_id)
     return rep
@@ -124,7 +171,7 @@ class RebuildReport:
     def pending(self) -> int:
         """Registered samples the rebuilt log gives no state (no durable data, or brought back by --undo)."""
         h = self.history
-        return self.registered - h.written - h.skipped - h.failed
+        return self.registered - h.written - h.skipped - h.dropped - h.failed
 
 
 def rebuild_log(build: str | Path, make_meta: Callable[[BuildLayout], dict],
@@ -145,7 +192,8 @@ def rebuild_log(build: str | Path, make_meta: Callable[[BuildLayout], dict],
         records = read_history(lay.data)  # (refused here, before the old log is moved, when one is damaged)
         rep = RebuildReport(None)
         source = {s.sample_id: s for s in samples}
-        events, states = replay(durable_samples(lay.data), records, source, rep.history)
+        entries = durable_samples(lay.data)
+        events, states = replay(entries, records, source, rep.history, disk_shares(lay.data, entries))
         events += read_back(lay.data, states, rep.history, jobs, progress)
         tally(states, rep.history)
         rep.registered = len(samples)
@@ -172,7 +220,8 @@ def rebuild_log(build: str | Path, make_meta: Callable[[BuildLayout], dict],
                         *sealed, Event("log_rebuilt", run_id=RUN_ID, detail=detail(
                             kept_as=rep.kept_as, segments=rep.segments, layout1_segments=rep.layout1_segments,
                             records=dict(h.records), written=h.written, verified=h.verified, skipped=h.skipped,
-                            failed=h.failed, failed_by_verify=h.failed_by_verify, older_attempts=h.older_attempts,
+                            dropped=h.dropped, failed=h.failed, failed_by_verify=h.failed_by_verify,
+                            older_attempts=h.older_attempts,
                             foreign=h.foreign, stale=h.stale, read_back=h.read_back, read_bytes=h.read_bytes,
                             damaged=[sid for sid, _ in h.damaged][:1000],
                             not_checked=[sid for sid, _ in h.not_checked][:1000]))])

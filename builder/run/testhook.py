@@ -1,4 +1,5 @@
-"""A test hook (for the test suite only; it does nothing unless HSBUILD_TEST_HOLD is set): holds a worker at a
+"""Test hooks (for the test suite only; they do nothing unless HSBUILD_TEST_HOLD or HSBUILD_TEST_KILL_AFTER_RECORD
+is set; the second: `after_record`, at the end). The first holds a worker at a
 known point of a run, so that a test acts on a run that is certainly still going (a kill -9, a Ctrl-C, a status
 query, a stall) instead of guessing a sample count large enough for the run to outlast its action.
 
@@ -93,3 +94,16 @@ def _hold(worker: int, folder: Path) -> None:
     deadline = time.monotonic() + HOLD_MAX_S
     while not gate.exists() and time.monotonic() < deadline:
         time.sleep(POLL_S)
+
+
+KILL_ENV = "HSBUILD_TEST_KILL_AFTER_RECORD"
+
+
+def after_record(kind: str) -> None:
+    """Called by a run once it has written a history record of `kind` and before the events it vouches for are
+    emitted (builder/run/handling.py, `drop`). With HSBUILD_TEST_KILL_AFTER_RECORD=<kind> the process SIGKILLs
+    itself there: the suite's crash between a durable record and its events' commit."""
+    if os.environ.get(KILL_ENV) == kind:
+        import signal  # noqa: PLC0415
+
+        os.kill(os.getpid(), signal.SIGKILL)

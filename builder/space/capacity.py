@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 
 from builder.config import BuildConfig, load_config
@@ -30,10 +31,29 @@ def project_from(progress: dict, mon: SpaceMonitor, meta: dict) -> dict:
     return p
 
 
-def stored_tokens(samples: Iterable, max_tokens: int | None) -> int:
+def stored_tokens(samples: Iterable, max_tokens: int | None, allowance: int | None = None) -> int:
     """The tokens the workers will store of these samples (anything with `num_tokens`): each cut to
-    `max_tokens`, as `project` counts them, so `init`, `status` and a run's preflight project the same size."""
-    return sum(min(s.num_tokens, max_tokens) if max_tokens else s.num_tokens for s in samples)
+    `max_tokens`, as `project` counts them, so `init`, `status` and a run's preflight project the same size.
+    A regenerating build's (`allowance`, `response_allowance`): each its first prompt and the allowance, no more
+    than `max_tokens` a sample (which bounds prompt and response there), as the `progress` view counts them."""
+    samples = list(samples)
+    prompts = sum(min(s.num_tokens, max_tokens) if max_tokens else s.num_tokens for s in samples)
+    if allowance is None:
+        return prompts
+    expected = prompts + len(samples) * allowance
+    return min(expected, len(samples) * max_tokens) if max_tokens else expected
+
+
+def response_allowance(log: EventLog, meta: dict) -> int | None:
+    """A regenerating build's tokens per sample not yet generated beyond its first prompt (None: not such a
+    build): max_new_tokens, or the mean its written samples grew by beyond their first prompts where that is larger
+    (with --turns all, the later turns of a conversation). The `progress` view's `response_allowance`."""
+    fmt = meta.get("format") if isinstance(meta.get("format"), dict) else {}
+    if not fmt.get("regenerate") or not fmt.get("max_new_tokens"):
+        return None
+    grown, n = log.query("SELECT sum(num_tokens - source_tokens), count(*) FROM samples WHERE state IN "
+                         "('written', 'verified') AND finish_reason IS NOT NULL")[1][0]
+    return math.ceil(max(int(fmt["max_new_tokens"]), grown / n if n else 0))
 
 
 def measured_bytes_per_token(log: EventLog) -> float | None:
@@ -67,14 +87,20 @@ def capacity_for(lay: BuildLayout) -> dict:
     """`capacity_of` a build no process owns, opening its log."""
     with open_log(lay.events, read_only=True, wait=5.0) as log:
         prog = log.progress()
-        return {**capacity_of(lay, log, prog), "samples": prog["total"], "tokens": prog["tokens_total"]}
+        return {**capacity_of(lay, log, prog), "samples": prog["total"], "tokens": prog["tokens_total"],
+                "response_allowance": prog.get("response_allowance")}
 
 
 def describe_capacity(lay: BuildLayout) -> list[str]:
     p = capacity_for(lay)
     fit = "fits" if p["fits"] else "does NOT fit"
+    allowance = p.get("response_allowance")
+    source = (describe_source(lay, p["samples"], p["tokens"]) if allowance is None else
+              [f"source: {p['samples']:,} conversation(s); {p['tokens']:,} token(s) as stored at most: each "
+               f"sample's first prompt + {allowance:,} generated (--max-new-tokens; with --turns all the later "
+               "turns come on top, counted at their measured mean once samples are written)"])
     return [
-        *describe_source(lay, p["samples"], p["tokens"]),
+        *source,
         f"projected size: {human_bytes(p['final_bytes'])} ({p['basis']}, {p['bytes_per_token']} B/token)",
         f"volume: {human_bytes(p['free_bytes'])} free of {human_bytes(p['total_bytes'])} ({p['usage']:.1%} used); "
         f"the build {fit} below the high watermark ({pct(p['high'])})"

@@ -9,6 +9,10 @@ themselves and a lost event log would take with it (docs/design.md section 11, "
     skip     `hsbuild skip`: the samples retired, each with its fingerprint and the note
     unskip   `hsbuild skip --undo`: the samples brought back
     verify   a verify sweep's verdicts, by location: {segment: {verdict: [token_start, ...]}}
+    drop     a regenerating run's responses that stopped at the token limit, retired (--drop-truncated): each
+             sample with its fingerprint, attempt and generation figures (generated, finish_reason, seed, turns);
+             written by the run's coordinator (it holds the lock) for a batch of them before their `retired`
+             events commit, with an ordinal above the run's own
 
 The ordinal orders everything that changed a sample's state, across runs, skips and sweeps, without a clock:
 each is taken under the build lock, one more than the highest already there, so it never goes backwards
@@ -32,9 +36,9 @@ from builder.fsutil import fsync_path, make_dirs_durable
 
 HISTORY_DIR = "history"
 RECORD_FORMAT = 1
-KINDS = ("run", "skip", "unskip", "verify")
+KINDS = ("run", "skip", "unskip", "verify", "drop")
 VERDICTS = ("verified", "checksum_mismatch", "missing_data", "unreadable")
-NAME_RE = re.compile(r"^(\d{10})-(run|skip|unskip|verify)-([0-9a-f]{8})\.json$")
+NAME_RE = re.compile(r"^(\d{10})-(run|skip|unskip|verify|drop)-([0-9a-f]{8})\.json$")
 
 
 @dataclass(frozen=True)
@@ -112,14 +116,16 @@ def _record_bytes(kind: str, ordinal: int, ident: str, at: float, body: dict) ->
                       sort_keys=True).encode()
 
 
-def write_record(data_root: Path, kind: str, ident: str, body: dict) -> HistoryRecord:
-    """Write one record (a skip, an unskip, a sweep's verdicts), durable when this returns. The caller MUST hold
-    the build lock (the ordinal is the next free one). A full volume raises DiskFullError."""
+def write_record(data_root: Path, kind: str, ident: str, body: dict, after: int = 0) -> HistoryRecord:
+    """Write one record (a skip, an unskip, a sweep's verdicts, a run's drops), durable when this returns. The
+    caller MUST hold the build lock (the ordinal is the next free one, and above `after`: a run's drops come
+    after the run's own ordinal, whose record its writers may not have written yet). A full volume raises
+    DiskFullError."""
     if kind not in KINDS:
         raise ValueError(f"history record kind {kind!r}")
     d = history_dir(data_root)
     try:
-        ordinal = next_ordinal(data_root)
+        ordinal = max(next_ordinal(data_root), after + 1)
         rec = HistoryRecord(ordinal, kind, ident, time.time(), body, _record_name(ordinal, kind, ident))
         _write_once(d, rec.name, _record_bytes(kind, ordinal, ident, rec.at, body))
     except OSError as e:
@@ -143,11 +149,19 @@ def ensure_run_record(data_root: Path, ordinal: int, run_id: str) -> None:
     _write_once(d, name, _record_bytes("run", ordinal, run_id, time.time(), {}), exist_ok=True)
 
 
-def read_history(data_root: Path) -> list[HistoryRecord]:
-    """Every record, by ordinal. One that cannot be read whole is refused (UsageError naming it): without it
-    the history cannot be replayed faithfully, and hsbuild does not guess."""
+def record_names(data_root: Path, kind: str) -> list[str]:
+    """The names of the records of one kind, by ordinal (from the names alone: nothing is read)."""
+    return [name for _, k, _, name in _names(data_root) if k == kind]
+
+
+def read_history(data_root: Path, kinds: tuple[str, ...] = KINDS, names: set[str] | None = None
+                 ) -> list[HistoryRecord]:
+    """Every record (of these kinds; of these names), by ordinal. One that cannot be read whole is refused
+    (UsageError naming it): without it the history cannot be replayed faithfully, and hsbuild does not guess."""
     out = []
     for ordinal, kind, _id8, name in _names(data_root):
+        if kind not in kinds or (names is not None and name not in names):
+            continue
         p = history_dir(data_root) / name
         try:
             doc = json.loads(p.read_bytes())
@@ -170,6 +184,7 @@ LOST_RECORD = {
     "skip": "its samples come back as what their data says, not skipped",
     "unskip": "its samples come back skipped",
     "verify": "its samples come back written, not verified",
+    "drop": "its samples come back pending, and the next run generates them again (and drops them again)",
 }
 
 
