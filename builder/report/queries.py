@@ -153,3 +153,7 @@ META = "SELECT key, value FROM meta"
 # the configuration the last run started with (hsbuild.toml's text, as the run read it)
 LAST_CONFIG = ("SELECT json_extract_string(detail, '$.config') FROM events WHERE kind = 'run_started' "
                "ORDER BY seq DESC LIMIT 1")
+
+# a regenerating build's expected tokens, as `status` gives them (the `progress` view's allowance for the
+# responses not yet generated)
+PROGRESS_TOKENS = "SELECT tokens_total, response_allowance, allowance_basis FROM progress"

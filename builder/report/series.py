@@ -105,6 +105,12 @@ def collect(lay: BuildLayout, run: Ask | None = None, timeout: float = QUERY_TIM
     now = _now(cur["counts"], t1)
     if live:
         now["recent_samples_per_s"] = more["recent"][0]["recent_samples_per_s"]
+    fmt_meta = meta.get("format")
+    if isinstance(fmt_meta, dict) and fmt_meta.get("regenerate"):
+        # a regenerating build's expected tokens count each response not yet generated as the `progress` view's
+        # allowance (docs/regenerate.md, "Tokens and space"): that view's rule, asked of it, not repeated here
+        prog = dicts(run([Q.PROGRESS_TOKENS])[0])[0]
+        now.update(prog)
     out = {k: early[k] for k in ("build", "axis", "runs", "throughput", "events_marked", "rebuilt")}
     out["states"] = states
     out["now"] = now

@@ -28,6 +28,11 @@ def test_generated_tokens_and_truncated_share(tmp_path, cli):
     cp = cli("init", build, "--source", src, "--model", MODEL, "--regenerate", "--max-new-tokens", str(MAX_NEW),
              "--temperature", "1.0", "--seed", "3", "--allow-overcommit")
     assert cp.returncode == 0, cp.stderr
+    # before any response: the page's expected tokens are status' (each response counted at its allowance)
+    before = json.loads(cli("report", build, "-o", tmp_path / "before.html", "--json").stdout)["now"]
+    st = json.loads(cli("status", build, "--json").stdout)
+    assert before["tokens_total"] == st["tokens_total"] == st["tokens_done"] + st["todo_tokens"], (before, st)
+    assert before["response_allowance"] == MAX_NEW
     cp = cli("run", build, "--no-progress", "--workers", "1", "--device", "cpu")
     assert cp.returncode == 0, cp.stdout + cp.stderr
     page = tmp_path / "report.html"
