@@ -365,11 +365,11 @@ def main() -> None:
     ap.add_argument("--source-tokens", type=int, default=32, help="mean tokens a row of the synthetic source")
     ap.add_argument("--source-formats", default="parquet,jsonl")
     ap.add_argument("--extrapolate-tokens", type=int, default=2048)
+    ap.add_argument("--fresh", action="store_true", help="freshness of sql/status during a real run of up to "
+                    "100,000 samples, and what asking costs it (tools/bench_fresh.py)")
     ap.add_argument("--no-source", action="store_true", help="skip the source measurements")
     ap.add_argument("--verify", action="store_true", help="measure verify too (writes about 9 KB a sample)")
     ap.add_argument("--no-reader", action="store_true", help="skip the reader's index (tools/bench_reader.py)")
-    ap.add_argument("--fresh", action="store_true", help="freshness of sql/status during a real run of up to "
-                    "100,000 samples, and what asking costs it (tools/bench_fresh.py)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:

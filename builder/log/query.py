@@ -209,6 +209,20 @@ def _ask_or_read(lay: BuildLayout, req: dict, offline: Callable[[], object], tim
             time.sleep(0.1)
 
 
+def stale_note(stall: dict, as_of: float | None) -> str:
+    """What an owner's answer from an older snapshot of its log comes with: why, and how old that snapshot is."""
+    when = "" if as_of is None else (f" as of {time.strftime('%H:%M:%S', time.localtime(as_of))} "
+                                     f"({max(time.time() - as_of, 0.0):.1f} s ago)")
+    if not stall.get("early"):
+        return (f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on {stall['path']} "
+                f"({stall['filesystem']}): answered from the log as of the stall's start")
+    if stall.get("held", True):
+        return (f"note: answered from the owner's last snapshot of the log{when}: a commit to it has been pending "
+                f"{stall.get('pending_s', 0):.1f} s (not returned yet)")
+    return (f"note: answered from the owner's last snapshot of the log{when}: a fresh one took longer than the "
+            "query's --timeout")
+
+
 def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S,
               on_note: Callable[[str], None] | None = None) -> tuple[list[str], list[list]]:
     """Run one read-only statement against a build; returns (columns, rows) with JSON-able values. The
@@ -229,20 +243,6 @@ def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S,
     if stall and on_note is not None:
         on_note(stale_note(stall, reply.get("as_of")))
     return reply["columns"], reply["rows"]
-
-
-def stale_note(stall: dict, as_of: float | None) -> str:
-    """What an owner's answer from an older snapshot of its log comes with: why, and how old that snapshot is."""
-    when = "" if as_of is None else (f" as of {time.strftime('%H:%M:%S', time.localtime(as_of))} "
-                                     f"({max(time.time() - as_of, 0.0):.1f} s ago)")
-    if not stall.get("early"):
-        return (f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on {stall['path']} "
-                f"({stall['filesystem']}): answered from the log as of the stall's start")
-    if stall.get("held", True):
-        return (f"note: answered from the owner's last snapshot of the log{when}: a commit to it has been pending "
-                f"{stall.get('pending_s', 0):.1f} s (not returned yet)")
-    return (f"note: answered from the owner's last snapshot of the log{when}: a fresh one took longer than the "
-            "query's --timeout")
 
 
 def read_columns(lay: BuildLayout, statements: list[str], live_sql: str,
