@@ -26,6 +26,8 @@ Each measurement runs in its own fresh process; its peak RSS is that process's r
   the same number of rows (--source-tokens tokens each, on average), and of one with 8x fewer rows and 8x more
   tokens: from the two, bytes per row and per token, extrapolated to --extrapolate-tokens tokens a row. With
   builder.extract.source_index present, its streaming `scan_source` is measured on the same files.
+- fresh (--fresh): a real run asked `sql` and `status` while it writes: how old what they miss is, and its
+  samples/s against a run nobody asks (tools/bench_fresh.py).
 """
 
 from __future__ import annotations
@@ -367,6 +369,8 @@ def main() -> None:
     ap.add_argument("--source-tokens", type=int, default=32, help="mean tokens a row of the synthetic source")
     ap.add_argument("--source-formats", default="parquet,jsonl")
     ap.add_argument("--extrapolate-tokens", type=int, default=2048)
+    ap.add_argument("--fresh", action="store_true", help="freshness of sql/status during a real run of up to "
+                    "100,000 samples, and what asking costs it (tools/bench_fresh.py)")
     ap.add_argument("--no-source", action="store_true", help="skip the source measurements")
     ap.add_argument("--verify", action="store_true", help="measure verify too (writes about 9 KB a sample)")
     ap.add_argument("--no-reader", action="store_true", help="skip the reader's index (tools/bench_reader.py)")
@@ -463,6 +467,10 @@ def main() -> None:
                                  f"{pk_tok:.1f} B/token -> {n:,} x {a.extrapolate_tokens}: held "
                                  f"{(per_row * n + per_tok * tok) / 2**30:.1f} GiB, peak "
                                  f"{(pk_row * n + pk_tok * tok) / 2**30:.1f} GiB"))
+        if a.fresh:  # a real run, asked while it writes (tools/bench_fresh.py)
+            import bench_fresh  # noqa: PLC0415
+
+            rows += [(what, "", "", value) for what, value in bench_fresh.measure_fresh(min(a.samples, 100_000))]
     finally:
         if a.keep is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 
 from builder import __version__
 from builder.cli import doctor as cli_doctor
@@ -234,6 +235,10 @@ def status_lines(st: dict) -> list[str]:
                      + ("; the figures below are as of the stall's start" if st.get("stale") else ""))
     elif st.get("running") and st.get("phase", "running") != "running":
         lines.append(f"phase:   {st['phase']}")
+    if st.get("stale") and not stall and st.get("as_of"):
+        lines.append(f"note:    the figures below are as of {time.strftime('%H:%M:%S', time.localtime(st['as_of']))} "
+                     f"({max(time.time() - st['as_of'], 0.0):.0f} s ago): the owner's log did not give newer ones in "
+                     "time (a commit to it pending, or a very big log)")
     if st.get("lock_file_missing") or st.get("lock_not_held"):
         what = "is missing" if st.get("lock_file_missing") else "is not held by it (replaced?)"
         lines.append(f"warning: hsbuild.lock {what}, although a process owns this build and answered; nothing "

@@ -39,6 +39,9 @@ OWNER_WAIT_S = 10.0  # how long a client waits for an owner that holds the lock 
 # how long `status` waits for an owner that answers but is still starting (no log open yet: reading a big source
 # takes minutes) before it shows that owner's phase instead of its progress
 STATUS_START_WAIT_S = 2.0
+# how long `status` waits for the owner's answer: it computes a fresh one for up to 8 s while its log answers
+# (log/session.py STATUS_MAX_WAIT_S), then answers from its last figures, with their age
+STATUS_ASK_S = 12.0
 
 
 _parser_lock = threading.Lock()
@@ -196,6 +199,9 @@ def _ask_or_read(lay: BuildLayout, req: dict, offline: Callable[[], object], tim
     deadline = time.monotonic() + timeout
     while True:
         reply = request(lay, req, wait=wait, timeout=ask_timeout, start_wait=start_wait)
+        if reply is not None and reply.get("closing") and time.monotonic() < deadline:
+            time.sleep(0.1)  # the owner stopped the query to close its log: the file answers once it is closed
+            continue
         if reply is not None:
             _raise_reply(reply)
             return reply
@@ -208,6 +214,20 @@ def _ask_or_read(lay: BuildLayout, req: dict, offline: Callable[[], object], tim
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def stale_note(stall: dict, as_of: float | None) -> str:
+    """What an owner's answer from an older snapshot of its log comes with: why, and how old that snapshot is."""
+    when = "" if as_of is None else (f" as of {time.strftime('%H:%M:%S', time.localtime(as_of))} "
+                                     f"({max(time.time() - as_of, 0.0):.1f} s ago)")
+    if not stall.get("early"):
+        return (f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on {stall['path']} "
+                f"({stall['filesystem']}): answered from the log as of the stall's start")
+    if stall.get("held", True):
+        return (f"note: answered from the owner's last snapshot of the log{when}: a commit to it has been pending "
+                f"{stall.get('pending_s', 0):.1f} s (not returned yet)")
+    return (f"note: answered from the owner's last snapshot of the log{when}: a fresh one took longer than the "
+            "query's --timeout")
 
 
 def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S,
@@ -228,10 +248,7 @@ def run_query(lay: BuildLayout, sql: str, timeout: float = QUERY_TIMEOUT_S,
         return cols, [[jsonable(v) for v in r] for r in rows]
     stall = reply.get("stalled")
     if stall and on_note is not None:
-        on_note("note: answered from the owner's last snapshot of the log: a commit to it has not returned yet"
-                if stall.get("early") else
-                f"STALLED: {stall['what']} pending {stall['pending_s']:.0f} s on {stall['path']} "
-                f"({stall['filesystem']}): answered from the log as of the stall's start")
+        on_note(stale_note(stall, reply.get("as_of")))
     return reply["columns"], reply["rows"]
 
 
@@ -285,7 +302,7 @@ def status_snapshot(lay: BuildLayout, offline_extra: Callable[[EventLog, dict], 
             prog = log.progress()
             return {**prog, **(offline_extra(log, prog) if offline_extra is not None else {})}
 
-    reply = _ask_or_read(lay, {"op": "status"}, offline, start_wait=STATUS_START_WAIT_S)
+    reply = _ask_or_read(lay, {"op": "status"}, offline, start_wait=STATUS_START_WAIT_S, ask_timeout=STATUS_ASK_S)
     if "offline" in reply:
         return {"running": False, **{k: jsonable(v) for k, v in reply["offline"].items()}}
     st = dict(reply["status"])

@@ -9,7 +9,8 @@ transaction ends with `COMMIT`), so the guard is structural:
   instance, locked down the same way (and unable to spill to disk), holding Arrow snapshots of `events`
   (cached by the owner and topped up by `seq`), `meta`, `source_samples` and the fold's checkpoint (cached
   until it is replaced), and the views of
-  schema/views.sql as TEMP views. One query at a time; the snapshot cache is dropped when unused.
+  schema/views.sql as TEMP views. One query at a time; the snapshot cache is dropped when unused. Each query
+  takes a snapshot begun after it was asked (fresh), unless a log commit holds the log (`LiveReplica`).
 
 Every query runs under a watchdog that interrupts it after a timeout (or when asked, e.g. an owner appeared).
 """
@@ -28,9 +29,12 @@ import duckdb
 from builder.errors import BuildLockedError, LogDamagedError, QueryError, ReadOnlyQueryError
 from builder.log.events import EventLog
 from builder.log.schema import read_with_current_views, temp_views_sql
+from builder.log.stall import stall_limit
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+    from builder.log.stall import Stall
 
 QUERY_TIMEOUT_S = 30.0  # default limit of one `hsbuild sql` query
 MAX_TIMEOUT_S = 3600.0
@@ -204,25 +208,38 @@ class _TempViews:
         return self._preamble + "".join(body for name, body in self._sql.items() if name in need)
 
 
-SNAPSHOT_WAIT_S = 0.5  # a snapshot the owner's log does not give in this long: answered from the last one
+# A log commit pending this long holds the owner's log (a volume that does not answer, or not yet): a live query
+# is then answered from the last snapshot, saying how old it is. Otherwise a query waits for a snapshot taken
+# after it was asked, however long the log takes to give it (a big log's first one), within the query's timeout.
+SNAPSHOT_WAIT_S = 0.5
+SNAPSHOT_POLL_S = 0.02
+CHUNKS_MAX = 256  # the cached events' Arrow chunks (one a refresh) are merged beyond this many
 
 
 class LiveReplica:
-    """The owner's side of live user SQL: snapshots of its log, queried in a throwaway locked-down instance."""
+    """The owner's side of live user SQL: snapshots of its log, queried in a throwaway locked-down instance.
 
-    def __init__(self, log: EventLog):
+    Freshness: an answer reflects every event committed before the question reached the owner (its snapshot is
+    begun after that), unless a log commit has been pending SNAPSHOT_WAIT_S or more (`commit_pending`: the
+    owner's stall watch): then the last snapshot answers, `stale` is set and `as_of` says when it was taken."""
+
+    def __init__(self, log: EventLog, commit_pending: Callable[[], Stall | None] | None = None):
         self.closing = False  # the owner is shutting down: running queries are interrupted
         self.log = log
+        self.commit_pending = commit_pending or (lambda: None)
         self._lock = threading.Lock()  # one replica query at a time: bounded memory and CPU
         self._events: pa.Table | None = None
         self._last_seq = 0
+        self._source: pa.Table | None = None  # source_samples (rows only ever added: re-read when its count grows)
         self._fold: pa.Table | None = None  # the fold's checkpoint (schema/events.sql), as of mark `_fold_upto`
         self._fold_upto = -1
         self._used = time.monotonic()
         self._views = _TempViews(temp_views_sql())
-        self._last_tables: dict = {}
+        self._last: tuple[dict, float | None] = ({}, None)  # the last snapshot taken, and when it was begun
         self._snap_lock = threading.Lock()  # held while a snapshot reads the owner's connection
-        self.stale = False  # the last answer came from an older snapshot (the log did not answer in time)
+        self.stale = False  # the last answer came from an older snapshot (a log commit held the log)
+        self.as_of: float | None = None  # time.time() when the last answer's snapshot was begun
+        self.held_by: Stall | None = None  # the pending commit a stale answer did not wait for
 
     def _snapshot(self) -> dict[str, pa.Table]:
         """One consistent snapshot of the three tables (owner-written SQL on the owner's connection only);
@@ -232,7 +249,9 @@ class LiveReplica:
             cur.execute("BEGIN TRANSACTION READ ONLY")
             delta = cur.sql("SELECT * FROM events WHERE seq > ? ORDER BY seq", params=[self._last_seq]).to_arrow_table()
             meta = cur.sql("SELECT * FROM meta").to_arrow_table()
-            source = cur.sql("SELECT * FROM source_samples").to_arrow_table()
+            rows = cur.execute("SELECT count(*) FROM source_samples").fetchall()[0][0]
+            if self._source is None or self._source.num_rows != rows:
+                self._source = cur.sql("SELECT * FROM source_samples").to_arrow_table()
             mark = cur.sql("SELECT * FROM fold_checkpoint_mark").to_arrow_table()
             upto = mark["upto"][0].as_py() if mark.num_rows else 0
             if self._fold is None or self._fold_upto != upto:  # replaced whole, rarely: re-read only then
@@ -246,23 +265,42 @@ class LiveReplica:
             import pyarrow as pa  # noqa: PLC0415 (only an owner's replica needs it)
 
             self._events = pa.concat_tables([self._events, delta])
+            if self._events["seq"].num_chunks > CHUNKS_MAX:
+                self._events = self._events.combine_chunks()
         if delta.num_rows:
             self._last_seq = delta["seq"][-1].as_py()
-        return {"events": self._events, "meta": meta, "source_samples": source, "fold_checkpoint": self._fold,
-                "fold_checkpoint_mark": mark}
+        return {"events": self._events, "meta": meta, "source_samples": self._source,
+                "fold_checkpoint": self._fold, "fold_checkpoint_mark": mark}
 
-    def _snapshot_within(self, wait: float) -> dict | None:
-        """A fresh snapshot, or None when it does not come within `wait` seconds (the owner's connection is stuck
-        in a commit on a stalled volume): that one finishes in its own thread, later, and no second is started
-        meanwhile."""
-        if not self._snap_lock.acquire(blocking=False):  # a snapshot is still stuck
+    def _held(self, since: float) -> Stall | None:
+        """The log commit holding the owner's log: one pending since before `since` (time.monotonic(): what a
+        snapshot begun then waits behind; a commit begun later does not hold it) for SNAPSHOT_WAIT_S, or, with no
+        snapshot to answer from, for the stall watch's limit (HSBUILD_STALL_S: then it is named a stall)."""
+        pending = self.commit_pending()
+        if pending is None or pending.since > since:
             return None
-        box: dict = {}
+        return pending if pending.pending_s() >= (SNAPSHOT_WAIT_S if self._last[0] else stall_limit()) else None
+
+    def _fresh_snapshot(self, deadline: float) -> dict | None:
+        """A snapshot begun now (after the question), waited for while the log answers: None when a log commit
+        holds the log (`held_by` says which) or `deadline` passes first. A snapshot not waited for finishes in its
+        own thread, later (and is the one a later stale answer gives); no second one starts meanwhile (a query
+        waits for it, then takes its own)."""
+        self.held_by = None
+        asked = time.monotonic()
+        while not self._snap_lock.acquire(blocking=False):  # the one a stale answer left behind: still running
+            if (held := self._held(asked)) is not None or time.monotonic() >= deadline:
+                self.held_by = held
+                return None
+            time.sleep(SNAPSHOT_POLL_S)
+        box: dict = {"as_of": time.time()}
+        begun = time.monotonic()
         done = threading.Event()
 
         def work() -> None:
             try:
-                box["tables"] = self._snapshot()
+                tables = box["tables"] = self._snapshot()
+                self._last = (tables, box["as_of"])
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box["error"] = e
             finally:
@@ -270,28 +308,34 @@ class LiveReplica:
                 done.set()
 
         threading.Thread(target=work, name="hsbuild-replica-snapshot", daemon=True).start()
-        if not done.wait(wait):
-            return None
+        while not done.wait(SNAPSHOT_POLL_S):
+            if (held := self._held(begun)) is not None or time.monotonic() >= deadline:
+                self.held_by = held
+                return None
         if "error" in box:
             raise box["error"]
         return box["tables"]
 
     def query(self, sql: str, timeout: float = QUERY_TIMEOUT_S, refresh: bool = True) -> tuple[list[str], list[tuple]]:
-        """`refresh`: take the events committed since the last snapshot first (waited for at most
-        SNAPSHOT_WAIT_S). Without (the owner's storage is stalled), or when the log does not answer in time (a
-        commit that does not return), the last snapshot answers, and `stale` says so."""
+        """`refresh`: take the events committed since the last snapshot first (waited for while the log answers,
+        within `timeout`). Without (the owner's storage is stalled), or when a log commit holds the log, the last
+        snapshot answers: `stale` says so and `as_of` when it was taken."""
         with self._lock:
             self._used = time.monotonic()
-            tables = self._snapshot_within(SNAPSHOT_WAIT_S) if refresh else None
+            deadline = self._used + timeout
+            tables = self._fresh_snapshot(deadline) if refresh else None
             self.stale = tables is None
-            if tables is not None:
-                self._last_tables = tables
-            elif self._last_tables:
-                tables = self._last_tables
-            else:
-                raise QueryError("the build's log does not answer (a commit on its volume has not returned: a "
-                                 "stalled volume?) and no snapshot of it was taken before: `hsbuild status` says "
-                                 "what the owner knows; ask again once writes return")
+            last, self.as_of = self._last  # (one snapshot and its time: a late snapshot thread may replace it)
+            if tables is None and last:
+                tables = last
+            elif tables is None and (self.held_by is not None or not refresh):
+                what = f" ({self.held_by.describe()})" if self.held_by is not None else ""
+                raise QueryError(f"the build's log does not answer: a commit to it has not returned{what}: a "
+                                 "stalled volume? No snapshot of it was taken before: `hsbuild status` says what "
+                                 "the owner knows; ask again once writes return")
+            elif tables is None:
+                raise QueryInterrupted(f"query stopped after {timeout:g} s: the owner's log took longer to give "
+                                       "a snapshot of itself (pass --timeout SECONDS to allow more)", "timeout")
             con = duckdb.connect(":memory:", config={"threads": REPLICA_THREADS, "memory_limit": REPLICA_MEMORY})
             try:
                 con.execute("SET temp_directory = ''")  # no spilling; must precede the lockdown
@@ -301,7 +345,8 @@ class LiveReplica:
                 views = self._views.read_by(sql)
                 if views:
                     con.execute(views)
-                return run_guarded(con, sql, timeout, interrupt_if=lambda: self.closing)
+                left = max(deadline - time.monotonic(), 1.0)
+                return run_guarded(con, sql, left, interrupt_if=lambda: self.closing)
             finally:
                 con.close()
                 self._used = time.monotonic()
@@ -310,8 +355,8 @@ class LiveReplica:
         """Free the cached snapshot when no query came for `idle` seconds."""
         if self._events is not None and time.monotonic() - self._used > idle and self._lock.acquire(blocking=False):
             try:
-                self._events, self._last_seq = None, 0
+                self._events, self._last_seq, self._source = None, 0, None
                 self._fold, self._fold_upto = None, -1
-                self._last_tables = {}
+                self._last = ({}, None)
             finally:
                 self._lock.release()

@@ -2,8 +2,10 @@
 
 A daemon thread accepts connections on a Unix socket (mode 0600). Each request is one JSON line; each reply
 one JSON line. `status` runs the owner's own queries on a cursor of its connection. User SQL never touches
-that connection: it runs on a snapshot in a throwaway, locked-down instance (`sandbox.LiveReplica`), so it sees
-every committed event (the owner commits at least once a second) and can neither write nor block the writer.
+that connection: it runs on a snapshot in a throwaway, locked-down instance (`sandbox.LiveReplica`), begun after
+the question came, so it sees every event committed before it (the owner commits at least every 0.5 s), and can
+neither write nor block the writer. Only while a log commit has been pending 0.5 s or more (a volume that does not
+answer) does an older snapshot answer, and the reply says so and how old it is (`as_of`).
 """
 
 from __future__ import annotations
@@ -15,21 +17,29 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from builder.errors import HsbuildError
 from builder.log.events import EventLog
 from builder.log.query import check_read_only, check_timeout, jsonable, recv_line
-from builder.log.sandbox import QUERY_TIMEOUT_S, LiveReplica
+from builder.log.sandbox import QUERY_TIMEOUT_S, LiveReplica, QueryInterrupted
+
+if TYPE_CHECKING:
+    from builder.log.stall import Stall
 
 
 class QueryServer:
     def __init__(self, sock_path: Path, log: EventLog | None, status_fn: Callable[[], dict],
-                 stalled: Callable[[], dict | None] | None = None):
+                 stalled: Callable[[], dict | None] | None = None,
+                 commit_pending: Callable[[], Stall | None] | None = None):
         """`log`: None while the owner starts (sql is asked to wait, `attach` it once open); `stalled`: what
-        the owner's stall watch says (sql then answers from the last snapshot, naming the stall)."""
+        the owner's stall watch says (sql then answers from the last snapshot, naming the stall);
+        `commit_pending`: the owner's oldest log commit still pending (a query waits for a fresh snapshot
+        unless one has been pending 0.5 s: `sandbox.LiveReplica`)."""
         self.sock_path, self.log, self.status_fn = Path(sock_path), log, status_fn
         self.stalled = stalled or (lambda: None)
-        self.replica = LiveReplica(log) if log is not None else None
+        self.commit_pending = commit_pending
+        self.replica = LiveReplica(log, commit_pending) if log is not None else None
         self.error: str | None = None  # why the socket could not be opened (the owner runs on without it)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -61,7 +71,7 @@ class QueryServer:
     def attach(self, log: EventLog) -> None:
         """The owner opened its log: sql is answered from now on."""
         self.log = log
-        self.replica = LiveReplica(log)
+        self.replica = LiveReplica(log, self.commit_pending)
 
     def stop(self) -> None:
         """Stop accepting, interrupt the queries running, and wait for their threads: none may still be inside
@@ -117,12 +127,20 @@ class QueryServer:
                             f"owns this build (pid {st.get('pid')}) is starting ({st.get('phase', 'starting')}) and "
                             "has no log open yet"}
                 stall = self.stalled()
-                cols, rows = self.replica.query(req["sql"], timeout, refresh=stall is None)
-                if stall is None and self.replica.stale:  # (not yet named a stall: the log is slow to answer)
-                    stall = {"what": "log commit", "path": str(self.log.path) if self.log else "?",
-                             "filesystem": "?", "pending_s": 0.0, "since": None, "early": True}
+                try:
+                    cols, rows = self.replica.query(req["sql"], timeout, refresh=stall is None)
+                except QueryInterrupted as e:
+                    if e.reason == "asked" and self.replica.closing:  # the owner ends: ask again, of the file
+                        return {"ok": False, "closing": True, "error": "the owner is closing the log"}
+                    raise
+                if stall is None and self.replica.stale:  # (not yet named a stall: a commit pending, or slow)
+                    held = self.replica.held_by
+                    stall = {**(held.as_dict() if held is not None else
+                                {"what": "snapshot", "path": str(self.log.path) if self.log else "?",
+                                 "filesystem": "?", "pending_s": 0.0, "since": None}),
+                             "early": True, "held": held is not None}
                 return {"ok": True, "columns": cols, "rows": [[jsonable(v) for v in r] for r in rows],
-                        **({"stalled": stall} if stall is not None else {})}
+                        "as_of": self.replica.as_of, **({"stalled": stall} if stall is not None else {})}
             if op == "status":  # (while the owner starts: its phase, and the client may wait a moment)
                 return {"ok": True, "status": jsonable(self.status_fn()),
                         **({"starting": True} if self.replica is None else {})}

@@ -49,7 +49,9 @@ from builder.log.stall import Stall, StallWatch
 from builder.progress import Echo, quiet
 
 EXIT_INTERRUPTED = 130
-STATUS_WAIT_S = 1.0  # a status that takes longer (the log busy) is answered from the last one, marked stale
+STATUS_WAIT_S = 1.0  # a log commit pending this long: status answers from the last one, marked stale (as_of)
+STATUS_MAX_WAIT_S = 8.0  # a status that takes longer to compute (a huge log) is answered from the last one too
+STATUS_SHARE_S = 1.0  # a status computation begun this long before a question answers it too
 SAY_AGAIN_S = 30.0  # how often a stall is said again while it lasts
 SAY_FROM_HANDLER_S = 1.0  # how long a second Ctrl-C waits for `echo` to say why the exit waits (a stall)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -82,8 +84,11 @@ class OwnerSession:
         self._old_handlers: dict = {}
         self._pending_events: list[Event] = []  # stall events from the watch thread, committed by the owner
         self._events_lock = threading.Lock()
-        self._cached: dict = {}
+        self._cached: dict = {}  # the last status computed, with its `as_of` (time.time() when it was begun)
+        self._cached_t0: float | None = None  # (time.monotonic() of the same moment)
         self._status_thread: threading.Thread | None = None
+        self._status_guard = threading.Lock()
+        self._status_begun = 0.0  # time.monotonic() when the last status computation began
         dirs = [lay.root, *[Path(d) for d in watch]]  # (data/ is left alone: only segments live there)
         self.watch = StallWatch([d for d in dirs if Path(d).is_dir()], limit_s=stall_s, on_change=self._on_stall)
         self._said_at = 0.0
@@ -96,7 +101,8 @@ class OwnerSession:
     def __enter__(self) -> OwnerSession:
         self.lock = BuildLock(self.lay, self.purpose, self.run_id, take_over=self.take_over).acquire()
         try:
-            self.server = QueryServer(self.lock.socket_path, None, self.status, stalled=self.stall_info).start()
+            self.server = QueryServer(self.lock.socket_path, None, self.status, stalled=self.stall_info,
+                                      commit_pending=self.commit_pending).start()
             if self.metrics_at is not None:
                 self.metrics = MetricsServer(self.metrics_at, self.status).start()
                 self.echo(f"metrics: http://{self.metrics.address.host}:{self.metrics.port}/metrics")
@@ -245,6 +251,10 @@ class OwnerSession:
     def stalled(self) -> Stall | None:
         return self.watch.current()
 
+    def commit_pending(self) -> Stall | None:
+        """The oldest log commit of this session still pending (for any time: a stall or not yet)."""
+        return self.watch.pending("log commit")
+
     def stall_info(self) -> dict | None:
         stall = self.watch.current()
         return stall.as_dict() if stall is not None else None
@@ -273,9 +283,10 @@ class OwnerSession:
 
     # -- status --------------------------------------------------------------------------------------------
     def status(self) -> dict:
-        """What `hsbuild status` gets from the owner: within STATUS_WAIT_S, always. Before the log is open: the
-        phase. While the log is stuck (a stall, a commit that does not return): the last status it could give,
-        marked stale, with the stall."""
+        """What `hsbuild status` gets from the owner. Fresh (computed after the question, or begun at most
+        STATUS_SHARE_S before it) while the log answers, however long that takes up to STATUS_MAX_WAIT_S. Before
+        the log is open: the phase. While the log is held (a stall, or a log commit pending STATUS_WAIT_S), or
+        after STATUS_MAX_WAIT_S: the last status it could give, marked stale, with its `as_of`, and the stall."""
         base = {"running": True, "purpose": self.purpose, "run_id": self.run_id, "pid": os.getpid(),
                 "phase": self.phase}
         stall = self.stall_info()
@@ -290,21 +301,36 @@ class OwnerSession:
         return {**self._cached, **base, "stale": True}
 
     def _fresh_status(self) -> dict | None:
-        """The command's status, computed in a thread and waited for at most STATUS_WAIT_S; None if it takes
-        longer (the thread finishes later and refreshes the cache)."""
-        t = self._status_thread
-        if t is None or not t.is_alive():
-            t = self._status_thread = threading.Thread(target=self._compute_status, name="hsbuild-status",
-                                                       daemon=True)
-            t.start()
-        t.join(STATUS_WAIT_S)
-        return None if t.is_alive() else dict(self._cached)
+        """The command's status from a computation begun after the question (or shared with one begun at most
+        STATUS_SHARE_S before it), computed in a thread; None when a log commit has been pending STATUS_WAIT_S
+        (the log held: that thread finishes later and refreshes the cache) or STATUS_MAX_WAIT_S have passed."""
+        asked = time.monotonic()
+        while True:
+            with self._status_guard:
+                if self._cached_t0 is not None and self._cached_t0 >= asked - STATUS_SHARE_S:
+                    return dict(self._cached)
+                t = self._status_thread
+                if t is None or not t.is_alive():
+                    t = self._status_thread = threading.Thread(target=self._compute_status, name="hsbuild-status",
+                                                               daemon=True)
+                    self._status_begun = time.monotonic()
+                    t.start()
+                begun = self._status_begun
+            t.join(0.05)
+            pending = self.commit_pending()  # (one begun after the computation does not hold it)
+            if time.monotonic() - asked >= STATUS_MAX_WAIT_S or (
+                    pending is not None and pending.since <= begun and pending.pending_s() >= STATUS_WAIT_S
+                    and t.is_alive()):
+                return None
 
     def _compute_status(self) -> None:
+        t0, as_of = time.monotonic(), time.time()
         try:
-            self._cached = dict(self.status_fn())  # type: ignore[misc]
+            got = {**self.status_fn(), "as_of": as_of}  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001 - a status that fails says why, it never kills the server
-            self._cached = {**self._cached, "status_error": f"{type(e).__name__}: {e}"}
+            got = {**self._cached, "status_error": f"{type(e).__name__}: {e}"}
+        with self._status_guard:
+            self._cached, self._cached_t0 = got, t0
 
 
 class _Committer:

@@ -107,6 +107,15 @@ class StallWatch:
         with self._lock:
             return self._stall
 
+    def pending(self, what: str) -> Stall | None:
+        """The oldest tracked `what` (e.g. "log commit") still pending, however young (a stall or not yet):
+        what a reader of the log may be waiting behind."""
+        with self._lock:
+            oldest = min((o for o in self._ops.values() if o.what == what), key=lambda o: o.t0, default=None)
+        if oldest is None:
+            return None
+        return Stall(oldest.what, oldest.path, self.filesystem(oldest.path), oldest.t0, oldest.wall)
+
     @property
     def stalled(self) -> bool:
         return self.current() is not None
