@@ -24,7 +24,7 @@ import torch
 
 from builder.errors import SampleError
 from builder.extract.backends.base import Generation, check_finite
-from builder.extract.model import _rope
+from builder.extract.builtin_model import _rope
 
 if TYPE_CHECKING:
     from builder.extract.model import Extractor
