@@ -254,6 +254,15 @@ class Extractor:
 
         return generate(self, input_ids, gen, limit)
 
+    def generate_batch(self, requests: list, limit: int) -> list:
+        """Several generations (each `(input_ids, Generation)`) decoded together, each request's result what
+        `generate` gives it alone, bit for bit, or the exception it raises (builder/extract/generation_batch.py)."""
+        if self._model is None:
+            raise ModelError(f"{self.spec}: opened for metadata only (load_weights=False)")
+        from builder.extract.generation_batch import generate_batch  # noqa: PLC0415
+
+        return generate_batch(self, requests, limit)
+
     # -- batched extraction -------------------------------------------------------------------------------
     def can_pack(self) -> bool:
         """Whether `extract_batch` runs one packed forward pass (the built-in model, a Hugging Face Llama with
