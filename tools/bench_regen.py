@@ -3,10 +3,16 @@ the trainers' scripts run (generate, then a separate prefill over prompt + respo
 same Hugging Face Llama (random weights, built here with transformers: nothing is downloaded), the same prompts
 and settings (greedy, the same max_new_tokens), in one run, alternating, on this machine's CPU (or --device).
 
-- `one-pass`: `Extractor.generate` with capture (hsbuild's path: the prompt's states from the prefill, each
+- `one-pass`: `Extractor.generate_batch` with capture (hsbuild's path: the prompt's states from the prefill, each
   generated token's from its decode step, the last token's from one more one-token step);
-- `two-pass`: `Extractor.generate` without capture (the same decode loop, keeping nothing), then
-  `Extractor.extract` over the prompt and the generated tokens (hsbuild's own prefill extraction).
+- `two-pass`: `Extractor.generate_batch` without capture (the same decode loop, keeping nothing), then
+  `Extractor.extract_batch` over each prompt and its generated tokens (hsbuild's own prefill extraction).
+
+`--batch N` decodes N prompts' generations together in both variants (what `run --batch-tokens` does; 1: each
+alone, as a run without it); the same batching for both, so the ratio compares one pass with two passes, not
+batched with unbatched. Batching pays where the kernels give each row of a product the bits it gets alone
+(bfloat16 with AMX; builder/extract/generation_batch.py), else the products run row by row. It also reports the
+two-pass pipeline's parts: the generation, and the second prefill per token.
 
 Both give the same tokens (checked); it reports each variant's wall and CPU seconds (median of --rounds) and
 the ratios two-pass / one-pass: wall time, of the medians and round by round (the two variants of a round run
@@ -49,6 +55,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="generations decoded together, both variants (1: alone)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -70,15 +77,23 @@ def main() -> None:
         gen = Generation(max_new_tokens=args.new_tokens)
         bare = Generation(max_new_tokens=args.new_tokens, capture=False)
 
+        groups = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+        parts: dict[str, list[float]] = {"generate": [], "prefill": []}
+
         def one_pass() -> list[np.ndarray]:
-            return [ex.generate(p, gen, limit).output_ids for p in prompts]
+            return [g.output_ids for group in groups for g in ex.generate_batch([(p, gen) for p in group], limit)]
 
         def two_pass() -> list[np.ndarray]:
-            out = []
-            for p in prompts:
-                g = ex.generate(p, bare, limit)
-                ex.extract(np.concatenate([p, g.output_ids]))
-                out.append(g.output_ids)
+            out, t_gen, t_pre = [], 0.0, 0.0
+            for group in groups:
+                c0 = time.process_time()
+                made = ex.generate_batch([(p, bare) for p in group], limit)
+                c1 = time.process_time()
+                ex.extract_batch([np.concatenate([p, g.output_ids]) for p, g in zip(group, made, strict=True)])
+                t_gen, t_pre = t_gen + c1 - c0, t_pre + time.process_time() - c1
+                out.extend(g.output_ids for g in made)
+            parts["generate"].append(t_gen)
+            parts["prefill"].append(t_pre)
             return out
 
         one_pass()  # warm-up (allocator, kernels)
@@ -98,10 +113,15 @@ def main() -> None:
               "weights); "
               f"device {ex.device}, {torch.get_num_threads()} threads")
         print(f"work: {args.prompts} prompts of {args.prompt_tokens} tokens, {args.new_tokens} new tokens each, "
-              f"greedy; {args.rounds} rounds; same tokens both ways: {same}")
+              f"greedy, {args.batch} decoded together; {args.rounds} rounds; same tokens both ways: {same}")
         for name, ts in times.items():
             print(f"{name}: wall median {statistics.median(ts):.2f} s ({', '.join(f'{t:.2f}' for t in ts)}); CPU "
                   f"median {statistics.median(cpu[name]):.2f} s ({', '.join(f'{t:.2f}' for t in cpu[name])})")
+        g, p = statistics.median(parts["generate"]), statistics.median(parts["prefill"])
+        steps = args.prompts * args.new_tokens
+        print(f"two-pass parts, CPU: generate {g:.2f} s ({1000 * g / steps:.2f} ms per generated token, prefills "
+              f"included), second prefill {p:.2f} s ({1000 * p / (args.prompts * (args.prompt_tokens + args.new_tokens)):.3f} "
+              "ms per token)")
         c1, c2 = statistics.median(cpu["one-pass"]), statistics.median(cpu["two-pass"])
         print(f"two-pass / one-pass, CPU time: {c2 / c1:.2f}x (medians)")
         print(f"two-pass / one-pass: {two / one:.2f}x (medians); per round {', '.join(f'{r:.2f}' for r in ratios)}, "

@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", help=RegistryHelp("the inference server's URL, e.g. http://127.0.0.1:8000 ({servers})"))
     p.add_argument("--inflight", type=positive_int, help="requests in flight to the server (default 16)")
     p.add_argument("--batch-tokens", type=positive_int, metavar="N",
-                   help="pack samples into forward passes of up to N tokens (--backend inprocess; the same states, "
-                        "bit for bit; default: one sample a pass)")
+                   help="pack samples into forward passes of up to N tokens, generations "
+                        "decoded together (--backend inprocess; the same tokens and states, bit for bit; default: one "
+                        "sample a pass)")
     p.add_argument("--final-state", default=None, choices=["post_norm", "pre_norm"],
                    help="hidden_state: the final norm's input (an engine's layer L, speculators) or its output (HF "
                    "hidden_states[L], SpecForge, Model-Optimizer); the norm is kept in the build, so post-norm is "

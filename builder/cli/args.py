@@ -163,8 +163,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                         "the run's events and shown by status")
     p.add_argument("--inflight", type=positive_int, help="engine backends: requests in flight (default: config, 16)")
     p.add_argument("--batch-tokens", type=count, metavar="N",
-                   help="in-process backend: pack samples into forward passes of up to N tokens, 0: one sample a "
-                        "pass (default: config, 0); the states are the same, bit for bit")
+                   help="in-process backend: pack samples into forward passes of up to N tokens, and a "
+                        "regenerating build decodes its generations together, 0: one sample a pass (default: config, "
+                        "0); the tokens and states are the same, bit for bit")
     p.add_argument("--ray", metavar="auto|HOST:PORT",
                    help="workers as actors on this Ray cluster (`pip install 'hsbuild[ray]'`; docs/ray.md): every "
                         "node writes into the shared build directory; the log stays on this node")

@@ -24,7 +24,7 @@ import torch
 
 from builder.errors import SampleError
 from builder.extract.backends.base import Generation, check_finite
-from builder.extract.model import _rope
+from builder.extract.builtin_model import _rope
 
 if TYPE_CHECKING:
     from builder.extract.model import Extractor
@@ -116,10 +116,10 @@ class _HfSteps:
                                                                   else None)
 
 
-@torch.inference_mode()
-def generate(ex: Extractor, input_ids: np.ndarray, gen: Generation, limit: int) -> Generated:
-    """Generate after `input_ids` (see the module's docstring). Raises SampleError `too_long` when the prompt
-    leaves no position to generate in, `nonfinite` for NaN/Inf states."""
+def start(ex: Extractor, input_ids: np.ndarray, gen: Generation, limit: int):  # noqa: ANN201
+    """A generation's prefill: (room: the tokens it may generate, its steps (with their cache), its generator, the
+    first token's logits, the prompt's states or None). Raises SampleError `too_long` when the prompt leaves no
+    position to generate in."""
     n = int(input_ids.shape[0])
     room = min(gen.max_new_tokens, limit - n)
     if room < 1:
@@ -127,27 +127,16 @@ def generate(ex: Extractor, input_ids: np.ndarray, gen: Generation, limit: int) 
                                       "(the model's context, or --max-tokens)")
     steps = _HfSteps(ex, limit) if ex._hf else _BuiltinSteps(ex, limit)
     rng = torch.Generator(device="cpu").manual_seed(int(gen.seed))
-    stops = set(gen.stop_ids)
-    dev = ex.device
-    ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).unsqueeze(0).to(dev)
+    ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64)).unsqueeze(0).to(ex.device)
     logits, kept = steps.step(ids, keep=gen.capture)
-    parts = [kept]
-    out: list[int] = []
-    finish = "length"
-    while True:
-        token = pick(logits, gen, rng)
-        out.append(token)
-        if token in stops:
-            finish = "stop"
-            break
-        if len(out) >= room:
-            break
-        logits, kept = steps.step(torch.tensor([[token]], device=dev), keep=gen.capture)
-        parts.append(kept)
-    result = Generated(np.asarray(out, dtype=np.int64), finish)
-    if gen.capture:
-        _, kept = steps.step(torch.tensor([[out[-1]]], device=dev), logits=False)  # the last token's states
-        parts.append(kept)
+    return room, steps, rng, logits, kept
+
+
+def finish(out: list[int], reason: str, parts: list | None) -> Generated:
+    """The generation's result: its tokens, and with `parts` (each step's kept states) its states, checked finite
+    (SampleError `nonfinite`)."""
+    result = Generated(np.asarray(out, dtype=np.int64), reason)
+    if parts is not None:
         aux = torch.cat([a for a, _ in parts], dim=0)
         final = torch.cat([f for _, f in parts], dim=0)
         bad = check_finite("", aux, final)
@@ -155,3 +144,29 @@ def generate(ex: Extractor, input_ids: np.ndarray, gen: Generation, limit: int) 
             raise SampleError(bad.reason, bad.message)
         result.aux, result.final = aux.to("cpu"), final.to("cpu")
     return result
+
+
+@torch.inference_mode()
+def generate(ex: Extractor, input_ids: np.ndarray, gen: Generation, limit: int) -> Generated:
+    """Generate after `input_ids` (see the module's docstring). Raises SampleError `too_long` when the prompt
+    leaves no position to generate in, `nonfinite` for NaN/Inf states."""
+    room, steps, rng, logits, kept = start(ex, input_ids, gen, limit)
+    stops = set(gen.stop_ids)
+    dev = ex.device
+    parts = [kept]
+    out: list[int] = []
+    reason = "length"
+    while True:
+        token = pick(logits, gen, rng)
+        out.append(token)
+        if token in stops:
+            reason = "stop"
+            break
+        if len(out) >= room:
+            break
+        logits, kept = steps.step(torch.tensor([[token]], device=dev), keep=gen.capture)
+        parts.append(kept)
+    if gen.capture:
+        _, kept = steps.step(torch.tensor([[out[-1]]], device=dev), logits=False)  # the last token's states
+        parts.append(kept)
+    return finish(out, reason, parts if gen.capture else None)

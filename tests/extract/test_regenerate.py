@@ -6,6 +6,7 @@ its chat template the test's own; checked against transformers itself.
   with --turns all each earlier turn is what generate gives after the regenerated turns before it;
 - its states equal a transformers forward pass over the stored tokens within bf16 rounding (they are captured
   while generating, with the KV cache, not by a second prefill);
+- run with --batch-tokens (its generations decoded together), the samples are the same, bit for bit;
 - responses that stopped at the token limit are counted in status (text and --json), the samples view and the
   Prometheus metrics, as transformers says they stop; --drop-truncated retires exactly those."""
 
@@ -136,6 +137,21 @@ def test_greedy_regeneration_equals_transformers(tmp_path, cli, chat_model):
     metrics = {(s.name, tuple(s.labels.items())): s.value
                for fam in StatusCollector(lambda: st).collect() for s in fam.samples}
     assert metrics[("hsbuild_responses_at_token_limit", (("outcome", "kept"),))] == cut
+
+    # batched (--batch-tokens: the generations decoded together): the same samples, bit for bit
+    batched = tmp_path / "batched"
+    cp = cli("init", batched, "--source", src, "--model", d, "--regenerate", "--max-new-tokens", str(MAX_NEW),
+             "--final-state", "post_norm", "--allow-overcommit")
+    assert cp.returncode == 0, cp.stderr
+    cp = cli("run", batched, "--no-progress", "--device", "cpu", "--workers", "1", "--batch-tokens", "4096")
+    assert cp.returncode == 0, cp.stderr
+    again = {it["sample_id"]: it for it in HiddenStateDataset(batched)}
+    assert sorted(again) == sorted(items)
+    for sid, it in again.items():
+        assert it["input_ids"].tolist() == items[sid]["input_ids"].tolist(), sid
+        assert it["loss_mask"].tolist() == items[sid]["loss_mask"].tolist(), sid
+        assert torch.equal(it["aux_hidden_state"], items[sid]["aux_hidden_state"]), sid
+        assert torch.equal(it["hidden_state"], items[sid]["hidden_state"]), sid
 
     # --drop-truncated: the same responses, those cut at the limit retired with their reason, the others written
     dropped = tmp_path / "dropped"

@@ -6,9 +6,11 @@ packed forward pass over the oldest of them, at most BATCH_SAMPLES samples and `
 sample goes alone). Every sample gets the states its lone pass gives it, bit for bit (Extractor.extract_batch),
 and fails alone.
 
-A generation request (`Request.generate`, a regenerating build) runs alone, with a KV cache, its states captured
+A generation request (`Request.generate`, a regenerating build) is generated with a KV cache, its states captured
 as it generates (builder/extract/generation.py); its positions are the model's context, or the build's
---max-tokens where that is less."""
+--max-tokens where that is less. One at a time it runs alone; batched, up to BATCH_SAMPLES generation requests
+(their prompts within `batch_tokens`) are decoded together, each one's tokens and states those it gets alone, bit
+for bit (builder/extract/generation_batch.py)."""
 
 from __future__ import annotations
 
@@ -56,15 +58,15 @@ class InProcessBackend:
 
     def _next_batch(self) -> tuple[int, bool]:
         """How many of the oldest requests the next pass takes, and whether that batch is full (a bound, not
-        the end of what is pending, ended it)."""
+        the end of what is pending, ended it). Generation requests are batched among themselves, plain forward
+        passes among themselves: a batch ends before a request of the other kind."""
         if self.batch_tokens is None:
             return len(self._pending), True  # one at a time: whatever was submitted, each in its own pass
-        if self._pending[0].generate is not None:
-            return 1, True  # a generation goes alone
+        kind = self._pending[0].generate is not None
         count = tokens = 0
         for r in self._pending:
             n = int(r.input_ids.shape[0])
-            if r.generate is not None:
+            if (r.generate is not None) != kind:
                 return count, True  # (the batch ends before it)
             if count == BATCH_SAMPLES or (count and tokens + n > self.batch_tokens):
                 return count, True
@@ -84,6 +86,11 @@ class InProcessBackend:
         self._pending_tokens -= sum(int(r.input_ids.shape[0]) for r in batch)
         if self.batch_tokens is None or len(batch) == 1:
             results = [self._one(r) for r in batch]
+        elif batch[0].generate is not None:
+            try:
+                results = self.ex.generate_batch([(r.input_ids, r.generate) for r in batch], self.limit)
+            except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
+                results = [e] * len(batch)
         else:
             try:
                 results = self.ex.extract_batch([r.input_ids for r in batch])
