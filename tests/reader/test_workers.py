@@ -9,8 +9,8 @@ import pickle
 import pytest
 import torch
 from conftest import random_rows
-from test_index import same
-from torch.utils.data import DataLoader
+from test_index import FORMATS, same
+from torch.utils.data import DataLoader, StackDataset
 
 from builder.layout import layout
 from builder.log.events import Event, EventLog
@@ -54,3 +54,30 @@ def test_forked_and_spawned_workers_read_the_parents_items(built, cache, monkeyp
                                   multiprocessing_context="fork"))
         assert torch.equal(torch.cat([b["hidden_state"] for b in batches]),
                            torch.cat([it["hidden_state"] for it in want]))
+
+
+def test_batches_and_items_from_workers_are_the_items_read_one_by_one_for_every_format(built):
+    """`__getitems__` (a batch read in storage order) gives each item `ds[i]` gives, in the order asked, for every
+    format; and what a worker sends (one buffer an item, builder/reader/shipping.py) arrives as the same plain
+    dicts of plain tensors, forked or spawned, batched or one at a time."""
+    dss = [HiddenStateDataset(built, format=fmt) for fmt in FORMATS]
+    want = [[ds[i] for ds in dss] for i in range(9)]
+    order = [5, 0, 8, 3, 3, 1, 7, 2, 6, 4, -1]  # shuffled, one twice, one from the end
+    for ds, fmt in zip(dss, FORMATS, strict=True):
+        got = ds.__getitems__(order)
+        assert len(got) == len(order) and all(same(g, w[FORMATS.index(fmt)])
+                                               for g, w in zip(got, [want[i] for i in order], strict=True))
+        assert all(type(g) is dict for g in got)  # (the training process's own reads: plain dicts)
+    both = StackDataset(*dss)  # each item: the items of every format (StackDataset calls each one's __getitems__)
+    for context in ("fork", "spawn"):
+        batches = list(DataLoader(both, sampler=order, batch_size=4, collate_fn=list, num_workers=2,
+                                  multiprocessing_context=context))
+        got = [it for b in batches for it in b]
+        assert [len(b) for b in batches] == [4, 4, 3], context
+        ones = list(DataLoader(both, sampler=order, batch_size=None, num_workers=2, multiprocessing_context=context))
+        for items in (got, ones):
+            assert len(items) == len(order)
+            for it, i in zip(items, order, strict=True):
+                assert all(type(x) is dict for x in it), context  # never the worker's own type
+                assert all(type(v) is torch.Tensor for x in it for v in x.values() if isinstance(v, torch.Tensor))
+                assert same(list(it), want[i]), (context, i)
