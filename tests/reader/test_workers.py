@@ -81,3 +81,31 @@ def test_batches_and_items_from_workers_are_the_items_read_one_by_one_for_every_
                 assert all(type(x) is dict for x in it), context  # never the worker's own type
                 assert all(type(v) is torch.Tensor for x in it for v in x.values() if isinstance(v, torch.Tensor))
                 assert same(list(it), want[i]), (context, i)
+
+
+def test_what_a_worker_sends_arrives_as_the_same_plain_dict_whatever_its_tensors():
+    """One buffer for the tensors it can carry (any dtype, empty, 0-d), torch's way for the others (a view that is
+    not contiguous, one needing grad, an item above SHIP_BYTES); keys in order, values equal, each tensor its own."""
+    import pickle  # noqa: PLC0415
+    from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
+
+    from builder.reader.shipping import SHIP_BYTES, Shipped  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(3)
+    small = {"sample_id": "s0001", "input_ids": torch.arange(7), "bf16": torch.randn(7, 64, generator=g).bfloat16(),
+             "empty": torch.zeros(0, 3, dtype=torch.bfloat16), "scalar": torch.tensor(2.5, dtype=torch.float16),
+             "flags": torch.tensor([True, False, True]), "strided": torch.arange(12).reshape(3, 4)[:, ::2],
+             "grad": torch.ones(2, requires_grad=True), "flag": False}
+    big = {"x": torch.randn(SHIP_BYTES // 4 + 1, generator=g), "y": torch.arange(3)}
+    for want in (small, big):
+        got = pickle.loads(ForkingPickler.dumps(Shipped(want)))
+        assert type(got) is dict and list(got) == list(want)
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor):
+                assert type(got[k]) is torch.Tensor and got[k].dtype == v.dtype and got[k].shape == v.shape, k
+                assert torch.equal(got[k].detach(), v.detach()) and got[k].requires_grad == v.requires_grad, k
+            else:
+                assert got[k] == v and type(got[k]) is type(v), k
+        carried = [v for v in got.values() if isinstance(v, torch.Tensor) and v.is_contiguous()]
+        assert len({v.untyped_storage().data_ptr() for v in carried if v.numel()}) == len([v for v in carried
+                                                                                          if v.numel()])
