@@ -162,4 +162,5 @@ def collate_concat(items: list[dict]) -> dict:
     out = {k: torch.cat([it[k] for it in items]) for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")}
     out["cu_seqlens"] = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
     out["sample_id"] = [it["sample_id"] for it in items]
-    return out
+    # in a DataLoader worker: sent to the training process as one buffer (builder/reader/shipping.py)
+    return Shipped(out) if get_worker_info() is not None else out

@@ -8,8 +8,9 @@ it arrives as a plain dict of plain tensors, each with its own storage, equal to
 shape, values; contiguous). Tensors it cannot send so (not CPU, strided and contiguous, or needing grad) and
 items above SHIP_BYTES (where one copy through shared memory is cheaper) go torch's way, unchanged.
 
-A collate function that copies the item (`default_convert`, `default_collate`) keeps it a `Shipped` dict; one
-that makes its own (collate_concat) sends its own, torch's way: a batch's few tensors.
+A collate function that copies the item (`default_convert`, `default_collate`) keeps it a `Shipped` dict, and
+`collate_concat` makes its batch one in a worker; a collate function that makes a dict of its own sends it
+torch's way.
 """
 
 from __future__ import annotations

@@ -54,6 +54,8 @@ def test_forked_and_spawned_workers_read_the_parents_items(built, cache, monkeyp
                                   multiprocessing_context="fork"))
         assert torch.equal(torch.cat([b["hidden_state"] for b in batches]),
                            torch.cat([it["hidden_state"] for it in want]))
+        local = [collate_concat(want[k:k + 4]) for k in range(0, 9, 4)]  # (the batches made in this process)
+        assert all(type(b) is dict for b in batches) and same(batches, local)  # (from a worker: one buffer each)
 
 
 def test_batches_and_items_from_workers_are_the_items_read_one_by_one_for_every_format(built):
