@@ -15,11 +15,12 @@ maps it) and its peak. `cached`: a second dataset of the same state of the log (
 `to a worker`: pickling the dataset and unpickling it, as a spawned DataLoader worker receives it.
 
 Items (`items`): a real build (built-in model, hidden 64, 8-32 tokens a sample), every item read once through a
-DataLoader with 0 or 2 workers (forked, spawned), one item at a time (`batch_size=None`) and in batches of 8 and
-64 (`collate_concat`): items/s once every worker delivered four (the steady rate: a spawned worker first
-imports torch, seconds; the time to the first is shown), and over the whole pass; CPU microseconds an item in
-the main process and in the workers (a machine shared with others moves wall times, CPU time much less). Each
-case runs --repeat times, the best kept.
+DataLoader with 0, 2 (forked, spawned) or 4 (forked) workers, one item at a time in order (`batch_size=None`)
+and as a training job reads, in shuffled batches of 8 and 32 (`collate_concat`): items/s once every worker
+delivered four (the steady rate: a spawned worker first imports torch, seconds; the time to the first is
+shown), and over the whole pass, with workers against none in the same run; CPU microseconds an item in the
+main process and in the workers (a machine shared with others moves wall times, CPU time much less). Each case
+runs --repeat times, the best kept.
 """
 
 from __future__ import annotations
@@ -133,15 +134,15 @@ def child_construct(build: str, impl: str) -> dict:
 
 
 def child_items(build: str, impl: str, workers: int, context: str, batch: int) -> dict:
-    import torch  # noqa: F401, PLC0415
+    import torch  # noqa: PLC0415
     from torch.utils.data import DataLoader  # noqa: PLC0415
 
     from builder.reader import collate_concat  # noqa: PLC0415
 
     ds = dataset(build, impl)
     kw: dict = {"num_workers": workers, "batch_size": batch or None}
-    if batch:
-        kw["collate_fn"] = collate_concat
+    if batch:  # as a training job reads: shuffled batches
+        kw.update(collate_fn=collate_concat, shuffle=True, generator=torch.Generator().manual_seed(1))
     if workers:
         kw["multiprocessing_context"] = context
     n = len(ds)
@@ -263,30 +264,29 @@ def marginal(a: dict, b: dict, rows: list) -> None:
 
 
 def measure_items(build: str, rows: list, repeat: int) -> None:
-    """Each case for the legacy reader and the index, their runs interleaved (the machine's load drifts)."""
-    cases = [(w, c, b) for b in (0, 8, 64) for w, c in ((0, "-"), (2, "fork"), (2, "spawn"))]
-    none: dict = {}
-    for workers, ctx, batch in cases:
+    """Each case for the legacy reader and the index; for each way of batching, every case's runs interleaved
+    with the others' (no workers, 2, 4: the machine's load drifts), the best of `repeat` kept."""
+    loaders = ((0, "-"), (2, "fork"), (2, "spawn"), (4, "fork"))
+    for batch in (0, 8, 32):
         best: dict = {}
         for _ in range(repeat):
+            for workers, ctx in loaders:
+                for impl in ("legacy", "index"):
+                    r = run_child(["items", build, impl, str(workers), ctx, str(batch)])
+                    key = (workers, ctx, impl)
+                    if key not in best or r["steady_s"] > best[key]["steady_s"]:
+                        best[key] = r
+        for workers, ctx in loaders:
             for impl in ("legacy", "index"):
-                r = run_child(["items", build, impl, str(workers), ctx, str(batch)])
-                if impl not in best or r["steady_s"] > best[impl]["steady_s"]:
-                    best[impl] = r
-        for impl in ("legacy", "index"):
-            r = best[impl]
-            what = (f"items {impl}, {'one at a time' if not batch else f'batches of {batch}'}, "
-                    + (f"{workers} workers ({ctx})" if workers else "no workers"))
-            ratio = ""
-            if workers == 0:
-                none[(impl, batch)] = r["steady_s"]
-            else:
-                ratio = f" ({r['steady_s'] / none[(impl, batch)]:.2f}x no workers)"
-            if impl == "index":
-                ratio += f" ({r['steady_s'] / best['legacy']['steady_s']:.2f}x legacy)"
-            rows.append((what, f"{r['steady_s']:,.0f}/s",
-                         f"steady{ratio}; first after {r['first']:.2f} s; whole pass "
-                         f"{r['items_s']:,.0f}/s; cpu/item main {r['main_us']:.0f} us, workers {r['workers_us']:.0f} us"))
+                r = best[(workers, ctx, impl)]
+                what = (f"items {impl}, {'one at a time' if not batch else f'shuffled batches of {batch}'}, "
+                        + (f"{workers} workers ({ctx})" if workers else "no workers"))
+                ratio = f" ({r['steady_s'] / best[(0, '-', impl)]['steady_s']:.2f}x no workers)" if workers else ""
+                if impl == "index":
+                    ratio += f" ({r['steady_s'] / best[(workers, ctx, 'legacy')]['steady_s']:.2f}x legacy)"
+                rows.append((what, f"{r['steady_s']:,.0f}/s",
+                             f"steady{ratio}; first after {r['first']:.2f} s; whole pass {r['items_s']:,.0f}/s; "
+                             f"cpu/item main {r['main_us']:.0f} us, workers {r['workers_us']:.0f} us"))
 
 
 def main() -> None:

@@ -150,7 +150,7 @@ def _sockets(lay: BuildLayout, st: LockState) -> list[Path]:
 
 
 def request(lay: BuildLayout, req: dict, wait: float = OWNER_WAIT_S, timeout: float = 2.0,
-            start_wait: float | None = None) -> dict | None:
+            start_wait: float | None = None, ask: Callable[[Path, dict, float], dict] = ask_owner) -> dict | None:
     """Ask the live owner, if any. Returns None when no process owns the build. An owner that does not answer is
     waited for `wait` s; one that answers it is still starting, `start_wait` s (default: `wait`), then its
     answer is returned as it is.
@@ -166,7 +166,7 @@ def request(lay: BuildLayout, req: dict, wait: float = OWNER_WAIT_S, timeout: fl
             if not st.held and not sock.exists():
                 continue
             try:
-                reply = ask_owner(sock, req, timeout)
+                reply = ask(sock, req, timeout)
             except (ConnectionRefusedError, FileNotFoundError):
                 continue  # a stale socket file, or not listening yet
             except (TimeoutError, OSError):
@@ -193,12 +193,13 @@ def _raise_reply(reply: dict) -> None:
 
 
 def _ask_or_read(lay: BuildLayout, req: dict, offline: Callable[[], object], timeout: float = 10.0,
-                 ask_timeout: float = 2.0, wait: float = OWNER_WAIT_S, start_wait: float | None = None) -> dict:
+                 ask_timeout: float = 2.0, wait: float = OWNER_WAIT_S, start_wait: float | None = None,
+                 ask: Callable[[Path, dict, float], dict] = ask_owner) -> dict:
     """Ask the live owner; with none, read the file. Handles a run that starts between the two, or during
     the read (the read gives way and the owner is asked)."""
     deadline = time.monotonic() + timeout
     while True:
-        reply = request(lay, req, wait=wait, timeout=ask_timeout, start_wait=start_wait)
+        reply = request(lay, req, wait=wait, timeout=ask_timeout, start_wait=start_wait, ask=ask)
         if reply is not None and reply.get("closing") and time.monotonic() < deadline:
             time.sleep(0.1)  # the owner stopped the query to close its log: the file answers once it is closed
             continue
@@ -272,24 +273,25 @@ def run_queries(lay: BuildLayout, statements: list[str],
     return [run_query(lay, sql, timeout) for sql in statements]
 
 
-def read_columns(lay: BuildLayout, statements: list[str], live_sql: str,
-                 timeout: float = QUERY_TIMEOUT_S) -> tuple[str, object]:
-    """hsbuild's own bulk read of a build's log, by columns (the reader's index): with no owner, `statements` read
-    from the file as Arrow tables, all from one state of it: ("file", [tables]); with a live owner, `live_sql`
-    (one statement: a row of scalars, cheap to send as JSON) asked of it: ("owner", (columns, rows)). Each SELECT
-    only, run where user SQL runs (sandbox)."""
-    for sql in (*statements, live_sql):
+def read_columns(lay: BuildLayout, statements: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[str, list]:
+    """hsbuild's own bulk read of a build's log (the reader's index): each statement's result as an Arrow table,
+    all from one state of the log: ("file", tables) read from the file with no owner, ("owner", tables) asked of
+    a live owner (its `arrow` op, builder/log/bulk.py: one snapshot of its replica). SELECT only, run where user
+    SQL runs (sandbox)."""
+    from builder.log.bulk import ask_owner_arrow  # noqa: PLC0415 (bulk imports this module)
+
+    for sql in statements:
         check_read_only(sql)
     timeout = check_timeout(timeout)
 
     def offline() -> list:
         return arrow_file(lay.events, statements, timeout, interrupt_if=lambda: inspect_lock(lay).held)
 
-    reply = _ask_or_read(lay, {"op": "sql", "sql": live_sql, "timeout": timeout}, offline, timeout=10.0,
-                         ask_timeout=timeout + 10.0, wait=max(OWNER_WAIT_S, timeout))
+    reply = _ask_or_read(lay, {"op": "arrow", "statements": statements, "timeout": timeout}, offline, timeout=10.0,
+                         ask_timeout=timeout + 10.0, wait=max(OWNER_WAIT_S, timeout), ask=ask_owner_arrow)
     if "offline" in reply:
         return "file", reply["offline"]
-    return "owner", (reply["columns"], reply["rows"])
+    return "owner", reply["tables"]
 
 
 def status_snapshot(lay: BuildLayout, offline_extra: Callable[[EventLog, dict], dict] | None = None) -> dict:

@@ -342,14 +342,22 @@ class LiveReplica:
                 _lock_down(con)
                 for name, table in tables.items():
                     con.register(name, table)
-                views = self._views.read_by(sql)
+                views = self._views.read_by(sql if isinstance(sql, str) else " ".join(sql))
                 if views:
                     con.execute(views)
                 left = max(deadline - time.monotonic(), 1.0)
+                if not isinstance(sql, str):  # (`arrow`: each statement's table, all from this snapshot)
+                    return [run_guarded(con, s, left, interrupt_if=lambda: self.closing, arrow=True) for s in sql]
                 return run_guarded(con, sql, left, interrupt_if=lambda: self.closing)
             finally:
                 con.close()
                 self._used = time.monotonic()
+
+    def arrow(self, statements: list[str], timeout: float = QUERY_TIMEOUT_S, refresh: bool = True) -> list[pa.Table]:
+        """hsbuild's own bulk reads (the reader's index, builder/log/bulk.py): each statement's result as an Arrow
+        table, all from one snapshot (`timeout` each; `refresh` as in `query`). The tables are Arrow memory of
+        this process: only the queries' own work counts against REPLICA_MEMORY."""
+        return self.query(statements, timeout, refresh)  # type: ignore[arg-type, return-value]
 
     def drop_if_idle(self, idle: float = REPLICA_IDLE_DROP_S) -> None:
         """Free the cached snapshot when no query came for `idle` seconds."""

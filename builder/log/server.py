@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from builder.errors import HsbuildError
+from builder.log import bulk
 from builder.log.events import EventLog
 from builder.log.query import check_read_only, check_timeout, jsonable, recv_line
 from builder.log.sandbox import QUERY_TIMEOUT_S, LiveReplica, QueryInterrupted
@@ -108,8 +109,11 @@ class QueryServer:
             reply = self.answer(json.loads(recv_line(conn)))
         except Exception as e:  # noqa: BLE001 - a bad request must not kill the server
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        tables = reply.pop(bulk.TABLES, None)
         try:
             conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
+            if tables is not None:  # (an `arrow` answer: its tables follow the line)
+                bulk.send_tables(conn, tables)
         except OSError:
             pass
         finally:
@@ -141,6 +145,8 @@ class QueryServer:
                              "early": True, "held": held is not None}
                 return {"ok": True, "columns": cols, "rows": [[jsonable(v) for v in r] for r in rows],
                         "as_of": self.replica.as_of, **({"stalled": stall} if stall is not None else {})}
+            if op == "arrow":  # hsbuild's own bulk read (the reader's index): builder/log/bulk.py
+                return bulk.answer(self.replica, req, refresh=self.stalled() is None)
             if op == "status":  # (while the owner starts: its phase, and the client may wait a moment)
                 return {"ok": True, "status": jsonable(self.status_fn()),
                         **({"starting": True} if self.replica is None else {})}

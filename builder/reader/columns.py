@@ -1,5 +1,5 @@
 """The reader's index from the rows of a snapshot of the log (builder/reader/snapshot.py), by columns: numpy over
-Arrow buffers or the owner's hex, never a Python object per sample.
+Arrow buffers, never a Python object per sample.
 
 A snapshot's rows carry each entry's checksums in two columns: `digits`, the 32 hex digits of hsbuild's own text
 (TEMPLATE: the four `crc32c:` values, FIELDS order) where the event's text is that template with exactly one
@@ -14,10 +14,6 @@ import numpy as np
 
 from builder.reader.index import CRC32C, NO_CHECKSUMS, RAW, SLOTS, TEMPLATE, ReaderIndex
 
-# the live owner's record per entry (snapshot.live_sql): big-endian hex, fixed width
-REC = np.dtype([("row_idx", ">i8"), ("token_start", ">i8"), ("num_tokens", ">i8"), ("segment", ">u4"),
-                ("id_len", ">u4"), ("raw_len", ">u4"), ("digits", ">u4")])
-NULL_LEN = 0xFFFFFFFF
 DIGITS = 8 * len(SLOTS)
 _H, _L = np.uint64(0x8080808080808080), np.uint64(0x0101010101010101)
 
@@ -85,10 +81,6 @@ def checksum_columns(has_digits: np.ndarray, digits: np.ndarray, raw_valid: np.n
             "raw_data": raw_data[raw_off[0]:raw_off[-1]].copy()}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Arrow (the file read)
-
-
 def _array(col):
     """One Arrow array of a table's column (its chunks combined)."""
     import pyarrow as pa  # noqa: PLC0415
@@ -133,7 +125,7 @@ def _ints(col) -> np.ndarray:
 
 
 def from_arrow(table, key: dict) -> ReaderIndex:
-    """The index of the file read's rows (snapshot.rows_sql, in order)."""
+    """The index of a snapshot's rows (snapshot.rows_sql, in order), from the file or a live owner."""
     seg = _array(table["segment"]).dictionary_encode()
     names: list[str | None] = seg.dictionary.to_pylist()
     codes = np.where(_valid(seg.indices), _ints(seg.indices), len(names)).astype(np.uint32)
@@ -149,29 +141,3 @@ def from_arrow(table, key: dict) -> ReaderIndex:
             "num_tokens": _ints(table["num_tokens"]), "segment": codes, "id_off": id_off.copy(),
             "id_data": id_data.copy(), **checksum_columns(d_valid, d_data, r_valid, raw_off, r_data)}
     return ReaderIndex(cols, names, key)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the live owner's one-row answer
-
-
-def from_owner(row: dict, key: dict) -> ReaderIndex:
-    """The index of a live owner's answer (snapshot.live_sql): the records (REC, hex), then the ids, the digits
-    and the raw texts, each concatenated in order."""
-    n = int(row["n"])
-    rec = np.frombuffer(bytes.fromhex(row["rec"] or ""), dtype=REC)
-    ids = np.frombuffer((row["ids"] or "").encode(), dtype=np.uint8)
-    digits = np.frombuffer((row["digits"] or "").encode(), dtype=np.uint8)
-    raw = np.frombuffer((row["raw"] or "").encode(), dtype=np.uint8)
-    raw_valid = rec["raw_len"] != NULL_LEN
-    has_digits = rec["digits"] != 0
-    id_off = offsets(rec["id_len"].astype(np.int64))
-    raw_off = offsets(rec["raw_len"][raw_valid].astype(np.int64))
-    if (len(rec) != n or id_off[-1] != len(ids) or raw_off[-1] != len(raw)
-            or len(digits) != DIGITS * int(has_digits.sum())):
-        raise ValueError("the owner's answer does not add up")
-    cols = {"row_idx": rec["row_idx"].astype(np.int64), "token_start": rec["token_start"].astype(np.int64),
-            "num_tokens": rec["num_tokens"].astype(np.int64), "segment": rec["segment"].astype(np.uint32),
-            "id_off": id_off, "id_data": ids.copy(),
-            **checksum_columns(has_digits, digits, raw_valid, raw_off, raw)}
-    return ReaderIndex(cols, list(row["segments"] or []), key)

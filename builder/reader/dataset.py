@@ -14,10 +14,12 @@ event. A damaged sample raises `DamagedSampleError` naming the sample, segment, 
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from builder.errors import DamagedSampleError, FormatError
 from builder.formats import registry
@@ -25,6 +27,7 @@ from builder.formats.build_info import BuildInfo
 from builder.layout import layout
 from builder.log.query import run_query
 from builder.reader.index import ReaderIndex
+from builder.reader.shipping import Shipped
 from builder.reader.snapshot import load_index
 from builder.store.reader import SegmentReader
 
@@ -112,12 +115,37 @@ class HiddenStateDataset(Dataset):
         return Sample(self.index.sample_id(j), int(self.index.row_idx[j]), i, t["input_ids"].long(),
                       t["loss_mask"].long(), t["aux_hidden_state"], self.info.final(t["hidden_state"], want))
 
-    def __getitem__(self, i: int) -> dict:
+    def item(self, i: int) -> dict:
+        """Item i (what `ds[i]` gives in the training process)."""
         if self.format is not None:
             return self.format.item(self.sample(i))
         j, t = self._read(i)
         return {"sample_id": self.index.sample_id(j), "input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
                 "hidden_state": t["hidden_state"], "aux_hidden_state": t["aux_hidden_state"]}
+
+    def __getitem__(self, i: int) -> dict:
+        item = self.item(i)
+        # in a DataLoader worker: a dict sent to the training process as one buffer (builder/reader/shipping.py)
+        return Shipped(item) if get_worker_info() is not None else item
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        """Items `indices` (what a DataLoader with a batch_size asks of each worker): read in the order they lie
+        in the build (segment, first token), returned in the order asked, each as `ds[i]` gives it."""
+        n = len(self.index)
+        try:
+            pos = np.asarray([operator.index(i) for i in indices], dtype=np.int64)
+        except TypeError:
+            return [self[i] for i in indices]
+        if n == 0 or not np.all((-n <= pos) & (pos < n)):
+            return [self[i] for i in indices]  # (the IndexError ds[i] raises)
+        pos %= n
+        out: list[dict | None] = [None] * len(indices)
+        try:
+            for k in np.lexsort((self.index.token_start[pos], self.index.segment[pos])).tolist():
+                out[k] = self[indices[k]]
+        except Exception:  # noqa: BLE001 - a damaged sample: the error ds[i] raises first in the order asked
+            return [self[i] for i in indices]
+        return out  # type: ignore[return-value]
 
     def by_row(self) -> dict[int, int]:
         """Source row -> item index (the live samples only). A dict of every row: `index.position_of_row(row)`
@@ -134,4 +162,5 @@ def collate_concat(items: list[dict]) -> dict:
     out = {k: torch.cat([it[k] for it in items]) for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")}
     out["cu_seqlens"] = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
     out["sample_id"] = [it["sample_id"] for it in items]
-    return out
+    # in a DataLoader worker: sent to the training process as one buffer (builder/reader/shipping.py)
+    return Shipped(out) if get_worker_info() is not None else out

@@ -1,10 +1,9 @@
 """The reader's index made from a snapshot of the `samples` view, and kept in a cache shared by every reader of
 the machine.
 
-The snapshot: with no owner, the log file read by columns (Arrow) in one read-only open; with a live owner (a
-run), one statement asked of it that returns a single row (the columns as hex and concatenated text, so the
-owner's JSON reply holds a handful of values, not millions). Either way it comes with the log's state it was
-taken at (`KEY_SQL`): the number of events, the last one's seq, time, kind and run, the source's samples and the
+The snapshot: the log read by columns (Arrow), with no owner from the file in one read-only open, with a live
+owner (a run) from one snapshot of its replica, the tables sent over its socket (builder/log/bulk.py). Either
+way it comes with the log's state it was taken at (`KEY_SQL`): the number of events, the last one's seq, time, kind and run, the source's samples and the
 log's first event. Events are append-only with a strictly increasing seq, so one state of the log has one key,
 and a log rolled back and grown again has another (its last event is another's).
 
@@ -29,7 +28,7 @@ from pathlib import Path
 from builder.layout import BuildLayout
 from builder.log.query import read_columns, run_query
 from builder.log.schema import schema_digest
-from builder.reader.columns import from_arrow, from_owner
+from builder.reader.columns import from_arrow
 from builder.reader.index import SLOTS, TEMPLATE, VERSION, IndexFileError, ReaderIndex
 
 SNAPSHOT_TIMEOUT_S = 600.0  # the log's read for the index (a live owner's answer for ten million samples)
@@ -72,40 +71,11 @@ def rows_sql(states: str) -> str:
     return f"{base_sql(states)}\nORDER BY {ORDER}"
 
 
-def live_sql(states: str) -> str:
-    """The snapshot in one row: the key's columns, the count, the segment names, then per entry in order a
-    fixed-width hex record (columns.REC: row, token_start, num_tokens in 16 digits; segment code, id length,
-    raw text length (ffffffff: NULL), has digits in 8), and the ids, digits and raw texts, each concatenated."""
-    h = "lpad(hex({}), {}, '0')"
-    rec = " || ".join([h.format("row_idx", 16), h.format("coalesce(token_start, -1)", 16),
-                       h.format("coalesce(num_tokens, -1)", 16), h.format("g.code", 8),
-                       h.format("strlen(sample_id)", 8),
-                       f"CASE WHEN raw IS NULL THEN 'ffffffff' ELSE {h.format('strlen(raw)', 8)} END",
-                       "CASE WHEN digits IS NULL THEN '00000000' ELSE '00000001' END"])
-    return f"""
-WITH s AS MATERIALIZED ({base_sql(states)}),
-g AS (SELECT segment, row_number() OVER (ORDER BY segment NULLS LAST) - 1 AS code
-      FROM (SELECT DISTINCT segment FROM s)),
-k AS ({KEY_SQL})
-SELECT k.*, (SELECT count(*) FROM s) AS n, (SELECT list(segment ORDER BY code) FROM g) AS segments,
-       (SELECT string_agg({rec}, '' ORDER BY {ORDER}) FROM s LEFT JOIN g ON s.segment IS NOT DISTINCT FROM g.segment)
-           AS rec,
-       (SELECT string_agg(sample_id, '' ORDER BY {ORDER}) FROM s) AS ids,
-       (SELECT string_agg(digits, '' ORDER BY {ORDER}) FROM s) AS digits,
-       (SELECT string_agg(raw, '' ORDER BY {ORDER}) FROM s) AS raw
-FROM k"""
-
-
 def snapshot(lay: BuildLayout, include_unverified: bool) -> ReaderIndex:
     """The index of the build's live samples now, with the key of the log's state it was read from."""
     states = states_sql(include_unverified)
-    where, got = read_columns(lay, [KEY_SQL, rows_sql(states)], live_sql(states), timeout=SNAPSHOT_TIMEOUT_S)
-    if where == "file":
-        index = from_arrow(got[1], got[0].to_pylist()[0])
-    else:
-        cols, rows = got
-        row = dict(zip(cols, rows[0], strict=True))
-        index = from_owner(row, {k: row[k] for k in KEY_COLUMNS})
+    _, got = read_columns(lay, [KEY_SQL, rows_sql(states)], timeout=SNAPSHOT_TIMEOUT_S)
+    index = from_arrow(got[1], got[0].to_pylist()[0])
     del got
     give_back_memory()
     return index

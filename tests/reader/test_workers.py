@@ -9,8 +9,8 @@ import pickle
 import pytest
 import torch
 from conftest import random_rows
-from test_index import same
-from torch.utils.data import DataLoader
+from test_index import FORMATS, same
+from torch.utils.data import DataLoader, StackDataset
 
 from builder.layout import layout
 from builder.log.events import Event, EventLog
@@ -54,3 +54,60 @@ def test_forked_and_spawned_workers_read_the_parents_items(built, cache, monkeyp
                                   multiprocessing_context="fork"))
         assert torch.equal(torch.cat([b["hidden_state"] for b in batches]),
                            torch.cat([it["hidden_state"] for it in want]))
+        local = [collate_concat(want[k:k + 4]) for k in range(0, 9, 4)]  # (the batches made in this process)
+        assert all(type(b) is dict for b in batches) and same(batches, local)  # (from a worker: one buffer each)
+
+
+def test_batches_and_items_from_workers_are_the_items_read_one_by_one_for_every_format(built):
+    """`__getitems__` (a batch read in storage order) gives each item `ds[i]` gives, in the order asked, for every
+    format; and what a worker sends (one buffer an item, builder/reader/shipping.py) arrives as the same plain
+    dicts of plain tensors, forked or spawned, batched or one at a time."""
+    dss = [HiddenStateDataset(built, format=fmt) for fmt in FORMATS]
+    want = [[ds[i] for ds in dss] for i in range(9)]
+    order = [5, 0, 8, 3, 3, 1, 7, 2, 6, 4, -1]  # shuffled, one twice, one from the end
+    for ds, fmt in zip(dss, FORMATS, strict=True):
+        got = ds.__getitems__(order)
+        assert len(got) == len(order) and all(same(g, w[FORMATS.index(fmt)])
+                                               for g, w in zip(got, [want[i] for i in order], strict=True))
+        assert all(type(g) is dict for g in got)  # (the training process's own reads: plain dicts)
+    both = StackDataset(*dss)  # each item: the items of every format (StackDataset calls each one's __getitems__)
+    for context in ("fork", "spawn"):
+        batches = list(DataLoader(both, sampler=order, batch_size=4, collate_fn=list, num_workers=2,
+                                  multiprocessing_context=context))
+        got = [it for b in batches for it in b]
+        assert [len(b) for b in batches] == [4, 4, 3], context
+        ones = list(DataLoader(both, sampler=order, batch_size=None, num_workers=2, multiprocessing_context=context))
+        for items in (got, ones):
+            assert len(items) == len(order)
+            for it, i in zip(items, order, strict=True):
+                assert all(type(x) is dict for x in it), context  # never the worker's own type
+                assert all(type(v) is torch.Tensor for x in it for v in x.values() if isinstance(v, torch.Tensor))
+                assert same(list(it), want[i]), (context, i)
+
+
+def test_what_a_worker_sends_arrives_as_the_same_plain_dict_whatever_its_tensors():
+    """One buffer for the tensors it can carry (any dtype, empty, 0-d), torch's way for the others (a view that is
+    not contiguous, one needing grad, an item above SHIP_BYTES); keys in order, values equal, each tensor its own."""
+    import pickle  # noqa: PLC0415
+    from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
+
+    from builder.reader.shipping import SHIP_BYTES, Shipped  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(3)
+    small = {"sample_id": "s0001", "input_ids": torch.arange(7), "bf16": torch.randn(7, 64, generator=g).bfloat16(),
+             "empty": torch.zeros(0, 3, dtype=torch.bfloat16), "scalar": torch.tensor(2.5, dtype=torch.float16),
+             "flags": torch.tensor([True, False, True]), "strided": torch.arange(12).reshape(3, 4)[:, ::2],
+             "grad": torch.ones(2, requires_grad=True), "flag": False}
+    big = {"x": torch.randn(SHIP_BYTES // 4 + 1, generator=g), "y": torch.arange(3)}
+    for want in (small, big):
+        got = pickle.loads(ForkingPickler.dumps(Shipped(want)))
+        assert type(got) is dict and list(got) == list(want)
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor):
+                assert type(got[k]) is torch.Tensor and got[k].dtype == v.dtype and got[k].shape == v.shape, k
+                assert torch.equal(got[k].detach(), v.detach()) and got[k].requires_grad == v.requires_grad, k
+            else:
+                assert got[k] == v and type(got[k]) is type(v), k
+        carried = [v for v in got.values() if isinstance(v, torch.Tensor) and v.is_contiguous()]
+        assert len({v.untyped_storage().data_ptr() for v in carried if v.numel()}) == len([v for v in carried
+                                                                                          if v.numel()])
