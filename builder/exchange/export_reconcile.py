@@ -3,6 +3,7 @@ holds, write what is new or changed, lay the rows out, write the dataset-wide fi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -41,11 +42,13 @@ from builder.exchange.export_files import (
     write_file,
 )
 from builder.exchange.export_space import bytes_per_token, preflight
+from builder.exchange.export_writers import Writers, Written
 from builder.formats.base import BuildView, Exported, Rejected, Sample, TrainerFormat
 from builder.formats.build_info import BuildInfo
 from builder.fsutil import fsync_path, fsync_paths
 from builder.progress import NoProgress
 from builder.store.reader import SegmentReader
+from builder.store.segment import FIELDS
 
 if TYPE_CHECKING:
     from builder.exchange.export import ExportOptions, ExportReport
@@ -55,6 +58,8 @@ NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)  # OUT cannot be written: a 
 SAVE_EVERY_S = 2.0  # the journal vouches for new files at least this often (and at most 10% of the time)
 HASH_THREADS = min(8, os.cpu_count() or 1)  # kept files checked side by side on a re-run
 TOKEN_CACHE = 1 << 24  # tokens (ids and mask) kept from the first read for the dataset-wide files; beyond: read again
+READ_BATCH = 256  # samples read together (SegmentReader.read_many)...
+READ_BYTES = 32 << 20  # ... and about this many bytes of their states
 TEXT_BYTES_PER_TOKEN = 16  # a format of text (no states, `TrainerFormat.states` False): its files, about, a token
 
 
@@ -230,63 +235,69 @@ class Reconcile:
         # 2. the kept samples' tokens (the dataset-wide files need them; a damaged one leaves the export)
         freq: Counter[int] = Counter()
         damaged: set[str] = set()
-        for e in live:
-            sid = e["sample_id"]
-            if sid not in kept:
-                continue
+        for e, got in self._reads([e for e in live if e["sample_id"] in kept], tokens_only=True):
             if self.opts.stop():
                 raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
-            try:
-                t = self.reader.read_raw(e["segment"], e["token_start"], e["num_tokens"], e["checksums"],
-                                         fields=("input_ids", "loss_mask"))
-            except DamagedSampleError as err:
-                self._damaged(sid, err, damaged)
+            if isinstance(got, DamagedSampleError):
+                self._damaged(e["sample_id"], got, damaged)
                 continue
-            self._keep(sid, t["input_ids"], t["loss_mask"], freq)
+            self._keep(e["sample_id"], got["input_ids"], got["loss_mask"], freq)
 
-        # 2. the new and changed samples, each to its row's path when nothing vouched for is there
+        # 2. the new and changed samples, each to its row's path when nothing vouched for is there (written side
+        # by side: export_writers.py; the journal vouches for a file once its write has returned)
         self.progress.start(len(todo), f"export {fmt.name}")
+        rows_at = {}  # sample id -> its row (the kept samples before it, damaged aside, and the written ones)
         row = 0
-        occupied = self.on_disk | {en.path for en in self.entries.values()}
         for e in live:
             sid = e["sample_id"]
             if sid in kept:
                 row += sid not in damaged
                 continue
-            if self.opts.stop():
-                self.save()
-                raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
-            s = self._read(e, row, damaged)
-            if s is None:
-                self.progress.update(done=1, note="damaged")
-                continue
-            try:
-                data = fmt.sample_bytes(s)
-            except Rejected as why:  # the format cannot export this one (it says why): left out, named
-                self._refused(sid, why)
-                damaged.add(sid)
-                self.progress.update(done=1, note="refused")
-                continue
-            target = fmt.sample_path(row, sid)
-            rel = target if target not in occupied else staged_path(sid, fps[sid])
-            rep.pauses += export_space.wait_for_space(out, len(data), self.wm, self.opts, self.progress)
-            write_file(out / rel, data)
-            self.dirty_dirs.add((out / rel).parent)
-            occupied.add(rel)
-            self.entries[sid] = Entry(rel, fps[sid], digest(data), len(data))
-            self.unsaved.append(sid)
-            if self.unproven.get(sid) == fps[sid]:  # the same sample: its file in OUT was damaged or lost
-                rep.repaired.append(sid)
-            else:
-                (rep.rewritten if sid in prior else rep.added).append(sid)
-            rep.exported += 1
-            rep.bytes_written += len(data)
-            self._keep(sid, s.input_ids.numpy(), s.loss_mask.numpy(), freq)
-            row += 1
-            self.progress.update(done=1, tokens=s.num_tokens, nbytes=len(data))
-            if time.monotonic() >= self.next_save:
-                self.save()
-                occupied = self.on_disk | {en.path for en in self.entries.values()}
+            rows_at[sid] = row
+            row += 1  # (one that turns out damaged or refused is taken back below)
+        shift = 0  # samples of `todo` before this one that were left out
+        occupied = self.on_disk | {en.path for en in self.entries.values()}
+        writers = Writers(out, lambda w: self._written(w, fps, prior))
+        try:
+            for e, got in self._reads(todo, tokens_only=not fmt.states):
+                sid = e["sample_id"]
+                if self.opts.stop():
+                    writers.drain()
+                    self.save()
+                    raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
+                index = rows_at[sid] - shift
+                s = None if isinstance(got, DamagedSampleError) else self._sample(e, index, got)
+                if s is None:
+                    self._damaged(sid, got, damaged)  # type: ignore[arg-type]
+                    shift += 1
+                    self.progress.update(done=1, note="damaged")
+                    continue
+                try:
+                    data = fmt.sample_bytes(s)
+                except Rejected as why:  # the format cannot export this one (it says why): left out, named
+                    self._refused(sid, why)
+                    damaged.add(sid)
+                    shift += 1
+                    self.progress.update(done=1, note="refused")
+                    continue
+                target = fmt.sample_path(index, sid)
+                rel = target if target not in occupied else staged_path(sid, fps[sid])
+                rep.pauses += export_space.wait_for_space(out, len(data) + writers.pending_bytes, self.wm, self.opts,
+                                                          self.progress)
+                occupied.add(rel)
+                writers.submit((sid, s.num_tokens), rel, data)
+                self._keep(sid, s.input_ids.numpy(), s.loss_mask.numpy(), freq)
+                if time.monotonic() >= self.next_save:
+                    writers.collect()
+                    self.save()
+                    occupied = self.on_disk | {en.path for en in self.entries.values()} | writers.pending_paths()
+            writers.drain()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the files written before the failure: vouched for by the save
+                writers.drain()
+            raise
+        finally:
+            writers.close()
         self.progress.close()
 
         # 3. the layout: row i at its path; nothing else that a trainer would read as a sample
@@ -320,22 +331,47 @@ class Reconcile:
         self.report.not_exported.append({"sample_id": sid, "state": "refused", "reason": why.reason,
                                          "message": str(why)})
 
-    def _read(self, e: dict, index: int, damaged: set[str]) -> Sample | None:
-        try:
-            if not self.fmt.states:  # a format of text: the tokens and mask only
-                import torch  # noqa: PLC0415
+    def _reads(self, entries: list[dict], tokens_only: bool) -> Iterator[tuple[dict, dict | DamagedSampleError]]:
+        """Each sample of `entries` with what its stored arrays read as (tensors; numpy tokens and mask only when
+        `tokens_only`), or the damage found, in order: a batch of samples at a time (`SegmentReader.read_many`),
+        at most READ_BATCH samples and about READ_BYTES of states."""
+        fields = ("input_ids", "loss_mask") if tokens_only else FIELDS
+        per_token = 5 if tokens_only else bytes_per_token(self.info)
+        batch: list[dict] = []
+        size = 0
+        for i, e in enumerate(entries):
+            batch.append(e)
+            size += int(e["num_tokens"]) * per_token
+            if len(batch) >= READ_BATCH or size >= READ_BYTES or i + 1 == len(entries):
+                got = self.reader.read_many([(b["segment"], b["token_start"], b["num_tokens"], b["checksums"])
+                                             for b in batch], fields=fields, tensors=not tokens_only)
+                yield from zip(batch, got, strict=True)
+                batch, size = [], 0
 
-                raw = self.reader.read_raw(e["segment"], e["token_start"], e["num_tokens"], e["checksums"],
-                                           fields=("input_ids", "loss_mask"))
-                return Sample(e["sample_id"], int(e["row_idx"]), index,
-                              torch.from_numpy(raw["input_ids"].astype(np.int64)),
-                              torch.from_numpy(raw["loss_mask"].astype(np.int64)), torch.empty(0), torch.empty(0))
-            t = self.reader.read(e["segment"], e["token_start"], e["num_tokens"], e["checksums"])
-        except DamagedSampleError as err:
-            self._damaged(e["sample_id"], err, damaged)
-            return None
+    def _sample(self, e: dict, index: int, t: dict) -> Sample:
+        if not self.fmt.states:  # a format of text: the tokens and mask only
+            import torch  # noqa: PLC0415
+
+            return Sample(e["sample_id"], int(e["row_idx"]), index,
+                          torch.from_numpy(t["input_ids"].astype(np.int64)),
+                          torch.from_numpy(t["loss_mask"].astype(np.int64)), torch.empty(0), torch.empty(0))
         return Sample(e["sample_id"], int(e["row_idx"]), index, t["input_ids"].long(), t["loss_mask"].long(),
                       t["aux_hidden_state"], self.info.final(t["hidden_state"], self.fmt.final_state))
+
+    def _written(self, w: Written, fps: dict[str, str], prior: set[str]) -> None:
+        """A file whose write returned (fsynced, renamed): vouched for by the journal's next save."""
+        sid, tokens = w.key  # type: ignore[misc]
+        rep = self.report
+        self.entries[sid] = Entry(w.rel, fps[sid], w.sum, w.size)
+        self.dirty_dirs.add((self.out / w.rel).parent)
+        self.unsaved.append(sid)
+        if self.unproven.get(sid) == fps[sid]:  # the same sample: its file in OUT was damaged or lost
+            rep.repaired.append(sid)
+        else:
+            (rep.rewritten if sid in prior else rep.added).append(sid)
+        rep.exported += 1
+        rep.bytes_written += w.size
+        self.progress.update(done=1, tokens=tokens, nbytes=w.size)
 
     def _sample_files_on_disk(self) -> set[str]:
         """Every file under OUT that the trainer would read as a sample, and every staged file."""
