@@ -58,6 +58,7 @@ NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)  # OUT cannot be written: a 
 SAVE_EVERY_S = 2.0  # the journal vouches for new files at least this often (and at most 10% of the time)
 HASH_THREADS = min(8, os.cpu_count() or 1)  # kept files checked side by side on a re-run
 TOKEN_CACHE = 1 << 24  # tokens (ids and mask) kept from the first read for the dataset-wide files; beyond: read again
+COUNT_BATCH = 512  # samples whose loss-masked tokens are counted together
 READ_BATCH = 256  # samples read together (SegmentReader.read_many)...
 READ_BYTES = 32 << 20  # ... and about this many bytes of their states
 TEXT_BYTES_PER_TOKEN = 16  # a format of text (no states, `TrainerFormat.states` False): its files, about, a token
@@ -80,9 +81,12 @@ def _not_written(e: dict) -> dict:
     return {"sample_id": e["sample_id"], "state": state, "reason": "not_written", "message": msg}
 
 
-def _count(freq: Counter[int], ids: np.ndarray, mask: np.ndarray) -> None:
-    """Add the loss-masked tokens of one sample to `freq`."""
-    tokens, counts = np.unique(np.asarray(ids)[np.asarray(mask) != 0], return_counts=True)
+def _count(freq: Counter[int], masked: list[np.ndarray]) -> None:
+    """Add the loss-masked tokens of some samples to `freq` (and forget them)."""
+    if not masked:
+        return
+    tokens, counts = np.unique(np.concatenate(masked), return_counts=True)
+    masked.clear()
     freq.update(dict(zip(tokens.tolist(), counts.tolist(), strict=True)))
 
 
@@ -105,6 +109,7 @@ class Reconcile:
         self.lossy: Callable[[list[str]], dict | None] = lambda ids: None  # writes hsbuild-lossy.json (fp8 builds)
         self.tokens: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # sample id -> (ids, mask), up to TOKEN_CACHE
         self.cached = 0
+        self.masked: list[np.ndarray] = []  # loss-masked tokens of the samples kept since `freq` last counted
         self.unproven: dict[str, str] = {}  # sample id -> fingerprint: vouched for, but its file is not whole
         self.unsaved: list[str] = []  # sample ids whose files were written since the last save, in order
         self.vouched = 0  # the files the journal on disk vouches for
@@ -309,13 +314,17 @@ class Reconcile:
             raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
 
         # 4. the dataset-wide files, the journal finished
+        _count(freq, self.masked)
         self._finish(rows, freq)
         rep.removed.sort()
         self._close(live)
 
     def _keep(self, sid: str, ids: np.ndarray, mask: np.ndarray, freq: Counter[int]) -> None:
-        """Count the sample's loss-masked tokens; keep its tokens for the dataset-wide files while there is room."""
-        _count(freq, ids, mask)
+        """Count the sample's loss-masked tokens (COUNT_BATCH samples at a time); keep its tokens for the
+        dataset-wide files while there is room."""
+        self.masked.append(np.asarray(ids)[np.asarray(mask) != 0])
+        if len(self.masked) >= COUNT_BATCH:
+            _count(freq, self.masked)
         if self.cached + len(ids) <= TOKEN_CACHE:
             self.tokens[sid] = (np.asarray(ids), np.asarray(mask))  # as stored (int32, uint8): ~5 bytes a token
             self.cached += len(ids)
