@@ -343,19 +343,32 @@ class Reconcile:
     def _reads(self, entries: list[dict], tokens_only: bool) -> Iterator[tuple[dict, dict | DamagedSampleError]]:
         """Each sample of `entries` with what its stored arrays read as (tensors; numpy tokens and mask only when
         `tokens_only`), or the damage found, in order: a batch of samples at a time (`SegmentReader.read_many`),
-        at most READ_BATCH samples and about READ_BYTES of states."""
+        at most READ_BATCH samples and about READ_BYTES of states, the next batch read (on a thread of its own)
+        while this one is written."""
         fields = ("input_ids", "loss_mask") if tokens_only else FIELDS
         per_token = 5 if tokens_only else bytes_per_token(self.info)
-        batch: list[dict] = []
+        batches: list[list[dict]] = [[]]
         size = 0
-        for i, e in enumerate(entries):
-            batch.append(e)
+        for e in entries:
+            if len(batches[-1]) >= READ_BATCH or size >= READ_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(e)
             size += int(e["num_tokens"]) * per_token
-            if len(batch) >= READ_BATCH or size >= READ_BYTES or i + 1 == len(entries):
-                got = self.reader.read_many([(b["segment"], b["token_start"], b["num_tokens"], b["checksums"])
-                                             for b in batch], fields=fields, tensors=not tokens_only)
+
+        def read(batch: list[dict]) -> list[dict | DamagedSampleError]:
+            return self.reader.read_many([(b["segment"], b["token_start"], b["num_tokens"], b["checksums"])
+                                          for b in batch], fields=fields, tensors=not tokens_only)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="hsbuild-export-read")
+        try:
+            ahead = pool.submit(read, batches[0])
+            for k, batch in enumerate(batches):
+                got = ahead.result()
+                if k + 1 < len(batches):
+                    ahead = pool.submit(read, batches[k + 1])
                 yield from zip(batch, got, strict=True)
-                batch, size = [], 0
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _sample(self, e: dict, index: int, t: dict) -> Sample:
         if not self.fmt.states:  # a format of text: the tokens and mask only
