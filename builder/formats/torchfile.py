@@ -7,7 +7,7 @@ torch.save's time on a small dict of tensors is its pickler (a Python call for e
 pickle (`data.pkl`) depends only on the dict's keys and its tensors' dtypes, shapes and strides (the tensors'
 bytes are records of their own), not on their values. So the pickle is kept per such *signature* (a string
 value, Model-Optimizer's `conversation_id`, is put in by hand: protocol 2 writes it as BINUNICODE, its
-length in four bytes) and the zip written with torch's own writer and records, in torch.save's order. The
+length in four bytes; a dict of more than FAST_MAX_BYTES of tensors is left to torch.save) and the zip written with torch's own writer and records, in torch.save's order. The
 first reuse of each signature is compared with torch.save byte for byte; where they differ (another torch),
 that signature goes back to torch.save for good.
 """
@@ -26,7 +26,8 @@ import torch
 
 from builder.formats.base import Rejected
 
-MARK = "hsbuild-fast-save-mark"  # stands for a string value in a kept pickle
+FAST_MAX_BYTES = 1 << 20  # a dict of more tensor bytes is saved by torch.save itself (its pickling costs nothing next
+# to copying the bytes, and checking a kept pickle would cost a second save)
 _PICKLES: dict[tuple, tuple[bytes, int] | None] = {}  # signature -> (pickle, where the string goes) or None
 _CHECKED: set[tuple] = set()  # signatures whose fast bytes were found equal to torch.save's
 _LOCK = threading.Lock()
@@ -49,8 +50,10 @@ def save_bytes(obj: object) -> bytes:
         kept = _PICKLES.get(sig, ())
     if kept == ():  # first of its kind: torch.save's, and its pickle kept
         data = torch_save_bytes(obj)
-        with _LOCK:
-            _PICKLES[sig] = _pickle_of(obj, sig)
+        found = _pickle_of(data, obj)
+        if found is not None:
+            with _LOCK:
+                _PICKLES[sig] = found
         return data
     if kept is None:
         return torch_save_bytes(obj)
@@ -71,11 +74,13 @@ def _signature(obj: object) -> tuple | None:
     own storage (at most one str value); None for anything else (saved by torch.save itself)."""
     if type(obj) is not dict or not obj:
         return None
-    sig, strings, seen = [], 0, set()
+    sig, strings, size, seen = [], 0, 0, set()
     for k, v in obj.items():
         if type(k) is not str:
             return None
         if type(v) is str:
+            if v in obj:  # (a value that is also a key may be pickled as a reference to it)
+                return None
             strings += 1
             sig.append((k, "str"))
             continue
@@ -87,17 +92,20 @@ def _signature(obj: object) -> tuple | None:
             return None
         seen.add(ptr)
         sig.append((k, v.dtype, tuple(v.shape)))
-    return tuple(sig) if strings <= 1 else None
+        size += v.nbytes
+    return tuple(sig) if strings <= 1 and size <= FAST_MAX_BYTES else None
 
 
-def _pickle_of(obj: dict, sig: tuple) -> tuple[bytes, int] | None:
-    """The pickle torch.save writes for dicts of this signature, and where its string value goes (-1: none)."""
-    marked = {k: (MARK if type(v) is str else v) for k, v in obj.items()}
-    with zipfile.ZipFile(io.BytesIO(torch_save_bytes(marked))) as z:
+def _pickle_of(data: bytes, obj: dict) -> tuple[bytes, int] | None:
+    """The pickle in torch.save's bytes `data` of `obj`, and where its string value is (-1: none); None when
+    that string cannot be told apart in it (tried again with the next dict of the signature)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
         pkl = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
-    if not any(s[1] == "str" for s in sig):
+    value = next((v for v in obj.values() if type(v) is str), None)
+    if value is None:
         return pkl, -1
-    enc = b"X" + struct.pack("<I", len(MARK)) + MARK.encode()
+    raw = value.encode("utf-8", "surrogatepass")
+    enc = b"X" + struct.pack("<I", len(raw)) + raw
     return (pkl, pkl.index(enc)) if pkl.count(enc) == 1 else None
 
 
@@ -107,7 +115,8 @@ def _fast(kept: tuple[bytes, int], obj: dict) -> bytes:
     pkl, at = kept
     if at >= 0:
         s = next(v for v in obj.values() if type(v) is str).encode("utf-8", "surrogatepass")
-        pkl = pkl[:at] + b"X" + struct.pack("<I", len(s)) + s + pkl[at + 5 + len(MARK):]
+        was = struct.unpack_from("<I", pkl, at + 1)[0]
+        pkl = pkl[:at] + b"X" + struct.pack("<I", len(s)) + s + pkl[at + 5 + was:]
     buf = io.BytesIO()
     align = _get_storage_alignment()
     w = torch._C.PyTorchFileWriter(buf, get_crc32_options(), align)
