@@ -287,8 +287,8 @@ class Reconcile:
                     continue
                 target = fmt.sample_path(index, sid)
                 rel = target if target not in occupied else staged_path(sid, fps[sid])
-                rep.pauses += export_space.wait_for_space(out, len(data) + writers.pending_bytes, self.wm, self.opts,
-                                                          self.progress)
+                rep.pauses += export_space.wait_for_space(out, len(data), self.wm, self.opts, self.progress,
+                                                          writers.pending_bytes, writers.drain)
                 occupied.add(rel)
                 writers.submit((sid, s.num_tokens), rel, data)
                 self._keep(sid, s.input_ids.numpy(), s.loss_mask.numpy(), freq)
