@@ -357,6 +357,15 @@ def measure_verify(n: int) -> None:
         bv.main(args)
 
 
+def measure_export(n: int) -> None:
+    """A file-per-sample export against plain write loops (tools/bench_export.py): tiny samples, the seed's shape."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench_export  # noqa: PLC0415
+
+    print(f"\nexport, {min(n, 20_000):,} samples of 8-32 tokens, then the seed's shape:", flush=True)
+    bench_export.main(["--samples", str(min(n, 20_000)), "--format", "specforge,speculators", "--seed-shape"])
+
+
 def mib(b: float) -> str:
     return f"{b / MiB:,.0f} MiB"
 
@@ -373,6 +382,7 @@ def main() -> None:
                     "100,000 samples, and what asking costs it (tools/bench_fresh.py)")
     ap.add_argument("--no-source", action="store_true", help="skip the source measurements")
     ap.add_argument("--verify", action="store_true", help="measure verify too (writes about 9 KB a sample)")
+    ap.add_argument("--export", action="store_true", help="measure a file-per-sample export too (tools/bench_export.py)")
     ap.add_argument("--no-reader", action="store_true", help="skip the reader's index (tools/bench_reader.py)")
     ap.add_argument("--no-resume", action="store_true", help="skip resume on a complete build (tools/bench_resume.py)")
     ap.add_argument("--log-size", action="store_true", help="measure what a sample costs in the log on a real build "
@@ -481,6 +491,8 @@ def main() -> None:
         import bench_logsize  # noqa: PLC0415
 
         bench_logsize.main(["--samples", str(a.samples)])
+    if a.export:
+        measure_export(a.samples)
 
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     print(f"\n{'measure':<{w[0]}}  {'seconds':>{w[1]}}  {'peak RSS':>{w[2]}}  note")

@@ -21,9 +21,10 @@ Write order, each step safe against `kill -9` (a re-run gives the same files as 
    its blake2b among the paths it could be at. Temp files are removed, and the journal is rewritten (not finished; vouching
    for what the survey found, no more) before anything else is written.
 2. the kept samples' tokens and masks are read (checked: a damaged one leaves the export) for the dataset-wide
-   files; then each new or changed sample is read through its checksums and its file written (temp, fsync,
-   rename) to its final path if the journal vouches for nothing there, else under `.hsbuild-staging/`; every few
-   seconds the directories are fsynced and the journal rewritten (atomically) to vouch for the new files.
+   files; then each new or changed sample is read through its checksums (a batch at a time) and its file written
+   (temp, fsync, rename; on 8 threads: export_writers.py) to its final path if the journal vouches for nothing
+   there, else under `.hsbuild-staging/`; every few seconds the directories are fsynced and the journal rewritten
+   (atomically) to vouch for the files whose writes have returned.
    Before each file the target volume's watermarks are checked.
 3. layout: the journal first drops the samples leaving and marks each file about to move as in doubt; then the
    leaving and unvouched files are removed, the moving ones renamed through `.hsbuild-staging/` to their rows'

@@ -3,6 +3,7 @@ holds, write what is new or changed, lay the rows out, write the dataset-wide fi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -41,11 +42,13 @@ from builder.exchange.export_files import (
     write_file,
 )
 from builder.exchange.export_space import bytes_per_token, preflight
+from builder.exchange.export_writers import Writers, Written
 from builder.formats.base import BuildView, Exported, Rejected, Sample, TrainerFormat
 from builder.formats.build_info import BuildInfo
 from builder.fsutil import fsync_path, fsync_paths
 from builder.progress import NoProgress
 from builder.store.reader import SegmentReader
+from builder.store.segment import FIELDS
 
 if TYPE_CHECKING:
     from builder.exchange.export import ExportOptions, ExportReport
@@ -55,6 +58,9 @@ NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)  # OUT cannot be written: a 
 SAVE_EVERY_S = 2.0  # the journal vouches for new files at least this often (and at most 10% of the time)
 HASH_THREADS = min(8, os.cpu_count() or 1)  # kept files checked side by side on a re-run
 TOKEN_CACHE = 1 << 24  # tokens (ids and mask) kept from the first read for the dataset-wide files; beyond: read again
+COUNT_BATCH = 512  # samples whose loss-masked tokens are counted together
+READ_BATCH = 256  # samples read together (SegmentReader.read_many)...
+READ_BYTES = 32 << 20  # ... and about this many bytes of their states
 TEXT_BYTES_PER_TOKEN = 16  # a format of text (no states, `TrainerFormat.states` False): its files, about, a token
 
 
@@ -75,9 +81,12 @@ def _not_written(e: dict) -> dict:
     return {"sample_id": e["sample_id"], "state": state, "reason": "not_written", "message": msg}
 
 
-def _count(freq: Counter[int], ids: np.ndarray, mask: np.ndarray) -> None:
-    """Add the loss-masked tokens of one sample to `freq`."""
-    tokens, counts = np.unique(np.asarray(ids)[np.asarray(mask) != 0], return_counts=True)
+def _count(freq: Counter[int], masked: list[np.ndarray]) -> None:
+    """Add the loss-masked tokens of some samples to `freq` (and forget them)."""
+    if not masked:
+        return
+    tokens, counts = np.unique(np.concatenate(masked), return_counts=True)
+    masked.clear()
     freq.update(dict(zip(tokens.tolist(), counts.tolist(), strict=True)))
 
 
@@ -100,6 +109,7 @@ class Reconcile:
         self.lossy: Callable[[list[str]], dict | None] = lambda ids: None  # writes hsbuild-lossy.json (fp8 builds)
         self.tokens: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # sample id -> (ids, mask), up to TOKEN_CACHE
         self.cached = 0
+        self.masked: list[np.ndarray] = []  # loss-masked tokens of the samples kept since `freq` last counted
         self.unproven: dict[str, str] = {}  # sample id -> fingerprint: vouched for, but its file is not whole
         self.unsaved: list[str] = []  # sample ids whose files were written since the last save, in order
         self.vouched = 0  # the files the journal on disk vouches for
@@ -230,63 +240,69 @@ class Reconcile:
         # 2. the kept samples' tokens (the dataset-wide files need them; a damaged one leaves the export)
         freq: Counter[int] = Counter()
         damaged: set[str] = set()
-        for e in live:
-            sid = e["sample_id"]
-            if sid not in kept:
-                continue
+        for e, got in self._reads([e for e in live if e["sample_id"] in kept], tokens_only=True):
             if self.opts.stop():
                 raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
-            try:
-                t = self.reader.read_raw(e["segment"], e["token_start"], e["num_tokens"], e["checksums"],
-                                         fields=("input_ids", "loss_mask"))
-            except DamagedSampleError as err:
-                self._damaged(sid, err, damaged)
+            if isinstance(got, DamagedSampleError):
+                self._damaged(e["sample_id"], got, damaged)
                 continue
-            self._keep(sid, t["input_ids"], t["loss_mask"], freq)
+            self._keep(e["sample_id"], got["input_ids"], got["loss_mask"], freq)
 
-        # 2. the new and changed samples, each to its row's path when nothing vouched for is there
+        # 2. the new and changed samples, each to its row's path when nothing vouched for is there (written side
+        # by side: export_writers.py; the journal vouches for a file once its write has returned)
         self.progress.start(len(todo), f"export {fmt.name}")
+        rows_at = {}  # sample id -> its row (the kept samples before it, damaged aside, and the written ones)
         row = 0
-        occupied = self.on_disk | {en.path for en in self.entries.values()}
         for e in live:
             sid = e["sample_id"]
             if sid in kept:
                 row += sid not in damaged
                 continue
-            if self.opts.stop():
-                self.save()
-                raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
-            s = self._read(e, row, damaged)
-            if s is None:
-                self.progress.update(done=1, note="damaged")
-                continue
-            try:
-                data = fmt.sample_bytes(s)
-            except Rejected as why:  # the format cannot export this one (it says why): left out, named
-                self._refused(sid, why)
-                damaged.add(sid)
-                self.progress.update(done=1, note="refused")
-                continue
-            target = fmt.sample_path(row, sid)
-            rel = target if target not in occupied else staged_path(sid, fps[sid])
-            rep.pauses += export_space.wait_for_space(out, len(data), self.wm, self.opts, self.progress)
-            write_file(out / rel, data)
-            self.dirty_dirs.add((out / rel).parent)
-            occupied.add(rel)
-            self.entries[sid] = Entry(rel, fps[sid], digest(data), len(data))
-            self.unsaved.append(sid)
-            if self.unproven.get(sid) == fps[sid]:  # the same sample: its file in OUT was damaged or lost
-                rep.repaired.append(sid)
-            else:
-                (rep.rewritten if sid in prior else rep.added).append(sid)
-            rep.exported += 1
-            rep.bytes_written += len(data)
-            self._keep(sid, s.input_ids.numpy(), s.loss_mask.numpy(), freq)
-            row += 1
-            self.progress.update(done=1, tokens=s.num_tokens, nbytes=len(data))
-            if time.monotonic() >= self.next_save:
-                self.save()
-                occupied = self.on_disk | {en.path for en in self.entries.values()}
+            rows_at[sid] = row
+            row += 1  # (one that turns out damaged or refused is taken back below)
+        shift = 0  # samples of `todo` before this one that were left out
+        occupied = self.on_disk | {en.path for en in self.entries.values()}
+        writers = Writers(out, lambda w: self._written(w, fps, prior))
+        try:
+            for e, got in self._reads(todo, tokens_only=not fmt.states):
+                sid = e["sample_id"]
+                if self.opts.stop():
+                    writers.drain()
+                    self.save()
+                    raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
+                index = rows_at[sid] - shift
+                s = None if isinstance(got, DamagedSampleError) else self._sample(e, index, got)
+                if s is None:
+                    self._damaged(sid, got, damaged)  # type: ignore[arg-type]
+                    shift += 1
+                    self.progress.update(done=1, note="damaged")
+                    continue
+                try:
+                    data = fmt.sample_bytes(s)
+                except Rejected as why:  # the format cannot export this one (it says why): left out, named
+                    self._refused(sid, why)
+                    damaged.add(sid)
+                    shift += 1
+                    self.progress.update(done=1, note="refused")
+                    continue
+                target = fmt.sample_path(index, sid)
+                rel = target if target not in occupied else staged_path(sid, fps[sid])
+                rep.pauses += export_space.wait_for_space(out, len(data), self.wm, self.opts, self.progress,
+                                                          writers.pending_bytes, writers.drain)
+                occupied.add(rel)
+                writers.submit((sid, s.num_tokens), rel, data)
+                self._keep(sid, s.input_ids.numpy(), s.loss_mask.numpy(), freq)
+                if time.monotonic() >= self.next_save:
+                    writers.collect()
+                    self.save()
+                    occupied = self.on_disk | {en.path for en in self.entries.values()} | writers.pending_paths()
+            writers.drain()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the files written before the failure: vouched for by the save
+                writers.drain()
+            raise
+        finally:
+            writers.close()
         self.progress.close()
 
         # 3. the layout: row i at its path; nothing else that a trainer would read as a sample
@@ -298,13 +314,17 @@ class Reconcile:
             raise Interrupted(f"export into {out} interrupted; run the same command again to finish it")
 
         # 4. the dataset-wide files, the journal finished
+        _count(freq, self.masked)
         self._finish(rows, freq)
         rep.removed.sort()
         self._close(live)
 
     def _keep(self, sid: str, ids: np.ndarray, mask: np.ndarray, freq: Counter[int]) -> None:
-        """Count the sample's loss-masked tokens; keep its tokens for the dataset-wide files while there is room."""
-        _count(freq, ids, mask)
+        """Count the sample's loss-masked tokens (COUNT_BATCH samples at a time); keep its tokens for the
+        dataset-wide files while there is room."""
+        self.masked.append(np.asarray(ids)[np.asarray(mask) != 0])
+        if len(self.masked) >= COUNT_BATCH:
+            _count(freq, self.masked)
         if self.cached + len(ids) <= TOKEN_CACHE:
             self.tokens[sid] = (np.asarray(ids), np.asarray(mask))  # as stored (int32, uint8): ~5 bytes a token
             self.cached += len(ids)
@@ -320,22 +340,60 @@ class Reconcile:
         self.report.not_exported.append({"sample_id": sid, "state": "refused", "reason": why.reason,
                                          "message": str(why)})
 
-    def _read(self, e: dict, index: int, damaged: set[str]) -> Sample | None:
-        try:
-            if not self.fmt.states:  # a format of text: the tokens and mask only
-                import torch  # noqa: PLC0415
+    def _reads(self, entries: list[dict], tokens_only: bool) -> Iterator[tuple[dict, dict | DamagedSampleError]]:
+        """Each sample of `entries` with what its stored arrays read as (tensors; numpy tokens and mask only when
+        `tokens_only`), or the damage found, in order: a batch of samples at a time (`SegmentReader.read_many`),
+        at most READ_BATCH samples and about READ_BYTES of states, the next batch read (on a thread of its own)
+        while this one is written."""
+        fields = ("input_ids", "loss_mask") if tokens_only else FIELDS
+        per_token = 5 if tokens_only else bytes_per_token(self.info)
+        batches: list[list[dict]] = [[]]
+        size = 0
+        for e in entries:
+            if len(batches[-1]) >= READ_BATCH or size >= READ_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(e)
+            size += int(e["num_tokens"]) * per_token
 
-                raw = self.reader.read_raw(e["segment"], e["token_start"], e["num_tokens"], e["checksums"],
-                                           fields=("input_ids", "loss_mask"))
-                return Sample(e["sample_id"], int(e["row_idx"]), index,
-                              torch.from_numpy(raw["input_ids"].astype(np.int64)),
-                              torch.from_numpy(raw["loss_mask"].astype(np.int64)), torch.empty(0), torch.empty(0))
-            t = self.reader.read(e["segment"], e["token_start"], e["num_tokens"], e["checksums"])
-        except DamagedSampleError as err:
-            self._damaged(e["sample_id"], err, damaged)
-            return None
+        def read(batch: list[dict]) -> list[dict | DamagedSampleError]:
+            return self.reader.read_many([(b["segment"], b["token_start"], b["num_tokens"], b["checksums"])
+                                          for b in batch], fields=fields, tensors=not tokens_only)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="hsbuild-export-read")
+        try:
+            ahead = pool.submit(read, batches[0])
+            for k, batch in enumerate(batches):
+                got = ahead.result()
+                if k + 1 < len(batches):
+                    ahead = pool.submit(read, batches[k + 1])
+                yield from zip(batch, got, strict=True)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _sample(self, e: dict, index: int, t: dict) -> Sample:
+        if not self.fmt.states:  # a format of text: the tokens and mask only
+            import torch  # noqa: PLC0415
+
+            return Sample(e["sample_id"], int(e["row_idx"]), index,
+                          torch.from_numpy(t["input_ids"].astype(np.int64)),
+                          torch.from_numpy(t["loss_mask"].astype(np.int64)), torch.empty(0), torch.empty(0))
         return Sample(e["sample_id"], int(e["row_idx"]), index, t["input_ids"].long(), t["loss_mask"].long(),
                       t["aux_hidden_state"], self.info.final(t["hidden_state"], self.fmt.final_state))
+
+    def _written(self, w: Written, fps: dict[str, str], prior: set[str]) -> None:
+        """A file whose write returned (fsynced, renamed): vouched for by the journal's next save."""
+        sid, tokens = w.key  # type: ignore[misc]
+        rep = self.report
+        self.entries[sid] = Entry(w.rel, fps[sid], w.sum, w.size)
+        self.dirty_dirs.add((self.out / w.rel).parent)
+        self.unsaved.append(sid)
+        if self.unproven.get(sid) == fps[sid]:  # the same sample: its file in OUT was damaged or lost
+            rep.repaired.append(sid)
+        else:
+            (rep.rewritten if sid in prior else rep.added).append(sid)
+        rep.exported += 1
+        rep.bytes_written += w.size
+        self.progress.update(done=1, tokens=tokens, nbytes=w.size)
 
     def _sample_files_on_disk(self) -> set[str]:
         """Every file under OUT that the trainer would read as a sample, and every staged file."""

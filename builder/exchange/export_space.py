@@ -68,16 +68,26 @@ def preflight(out: Path, projected: int, wm: Watermarks, opts: ExportOptions) ->
                        "a part (--subset/--limit), or pass --allow-overcommit to pause at the watermarks instead")
 
 
-def wait_for_space(out: Path, size: int, wm: Watermarks, opts: ExportOptions, progress: Progress) -> int:
-    """Pause (polling) while the target volume is at `high`, or while this file would cross `flood`; until
-    usage is under `low` again. Returns 1 if it paused. Never pauses under --allow-overcommit's preflight alone.
-    A pause is said once through `opts.echo` (which volume, how full, when it resumes), and so is its end."""
+def wait_for_space(out: Path, size: int, wm: Watermarks, opts: ExportOptions, progress: Progress,
+                   pending: int = 0, settle: Callable[[], None] | None = None) -> int:
+    """Pause (polling) while the target volume is at `high`, or while this file (and the `pending` bytes of files
+    being written) would cross `flood`; until usage is under `low` again. Where it would pause, the files being
+    written are first waited for (`settle`) and the volume looked at again. Returns 1 if it paused. Never pauses
+    under --allow-overcommit's preflight alone. A pause is said once through `opts.echo` (which volume, how
+    full, when it resumes), and so is its end."""
     def fits(u: Usage, under: float) -> bool:  # usage below `under`, and this file neither crosses flood nor min_free
-        return u.usage < under and (u.used + size) / u.total < wm.flood and (not wm.min_free or u.free - size >= wm.min_free)
+        need = size + pending
+        return u.usage < under and (u.used + need) / u.total < wm.flood and (not wm.min_free or u.free - need >= wm.min_free)
 
     u = disk_usage(out)
     if fits(u, wm.high):
         return 0
+    if pending and settle is not None:  # the files in flight written first: then only this one counts
+        settle()
+        pending = 0
+        u = disk_usage(out)
+        if fits(u, wm.high):
+            return 0
     if size > u.total * wm.flood:
         raise WontFitError(f"{out}: one file of {human_bytes(size)} cannot fit below the flood watermark of its "
                            "volume even if it were empty; export to a bigger volume")

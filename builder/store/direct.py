@@ -129,11 +129,10 @@ def read_field(seg_dir: Path, segment: str, fld: str, lay: FieldLayout, token_st
                         _pread_into(fd, memoryview(dst[k]).cast("B"), int(rows[k, 0]), rel, segment, fld)
                 continue
             if start >= 0:
-                buf = _pread(fd, end - start, start, rel, segment, fld)
-                parts = [(memoryview(buf)[int(r[0]) - start : int(r[0] + r[1]) - start], dst[k])
-                         for k, r in enumerate(rows)]
+                view = memoryview(_pread(fd, end - start, start, rel, segment, fld))
+                parts = [(view[o - start : o + n - start], dst[k]) for k, (o, n) in enumerate(rows.tolist())]
             else:
-                parts = [(_pread(fd, int(r[1]), int(r[0]), rel, segment, fld), dst[k]) for k, r in enumerate(rows)]
+                parts = [(_pread(fd, n, o, rel, segment, fld), dst[k]) for k, (o, n) in enumerate(rows.tolist())]
             jobs += [(p, d, rel) for p, d in parts]
         finally:
             os.close(fd)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ __all__ = ["MISMATCH", "MISSING", "UNREADABLE", "SegmentReader", "metadata_paths
 
 if TYPE_CHECKING:
     import torch
+
+RUN_BYTES = 32 << 20  # `read_many`: samples read together up to about this many decoded bytes a run
 
 
 def probe_file(path: Path) -> int:
@@ -219,3 +222,77 @@ class SegmentReader:
             logical, quantized = metas[f].logical_dtype, metas[f].quantized
             out[f] = from_storage(a, logical, quantized) if logical else torch.from_numpy(np.ascontiguousarray(a))
         return out
+
+    def read_many(self, items: Sequence[tuple[str, int, int, dict | str | None]], fields: tuple[str, ...] = FIELDS,
+                  tensors: bool = True) -> list[dict | DamagedSampleError]:
+        """Samples (segment, token_start, num_tokens, checksums) as `read` (tensors) or `read_raw` gives each,
+        in order, a DamagedSampleError in place of a damaged one. The samples of a segment that lie one after
+        another (up to a chunk apart) are read together, a field at a time (one read and one index check per
+        shard file, each chunk decoded once, instead of once per sample), then each sample's rows checked
+        against its own checksums; a run whose read fails, and a sample whose rows fail, are read alone, which
+        decides and words the damage as `read` does."""
+        out: list[dict | DamagedSampleError | None] = [None] * len(items)
+        by_seg: dict[str, list[int]] = {}
+        for i, it in enumerate(items):
+            by_seg.setdefault(it[0], []).append(i)
+        for seg, idxs in by_seg.items():
+            try:
+                lays = self._direct(seg)
+            except DamagedSampleError:
+                lays = None
+            if lays is not None:
+                for run in self._runs(items, sorted(idxs, key=lambda i: items[i][1]), lays, fields):
+                    self._read_run(seg, lays, items, run, fields, tensors, out)
+        for i, it in enumerate(items):  # the rest: alone
+            if out[i] is None:
+                try:
+                    out[i] = self.read(*it) if tensors else self.read_raw(*it, fields=fields)
+                except DamagedSampleError as e:
+                    out[i] = e
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _runs(items: Sequence[tuple], idxs: list[int], lays: dict[str, FieldLayout],
+              fields: tuple[str, ...]) -> list[list[int]]:
+        """`idxs` (in token order) cut into runs of samples at most a chunk apart, about RUN_BYTES decoded each."""
+        per_token = sum(lays[f].dtype.itemsize * max(lays[f].width, 1) for f in fields)
+        gap = min(lays[f].inner for f in fields)
+        runs: list[list[int]] = []
+        start = end = 0
+        for i in idxs:
+            lo, n = int(items[i][1]), int(items[i][2])
+            if runs and lo - end <= gap and (max(end, lo + n) - start) * per_token <= RUN_BYTES:
+                runs[-1].append(i)
+                end = max(end, lo + n)
+            else:
+                runs.append([i])
+                start, end = lo, lo + n
+        return [r for r in runs if len(r) > 1]
+
+    def _read_run(self, seg: str, lays: dict[str, FieldLayout], items: Sequence[tuple], run: list[int],
+                  fields: tuple[str, ...], tensors: bool, out: list) -> None:
+        lo = int(items[run[0]][1])
+        hi = max(int(items[i][1]) + int(items[i][2]) for i in run)
+        try:
+            whole = {f: read_field(self.data_root / seg, seg, f, lays[f], lo, hi - lo) for f in fields}
+        except DamagedSampleError:
+            return  # each read alone
+        metas = self.metas(seg) if tensors else {}
+        for i in run:
+            _, start, n, sums = items[i]
+            raw = {f: whole[f][int(start) - lo: int(start) - lo + int(n)] for f in fields}
+            try:
+                self._compare(raw, sums, seg, fields)
+            except DamagedSampleError:
+                continue  # read alone
+            if not tensors:
+                out[i] = {f: np.array(a) for f, a in raw.items()}
+                continue
+            out[i] = {f: from_storage(a, metas[f].logical_dtype, metas[f].quantized) if metas[f].logical_dtype
+                      else _tensor(a) for f, a in raw.items()}
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    import torch  # noqa: PLC0415
+
+    return torch.from_numpy(np.ascontiguousarray(a))
