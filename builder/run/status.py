@@ -50,6 +50,8 @@ class SpacePause:
 
     def _set(self, reason: str | None) -> None:
         figures = self._space.snapshot()
+        # the reason first: a `status` asked as soon as the line below is printed (from the query thread) says so
+        was, self._reason = self._reason, reason
         if reason is not None:
             self._flags.gate_open = False
             self.pauses += 1
@@ -57,9 +59,8 @@ class SpacePause:
             self._echo(f"\nPAUSED ({reason}): {self._space.describe()}; resumes by itself below the low watermark")
         else:
             self._flags.gate_open = True
-            self._session.emit(Event("resumed", reason=self._reason, detail=detail(**figures)))
+            self._session.emit(Event("resumed", reason=was, detail=detail(**figures)))
             self._echo(f"\nresumed: {self._space.describe()}")
-        self._reason = reason
         self._session.flush(force=True)
 
 
