@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from builder.errors import QueryError
-from builder.log.query import check_read_only, check_timeout
+from builder.log.query import check_read_only, check_timeout, send_request
 from builder.log.sandbox import QUERY_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -60,11 +60,8 @@ def ask_owner_arrow(sock_path: Path, request: dict, timeout: float = 2.0) -> dic
     """`ask_owner` for an `arrow` request: the reply, with `tables` the Arrow tables when it is ok."""
     import pyarrow as pa  # noqa: PLC0415
 
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
+    s = send_request(sock_path, request, timeout)
     try:
-        s.connect(str(sock_path))
-        s.sendall(json.dumps(request).encode() + b"\n")
         with s.makefile("rb") as f:
             line = f.readline()
             if not line.endswith(b"\n"):

@@ -112,12 +112,23 @@ def jsonable(v: object) -> object:
 # ---------------------------------------------------------------------------------------------------
 
 
-def ask_owner(sock_path: Path, request: dict, timeout: float = 2.0) -> dict:
+def send_request(sock_path: Path, request: dict, timeout: float) -> socket.socket:
+    """A connection to the owner's socket with `request` sent on it (one JSON line); the caller reads the reply
+    and closes it."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
         s.connect(str(sock_path))
         s.sendall(json.dumps(request).encode() + b"\n")
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def ask_owner(sock_path: Path, request: dict, timeout: float = 2.0) -> dict:
+    s = send_request(sock_path, request, timeout)
+    try:
         line = recv_line(s)
         if not line:
             raise ConnectionResetError("the owner closed the connection without answering")
