@@ -38,7 +38,7 @@ HISTORY_DIR = "history"
 RECORD_FORMAT = 1
 KINDS = ("run", "skip", "unskip", "verify", "drop")
 VERDICTS = ("verified", "checksum_mismatch", "missing_data", "unreadable")
-NAME_RE = re.compile(r"^(\d{10})-(run|skip|unskip|verify|drop)-([0-9a-f]{8})\.json$")
+NAME_RE = re.compile(rf"^(\d{{10}})-({'|'.join(KINDS)})-([0-9a-f]{{8}})\.json$")
 
 
 @dataclass(frozen=True)
