@@ -30,6 +30,7 @@ from builder.extract.source import Sample
 from builder.layout import layout
 from builder.log.events import Event, EventLog, detail
 from builder.log.session import OwnerSession
+from builder.run.handling import AT_TOKEN_LIMIT
 from builder.store.history import write_record
 
 SHOW_IDS = 5  # ids named per kind of change in a message
@@ -200,8 +201,7 @@ def skip_samples(build: str | Path, ids: Sequence[str], note: str, undo: bool = 
                 rep.unchanged.append(sid)
             elif undo and cur.retired_reason != "skipped":
                 if cur.state == "retired":
-                    raise UsageError(f"{sid}: was removed from the source, not skipped; put its row back and "
-                                     f"run `hsbuild resume {lay.root} --accept-source-changes`")
+                    raise UsageError(_not_skipped(sid, cur.retired_reason, lay.root))
                 rep.unchanged.append(sid)
             else:
                 rep.changed.append(sid)
@@ -216,3 +216,15 @@ def skip_samples(build: str | Path, ids: Sequence[str], note: str, undo: bool = 
                 {"sample_id": ev.sample_id, "fingerprint": ev.fingerprint, "note": note or None} for ev in events]})
         log.append(events)
     return rep
+
+
+def _not_skipped(sid: str, reason: str | None, root: Path) -> str:
+    """Why `skip --undo` cannot bring back `sid`, retired for `reason` (not a skip), and what would."""
+    if reason == AT_TOKEN_LIMIT:
+        return (f"{sid}: was retired by --drop-truncated (its response stopped at the token limit), not skipped; "
+                "`skip --undo` brings back skipped samples only, and its seeds would give the same response again: "
+                "to keep such responses, init a build without --drop-truncated or with a larger --max-new-tokens")
+    if reason == "removed_from_source":
+        return (f"{sid}: was removed from the source, not skipped; put its row back and "
+                f"run `hsbuild resume {root} --accept-source-changes`")
+    return f"{sid}: was retired ({reason}), not skipped; `skip --undo` brings back skipped samples only"

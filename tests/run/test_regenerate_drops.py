@@ -113,6 +113,15 @@ def test_rebuild_log_keeps_the_drops(tmp_path, cli):
         assert log.query("SELECT count(*) FROM events WHERE kind = 'started'")[1][0][0] == 0
     assert _view(build) == before
 
+    # `skip --undo` of a dropped sample says why it cannot come back (it said "removed from the source")
+    dropped = next(r[0] for r in before if r[2] == "at_token_limit")
+    log_before = lay.events.read_bytes()
+    cp = cli("skip", build, dropped, "--undo")
+    assert cp.returncode == 2, cp.stdout + cp.stderr
+    assert len(cp.stderr.strip().splitlines()) == 1
+    assert dropped in cp.stderr and "--drop-truncated" in cp.stderr and "removed from the source" not in cp.stderr
+    assert lay.events.read_bytes() == log_before
+
     # a damaged drop record is refused, naming it and what is lost without it, before anything changes
     damaged = lay.data / "history" / recs[0].name
     damaged.write_bytes(b"\x00" * 40)
