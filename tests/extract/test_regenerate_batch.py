@@ -102,3 +102,31 @@ def test_backend_decodes_generation_requests_together(llama):
             alone = ex.generate(ids, gen, LIMIT)
             assert outcomes[f"g{i}"].output_ids.tolist() == alone.output_ids.tolist()
         assert outcomes["plain"].output_ids is None
+
+
+def test_a_batched_step_that_raises_gives_each_request_its_lone_outcome(llama, monkeypatch):
+    """A batched decode step that raises (on a GPU: out of memory, where each request alone fits; raised here by
+    hand, this machine has no GPU memory to exhaust) fails no request: each is generated alone, with its own
+    tokens (the same seeds, so what it would have got batched) or its own error (it failed them all before)."""
+    from builder.extract import generation_batch
+    from builder.extract.backends.base import Failure, Request, States
+    from builder.extract.backends.inprocess import InProcessBackend
+
+    ex = Extractor(str(llama), None, "bfloat16", "cpu")
+    reqs = _requests()[:4] + _requests()[-2:-1]  # (the last one: too_long, its own error)
+
+    def oom(*_a, **_k):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(generation_batch._HfBatchStep, "__call__", oom)
+    be = InProcessBackend(ex, 4096)
+    for i, (ids, gen) in enumerate(reqs):
+        be.submit(Request(f"g{i}", ids, generate=gen))
+    outcomes = {o.key: o for o in be.collect(1.0)}
+    assert len(outcomes) == len(reqs) and be.in_flight() == 0
+    for i, (ids, gen) in enumerate(reqs[:-1]):
+        alone = ex.generate(ids, gen, LIMIT)
+        assert isinstance(outcomes[f"g{i}"], States), outcomes[f"g{i}"]
+        assert outcomes[f"g{i}"].output_ids.tolist() == alone.output_ids.tolist()
+    last = outcomes[f"g{len(reqs) - 1}"]
+    assert isinstance(last, Failure) and last.reason == "too_long", last

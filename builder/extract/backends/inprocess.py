@@ -86,16 +86,12 @@ class InProcessBackend:
         self._pending_tokens -= sum(int(r.input_ids.shape[0]) for r in batch)
         if self.batch_tokens is None or len(batch) == 1:
             results = [self._one(r) for r in batch]
-        elif batch[0].generate is not None:
-            try:
-                results = self.ex.generate_batch([(r.input_ids, r.generate) for r in batch], self.limit)
-            except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
-                results = [e] * len(batch)
         else:
             try:
-                results = self.ex.extract_batch([r.input_ids for r in batch])
-            except Exception as e:  # noqa: BLE001 - one bad sample must not end the run
-                results = [e] * len(batch)
+                results = (self.ex.generate_batch([(r.input_ids, r.generate) for r in batch], self.limit)
+                           if batch[0].generate is not None else self.ex.extract_batch([r.input_ids for r in batch]))
+            except Exception:  # noqa: BLE001 - a batched pass that raises (out of memory where a lone one fits):
+                results = [self._one(r) for r in batch]  # each sample alone, its own outcome or its own error
         return [_outcome(r.key, res) for r, res in zip(batch, results, strict=True)]
 
     def _one(self, r: Request):
