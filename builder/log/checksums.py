@@ -1,13 +1,14 @@
-"""What the log stores of a `written` event's checksums: hsbuild's own text in 32 characters, any other as it is.
+"""What the log stores of a `written` event's checksums: hsbuild's own text as 32 characters, any other as it is.
 
 hsbuild records a sample's checksums as JSON text, `json.dumps({field: "crc32c:xxxxxxxx"}, sort_keys=True)`
 over the four fields (TEXT_TEMPLATE). In the log (the events' `checksums`, the fold checkpoint's `m_checksums`)
-that text is stored as its 32 hex digits alone, the four values in FIELDS order (COMPACT): 18 B a sample in
-DuckDB's storage against 38 B for the text. Any other text (another form, an upper-case digit, a log an older
-hsbuild wrote) is stored as it is: a stored value is the compact form exactly when it is 32 bytes that do not
-begin with `{` (`is_compact`, a cheaper test than a pattern: 0.3 s a million rows less in the views), which a
-JSON object's text never is, so both read back exactly. The views give the text (`checksums_text`, the macro schema/views.sql calls: `samples.checksums`
-is the JSON text, byte for byte what the event was given), so no reader sees the stored form.
+that text is stored as its 32 hex digits alone, the four values in FIELDS order: 18 B a sample in DuckDB's
+storage against 39 B for the text (tools/bench_logsize.py). Any other text (another form, an upper-case digit,
+what an older hsbuild wrote) is stored as it is. A stored value is the compact form exactly when it is 32 bytes
+that do not begin with `{` (`is_compact`; cheaper in the views than a pattern, 0.3 s a million rows), which a
+JSON object's text never is, so both read back exactly. The views give the text back (the macro
+`checksums_text`: `samples.checksums` is byte for byte what the event was given), so no reader sees the stored
+form.
 """
 
 from __future__ import annotations
