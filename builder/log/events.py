@@ -80,6 +80,7 @@ class Event:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:  # the code's mistake: said where the event is made, before anything is written
             raise ValueError(f"event kind {self.kind!r} is not one of builder.log.kinds.EventKind")
+        compact(self.checksums)  # checksums the log would read back as another text: refused here too
 
 
 COLUMNS = ["seq", "ts", "kind", "run_id", "sample_id", "fingerprint", "attempt", "worker", "segment", "token_start",

@@ -17,7 +17,7 @@ from builder.errors import DamagedSampleError
 from builder.layout import layout
 from builder.log import checksums
 from builder.log.checksums import checksums_macro, compact, expand
-from builder.log.events import EventLog
+from builder.log.events import Event, EventLog
 from builder.log.schema import schema_dir, transient_macro
 from builder.store.reader import SegmentReader
 
@@ -69,6 +69,8 @@ def test_a_stored_value_given_again_is_kept_and_a_text_that_would_read_back_as_a
     for text in ("0" * 31 + "A", "\u00e9" * 16, "x" * 32):  # 32 bytes not beginning with `{`: read as digits
         with pytest.raises(ValueError, match="not a JSON object"):
             compact(text)
+        with pytest.raises(ValueError, match="not a JSON object"):  # where the event is made, before any batch
+            Event("written", sample_id="s", checksums=text)
 
 
 def stored(path) -> dict[str, str]:
