@@ -1,6 +1,7 @@
 """The event log's schema: schema/*.sql (tables, views) with the macros the views call (`is_transient`, made from
-builder.log.kinds.TRANSIENT_REASONS; `checksums_text`, builder.log.checksums), its digest, and this version's views over a log an older hsbuild wrote
-(TEMP views on a read-only connection), or the one-line refusal where they cannot be made."""
+builder.log.kinds.TRANSIENT_REASONS; `checksums_text`, builder.log.checksums), its digest, and this version's
+views over a log an older hsbuild wrote (TEMP views on a read-only connection), or the one-line refusal where
+they cannot be made."""
 
 from __future__ import annotations
 
