@@ -134,6 +134,9 @@ def test_a_log_the_previous_version_wrote_reads_resumes_and_verifies_the_same(ma
         assert log.query("SELECT count(*) FROM fold_checkpoint WHERE starts_with(m_checksums, '{')")[1] == [(3,)]
     got = view_checksums(lay.events)
     assert {sid: got[sid] for sid in want} == want
+    out = cli("sql", build, "SELECT sample_id, checksums_text(checksums) AS c FROM events WHERE kind = 'written'",
+              "--json", check=True).stdout  # a user's SQL over `events` gets the text through the macro
+    assert {r["sample_id"]: r["c"] for r in json.loads(out)} == got
     assert {sid: got[sid] for sid in new} == {sid: expand(t) for sid, t in new.items()}
     out = json.loads(cli("verify", build, "--json", "--no-progress", check=True).stdout)
     assert (out["checked"], out["damaged"]) == (6, [])
