@@ -44,7 +44,11 @@ CREATE TABLE IF NOT EXISTS events (
     token_start BIGINT,               -- written: first token of the sample in its segment
     num_tokens  BIGINT,               -- written: tokens stored; superseded, row_moved: tokens in the source
     nbytes      BIGINT,               -- written: compressed bytes of its chunk files; verified: bytes read
-    checksums   VARCHAR,              -- written: JSON {field: "crc32c:xxxxxxxx"} of uncompressed bytes
+    checksums   VARCHAR,              -- written: the CRC-32C of each field's uncompressed bytes, as stored:
+                                      --   hsbuild's JSON text {field: "crc32c:xxxxxxxx"} as its 32 hex digits
+                                      --   (input_ids, loss_mask, hidden_state, aux_hidden_state), any other
+                                      --   text (a log an older hsbuild wrote) as it is; checksums_text(checksums)
+                                      --   gives the JSON text (what samples.checksums is: builder/log/checksums.py)
     reason      VARCHAR,              -- failed: nonfinite, token_out_of_range, empty_sample, too_long,
                                       --   token_mismatch, bad_states, too_big_for_volume, interrupted_too_often,
                                       --   worker_died, error, import_* (a dump file refused);
@@ -84,7 +88,7 @@ CREATE TABLE IF NOT EXISTS fold_checkpoint (
     m_detail      VARCHAR,    -- (a written event's: only {finish_reason, generated}, when it has them; else NULL)
     m_segment     VARCHAR,
     m_token_start BIGINT,
-    m_checksums   VARCHAR,
+    m_checksums   VARCHAR,    -- (as the event stores them: checksums_text gives the JSON text)
     m_reason      VARCHAR,
     m_disk_bytes  BIGINT,     -- written: its detail's disk_bytes (read once here, not from JSON at every query)
     vseq          BIGINT,     -- its last verified event, and when

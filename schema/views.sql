@@ -2,6 +2,8 @@
 -- They call `is_transient(reason)`: true for a failure reason that is the environment's fault, not the sample's
 -- (a full volume, the server down, a lost Ray node). builder/log/schema.py makes that macro, before these views,
 -- from the one list of those reasons, builder.log.kinds.TRANSIENT_REASONS (tests/log/test_transient_reasons.py).
+-- and `checksums_text(c)`: the JSON text of a `written` event's checksums from what the log stores of them (hsbuild's
+-- own text as its 32 hex digits, any other as it is: builder/log/checksums.py, which makes that macro).
 
 -- Per sample with events: the fold's state (what `samples` reads), from the checkpoint (fold_checkpoint, the
 -- events up to fold_checkpoint_mark.upto, schema/events.sql) combined with the events after it. Every part of
@@ -128,7 +130,8 @@ SELECT
     CASE WHEN f.mkind = 'written' THEN f.m_disk_bytes END AS disk_bytes,
     CASE WHEN f.mkind = 'written' THEN f.m_segment END AS segment,
     CASE WHEN f.mkind = 'written' THEN f.m_token_start END AS token_start,
-    CASE WHEN f.mkind = 'written' THEN f.m_checksums END AS checksums,
+    -- the `written` event's JSON text ({field: "crc32c:xxxxxxxx"}), byte for byte (stored compact: checksums_text)
+    CASE WHEN f.mkind = 'written' THEN checksums_text(f.m_checksums) END AS checksums,
     CASE WHEN f.mkind = 'failed' THEN f.m_reason END AS error,
     CASE WHEN f.mkind = 'failed' THEN f.m_detail END AS error_detail,
     CASE WHEN f.mkind = 'written' AND f.vseq > f.mseq THEN f.vts END AS verified_at,

@@ -7,7 +7,8 @@ A build of --samples tiny samples (8-32 tokens, built-in model hidden 64) is mad
 `hsbuild run --workers 2`; its log is measured after the run and again after `hsbuild verify` (a full sweep).
 DuckDB's own accounting: the file's size, its blocks in use and free (`pragma_database_size`), and each part
 of it as a table of its own: its rows copied into a fresh database file (the same DuckDB, the same
-compression), checkpointed, less an empty one's size. A tiny build's log (the 4-sample baseline, measured in the
+compression), checkpointed, less an empty one's size; a `written` event's checksums also as the JSON text they
+stand for (what the log stored before they were stored compact: builder/log/checksums.py). A tiny build's log (the 4-sample baseline, measured in the
 same run) is what every build pays; per-sample figures are over the difference.
 """
 
@@ -30,12 +31,14 @@ MODEL = "builtin:hidden=64,layers=4,vocab=1024,heads=2,kv_heads=1,intermediate=1
 PARTS = (
     ("`written` events", "SELECT * FROM l.events WHERE kind = 'written'"),
     ("  ... their checksums", "SELECT checksums FROM l.events WHERE kind = 'written'"),
+    ("  ... the same as JSON text", "SELECT checksums_text(checksums) FROM l.events WHERE kind = 'written'"),
     ("  ... their detail", "SELECT detail FROM l.events WHERE kind = 'written'"),
     ("`started` events", "SELECT * FROM l.events WHERE kind = 'started'"),
     ("`verified` events", "SELECT * FROM l.events WHERE kind = 'verified'"),
     ("other events", "SELECT * FROM l.events WHERE kind NOT IN ('written', 'started', 'verified')"),
     ("the fold's checkpoint", "SELECT * FROM l.fold_checkpoint"),
     ("  ... its m_checksums", "SELECT m_checksums FROM l.fold_checkpoint"),
+    ("  ... the same as JSON text", "SELECT checksums_text(m_checksums) FROM l.fold_checkpoint"),
     ("  ... its m_detail", "SELECT m_detail FROM l.fold_checkpoint"),
     ("the registered source samples", "SELECT * FROM l.source_samples"),
 )
@@ -63,6 +66,8 @@ def measure(build: Path) -> dict:
     """The log's size, its blocks used and free, and each part as a table of its own (bytes)."""
     import duckdb  # noqa: PLC0415
 
+    from builder.log.checksums import checksums_macro  # noqa: PLC0415
+
     events = build / "events.duckdb"
     out = {"file": events.stat().st_size}
     con = duckdb.connect(str(events), read_only=True)
@@ -83,6 +88,7 @@ def measure(build: Path) -> dict:
             part = Path(tmp) / "part.duckdb"
             c = duckdb.connect(str(part))
             try:
+                c.execute(checksums_macro(temp=True))  # (the text the stored checksums stand for)
                 c.execute(f"ATTACH '{events}' AS l (READ_ONLY)")
                 c.execute(f"CREATE TABLE t AS {sql}")
                 c.execute("DETACH l")

@@ -77,10 +77,10 @@ FROM range({n}) t(i);
 CREATE TEMP TABLE ev AS
 WITH
 s AS (SELECT * FROM cls WHERE r >= 20),                                -- 2% never started (pending)
-ck AS (SELECT *, printf('{{"aux_hidden_state": "crc32c:%08x", "hidden_state": "crc32c:%08x", '
-                        '"input_ids": "crc32c:%08x", "loss_mask": "crc32c:%08x"}}',
-                        hash(i) % 4294967296, hash(i + 1) % 4294967296, hash(i + 2) % 4294967296,
-                        hash(i + 3) % 4294967296) AS checksums,
+-- (checksums as a run stores them: the four CRC-32C's 32 hex digits, input_ids, loss_mask, hidden_state,
+-- aux_hidden_state: builder/log/checksums.py)
+ck AS (SELECT *, printf('%08x%08x%08x%08x', hash(i + 2) % 4294967296, hash(i + 3) % 4294967296,
+                        hash(i + 1) % 4294967296, hash(i) % 4294967296) AS checksums,
               printf('{{"disk_bytes": %d, "seconds": %.4f, "truncated": false}}',
                      ntok * 24576 + 4096, (hash(i) % 10000) / 1e4) AS wdetail FROM s),
 -- run 1: every started sample, with its outcome

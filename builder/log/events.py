@@ -35,6 +35,7 @@ from builder.errors import (
     is_no_space,
 )
 from builder.fsutil import fsync_path
+from builder.log.checksums import compact
 from builder.log.holders import locked_error
 from builder.log.kinds import EventKind
 from builder.log.schema import read_with_current_views, schema_digest, schema_dir, views_failed, views_sql
@@ -79,6 +80,7 @@ class Event:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:  # the code's mistake: said where the event is made, before anything is written
             raise ValueError(f"event kind {self.kind!r} is not one of builder.log.kinds.EventKind")
+        compact(self.checksums)  # checksums the log would read back as another text: refused here too
 
 
 COLUMNS = ["seq", "ts", "kind", "run_id", "sample_id", "fingerprint", "attempt", "worker", "segment", "token_start",
@@ -274,6 +276,7 @@ class EventLog:
         if not events:
             return
         cols: dict[str, list] = {c: [getattr(ev, c) for ev in events] for c in COLUMNS if c not in ("seq", "ts")}
+        cols["checksums"] = [compact(c) for c in cols["checksums"]]  # stored compact; the views give the text
         seqs = list(range(self._seq + 1, self._seq + 1 + len(events)))
         cur = self.con.cursor()
         registered = False

@@ -178,7 +178,8 @@ class _TempViews:
     names, with the views those read (creating all of them takes ~25 ms of CPU, more than most queries; a poll
     of `events` needs none). A name is matched anywhere in the SQL, string literals included, so a view is
     never missing where it is read; one created and not read changes no answer. What comes before the first
-    view (the macro they call, `is_transient`) is made every time: the user's SQL may call it too."""
+    view (the macros they call, `is_transient` and `checksums_text`) is made every time: the user's SQL may call
+    them too."""
 
     def __init__(self, ddl: str):
         parts = re.split(r"(?=^CREATE\s+OR\s+REPLACE\s+TEMP\s+VIEW\s)", ddl, flags=re.MULTILINE | re.IGNORECASE)

@@ -1,6 +1,7 @@
-"""The event log's schema: schema/*.sql (tables, views) with the macro the views call (`is_transient`, made from
-builder.log.kinds.TRANSIENT_REASONS), its digest, and this version's views over a log an older hsbuild wrote
-(TEMP views on a read-only connection), or the one-line refusal where they cannot be made."""
+"""The event log's schema: schema/*.sql (tables, views) with the macros the views call (`is_transient`, made from
+builder.log.kinds.TRANSIENT_REASONS; `checksums_text`, builder.log.checksums), its digest, and this version's
+views over a log an older hsbuild wrote (TEMP views on a read-only connection), or the one-line refusal where
+they cannot be made."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import duckdb
 
 from builder.errors import LogDamagedError
+from builder.log.checksums import checksums_macro
 from builder.log.kinds import TRANSIENT_REASONS
 
 
@@ -41,16 +43,16 @@ def transient_macro(temp: bool = False) -> str:
 
 
 def views_sql(temp: bool = False) -> str:
-    """What makes the views: the macro they call, then schema/views.sql. `temp`: every view and the macro TEMP
+    """What makes the views: the macros they call, then schema/views.sql. `temp`: every view and macro TEMP
     (which shadow those of the same names in the file)."""
     views = (schema_dir() / "views.sql").read_text()
     if temp:
         views = re.sub(r"CREATE\s+OR\s+REPLACE\s+VIEW", "CREATE OR REPLACE TEMP VIEW", views, flags=re.IGNORECASE)
-    return transient_macro(temp) + views
+    return transient_macro(temp) + checksums_macro(temp) + views
 
 
 def temp_views_sql() -> str:
-    """The macro and the views as TEMP objects, which shadow those of the same names in the file."""
+    """The macros and the views as TEMP objects, which shadow those of the same names in the file."""
     return views_sql(temp=True)
 
 

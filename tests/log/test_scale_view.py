@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from builder.extract.source import Sample
+from builder.log.checksums import FIELDS
 from builder.log.events import Event, EventLog
 
 REFERENCE_SAMPLES_VIEW = """
@@ -75,7 +76,7 @@ SELECT
     CASE WHEN m.kind = 'written' THEN TRY_CAST(json_extract(m.detail, '$.disk_bytes') AS BIGINT) END AS disk_bytes,
     CASE WHEN m.kind = 'written' THEN m.segment END AS segment,
     CASE WHEN m.kind = 'written' THEN m.token_start END AS token_start,
-    CASE WHEN m.kind = 'written' THEN m.checksums END AS checksums,
+    CASE WHEN m.kind = 'written' THEN checksums_text(m.checksums) END AS checksums,  -- (the JSON text: as stored, later)
     CASE WHEN m.kind = 'failed' THEN m.reason END AS error,
     CASE WHEN m.kind = 'failed' THEN m.detail END AS error_detail,
     CASE WHEN m.kind = 'written' AND v.vseq > m.seq THEN v.vts END AS verified_at,
@@ -122,7 +123,8 @@ def _events(raw) -> list[Event]:
                    ts=t0 + dt.timedelta(seconds=offset), fingerprint=f"fp{v}" if v else None, detail=DETAILS[v])
         if kind in ("written", "verified"):
             ev.segment, ev.token_start, ev.num_tokens, ev.nbytes = f"seg-{v}", 100 * v, 7 + v, 1000 + v
-            ev.checksums = json.dumps({"input_ids": f"crc32c:{v:08x}"})
+            # hsbuild's own text (stored compact) or another (stored as it is)
+            ev.checksums = json.dumps({f: f"crc32c:{v:08x}" for f in (FIELDS if v % 2 else FIELDS[:1])}, sort_keys=True)
         if kind == "failed":
             ev.reason = FAIL_REASONS[v]
         if kind == "retired":
