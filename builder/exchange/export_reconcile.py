@@ -134,12 +134,12 @@ class Reconcile:
         self.next_save = time.monotonic() + max(SAVE_EVERY_S, 10 * self.save_cost)
 
     def _holds(self, rel: str, size: int, checksum: object) -> bool:
-        """The file at `rel` is the one vouched for: a regular file of `size` bytes whose blake2b is `checksum`
-        (read whole: a re-run reads each file it keeps once)."""
+        """The file at `rel` is the one vouched for: a regular file of `size` bytes whose checksum is `checksum`
+        (`export_files.digest`'s; read whole: a re-run reads each file it keeps once)."""
         path = self.out / rel
         try:
             st = os.stat(path)
-            return stat.S_ISREG(st.st_mode) and st.st_size == size and file_digest(path) == checksum
+            return stat.S_ISREG(st.st_mode) and st.st_size == size and file_digest(path, str(checksum)) == checksum
         except OSError:
             return False
 
@@ -448,8 +448,8 @@ class Reconcile:
         self.save()
 
     def _finish_key(self, rows: list[dict], fps: dict[str, str]) -> str:
-        return digest(json.dumps([[e["sample_id"], fps[e["sample_id"]]] for e in rows]
-                                  + [self.opts.draft_vocab_size]).encode())
+        key = json.dumps([[e["sample_id"], fps[e["sample_id"]]] for e in rows] + [self.opts.draft_vocab_size])
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def _finish(self, rows: list[dict], freq: Counter[int]) -> None:
         """The dataset-wide files: token frequencies over loss-masked tokens (what every trainer builds its

@@ -131,11 +131,22 @@ def _fast(kept: tuple[bytes, int], obj: dict) -> bytes:
     return buf.getvalue()
 
 
-def _contiguous(obj: object) -> object:
+def _contiguous(obj: object, seen: set[int] | None = None) -> object:
+    """`obj` with each tensor as a contiguous tensor that is the whole of a storage of its own: torch.save's bytes of
+    the result are those of a copy of every tensor. A tensor that already is that (contiguous, the whole of its
+    storage, a storage no other tensor of `obj` uses: what an export's arrays mostly are) is taken as it is (its
+    bytes are what its copy's would be), sparing a copy of every array of every file."""
+    seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        return obj.detach().contiguous().clone()
+        t = obj.detach()
+        if type(t) is torch.Tensor and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() \
+                and not t.is_neg() and t.storage_offset() == 0 and t.nbytes \
+                and t.untyped_storage().nbytes() == t.nbytes and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            return t
+        return t.contiguous().clone()
     if isinstance(obj, dict):
-        return {k: _contiguous(v) for k, v in obj.items()}
+        return {k: _contiguous(v, seen) for k, v in obj.items()}
     return obj
 
 

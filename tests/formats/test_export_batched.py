@@ -43,8 +43,38 @@ def test_save_bytes_are_torch_saves_bytes():
     for i in range(12):
         for obj in (_rec(3 + i % 3, i), _rec(5, i, "conv-" + "é" * i), _rec(0, i), {"d2t": torch.arange(i)},
                     {str(k): k for k in range(i)}, {"a": torch.arange(4)[1:]}, {"x": [torch.ones(2)]}):
-            assert torchfile.save_bytes(obj) == torchfile.torch_save_bytes(torchfile._contiguous(obj)), (i, obj)
+            assert torchfile.save_bytes(obj) == torchfile.torch_save_bytes(_copies(obj)), (i, obj)
     assert len(torchfile._CHECKED) >= before + 6
+
+
+def _copies(obj: object) -> object:
+    """`obj` with every tensor a contiguous copy of its own: what an export saved before it took whole tensors as
+    they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().contiguous().clone()
+    return {k: _copies(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
+
+
+def test_tensors_taken_as_they_are_give_the_bytes_of_copies():
+    """`save_bytes` copies only the tensors whose bytes would differ uncopied (a view into a bigger storage, a
+    transposed one, a storage two values share): its bytes are those of a copy of every tensor, for the fast way
+    and torch.save's alike. The whole tensors are not copied (the point: no copy of every array of every file)."""
+    import numpy as np
+
+    base = torch.arange(24, dtype=torch.int32)
+    arr = np.arange(40, dtype=np.int16)
+    whole = torch.randn(3, 4)
+    shapes = [{"whole": whole, "again": whole, "view": whole.unsqueeze(0)},  # one storage, three values
+              {"slice": base[4:10], "t": base.view(4, 6).t(), "head": base[:6]},  # views of a bigger storage
+              {"np": torch.from_numpy(arr[8:16]).view(torch.bfloat16), "np2": torch.from_numpy(arr[8:16])},
+              {"big": torch.randn(300, 1024).bfloat16(), "ids": torch.arange(300)},  # over FAST_MAX_BYTES: torch.save
+              {"empty": torch.empty(0), "empty2": torch.empty(0, 3), "conj": torch.randn(2, dtype=torch.cfloat).conj()}]
+    for _ in range(3):  # first of its signature (torch.save's), checked, then the kept pickle
+        for obj in shapes:
+            assert torchfile.save_bytes(obj) == torchfile.torch_save_bytes(_copies(obj)), obj
+    taken = torchfile._contiguous(shapes[0])
+    assert taken["whole"].data_ptr() == whole.data_ptr()  # (not copied)
+    assert taken["again"].data_ptr() != whole.data_ptr() and taken["view"].data_ptr() != whole.data_ptr()
 
 
 def test_a_kept_pickle_that_differs_goes_back_to_torch_save(monkeypatch):
@@ -129,6 +159,34 @@ def test_exported_files_are_torch_saves_bytes(built, tmp_path, fmt):
         assert p.read_bytes() == torchfile.torch_save_bytes(torch.load(p, weights_only=True)), p
 
 
+def test_an_export_whose_journal_holds_blake2b_sums_is_checked_by_them(built, tmp_path):
+    """A journal written before the CRC-32C (each file's checksum a blake2b-128) is read as it was: a re-run keeps
+    every whole file (not read again for its states, not rewritten), finds the one damaged since by its blake2b
+    and writes it again (repaired), and vouches for the new file by its CRC-32C."""
+    import hashlib
+
+    out = tmp_path / "out"
+    assert export_build(built, out, ExportOptions(format="specforge")).exported == 30
+    j = json.loads((out / JOURNAL).read_text())
+    for en in j["files"].values():
+        en[2] = hashlib.blake2b((out / en[0]).read_bytes(), digest_size=16).hexdigest()
+    for rel, v in j["finish"]["files"].items():
+        v[0] = hashlib.blake2b((out / rel).read_bytes(), digest_size=16).hexdigest()
+    (out / JOURNAL).write_text(json.dumps(j))
+    sid, (path, *_) = sorted(j["files"].items())[3]
+    data = bytearray((out / path).read_bytes())
+    data[-100] ^= 0xFF  # (inside the zip's central directory: same size, other bytes)
+    (out / path).write_bytes(bytes(data))
+    inodes = {p: p.stat().st_ino for p in out.rglob("*") if p.is_file() and p.name != JOURNAL}
+
+    rep = export_build(built, out, ExportOptions(format="specforge"))
+    assert rep.complete and rep.repaired == [sid] and rep.exported == 1 and rep.already == 29, rep
+    assert [p for p, ino in inodes.items() if p.stat().st_ino != ino] == [out / path]  # the one file rewritten
+    files = json.loads((out / JOURNAL).read_text())["files"]
+    assert files[sid][2] == file_digest(out / path) and files[sid][2].startswith("crc32c:")
+    assert all(len(en[2]) == 32 for k, en in files.items() if k != sid)  # (the kept entries as they were)
+
+
 # -- a power cut in the middle ------------------------------------------------------------------------------------
 
 # the CLI, with the journal saved at every file taken back from the writers (not every few seconds): many saves,
@@ -146,7 +204,7 @@ def _files(out: Path) -> dict[str, bytes]:
 
 def test_power_cut_mid_export_leaves_every_vouched_file_whole(built, powercut):
     """lazyfs --dirs strict, power cut after a chosen number of writes in the middle of an export whose journal is
-    saved often: every file the journal vouches for is there, whole (size and blake2b); the same command then
+    saved often: every file the journal vouches for is there, whole (size and checksum); the same command then
     finishes the export, repairing nothing, and OUT holds the bytes of an export that was never cut."""
     fs = powercut("strict")
     args = ["export", built, "OUT0", "--format", "specforge", "--no-progress", "--json"]
