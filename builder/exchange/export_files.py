@@ -15,6 +15,7 @@ from pathlib import Path
 import crc32c
 
 from builder.errors import UsageError
+from builder.formats.base import Streamed
 from builder.fsutil import fsync_path, fsync_paths
 
 JOURNAL = "hsbuild-export.json"
@@ -136,6 +137,45 @@ def write_file(path: Path, data: bytes | Callable[[Path], None]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class _Sink:
+    """The binary file object a `Streamed` writes to: each piece written to `fd` and added to its CRC-32C."""
+
+    def __init__(self, fd: int):
+        self.fd, self.crc, self.size = fd, 0, 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self.crc = crc32c.crc32c(view, self.crc)
+        self.size += n
+        while view:
+            view = view[os.write(self.fd, view):]
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def write_streamed(path: Path, streamed: Streamed) -> tuple[str, int]:
+    """`write_file` of a `Streamed` (temp name, fsync, rename; a failed write leaves no temp file), its checksum
+    made as it is written: the file's `digest` and size."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            sink = _Sink(fd)
+            streamed.write(sink)  # type: ignore[arg-type]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return f"{CRC32C}{sink.crc:08x}", sink.size
 
 
 def remove_temp_files(out: Path) -> None:

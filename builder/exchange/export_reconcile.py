@@ -42,7 +42,7 @@ from builder.exchange.export_files import (
     write_file,
 )
 from builder.exchange.export_space import bytes_per_token, preflight
-from builder.exchange.export_writers import Writers, Written
+from builder.exchange.export_writers import Writers, Written, size_of
 from builder.formats.base import BuildView, Exported, Rejected, Sample, TrainerFormat
 from builder.formats.build_info import BuildInfo
 from builder.fsutil import fsync_path, fsync_paths
@@ -287,7 +287,7 @@ class Reconcile:
                     continue
                 target = fmt.sample_path(index, sid)
                 rel = target if target not in occupied else staged_path(sid, fps[sid])
-                rep.pauses += export_space.wait_for_space(out, len(data), self.wm, self.opts, self.progress,
+                rep.pauses += export_space.wait_for_space(out, size_of(data), self.wm, self.opts, self.progress,
                                                           writers.pending_bytes, writers.drain)
                 occupied.add(rel)
                 writers.submit((sid, s.num_tokens), rel, data)
@@ -397,7 +397,7 @@ class Reconcile:
 
     def _sample_files_on_disk(self) -> set[str]:
         """Every file under OUT that the trainer would read as a sample, and every staged file."""
-        found = {p.relative_to(self.out).as_posix() for p in self.fmt.scan(self.out)} if self.out.is_dir() else set()
+        found = {str(p)[len(str(self.out)) + 1:] for p in self.fmt.scan(self.out)} if self.out.is_dir() else set()
         staging = self.out / STAGING
         if staging.is_dir():
             found |= {p.relative_to(self.out).as_posix() for p in staging.iterdir() if p.is_file()}

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from builder.formats.base import Rejected
+from builder.formats.base import Rejected, Streamed
 
 FAST_MAX_BYTES = 1 << 20  # a dict of more tensor bytes is saved by torch.save itself (its pickling costs nothing next
 # to copying the bytes, and checking a kept pickle would cost a second save)
+STREAM_SLACK = 1 << 14  # a bound on torch.save's bytes besides a tensor's own (its pickle, zip records, alignment)
 _PICKLES: dict[tuple, tuple[bytes, int] | None] = {}  # signature -> (pickle, where the string goes) or None
 _CHECKED: set[tuple] = set()  # signatures whose fast bytes were found equal to torch.save's
 _LOCK = threading.Lock()
@@ -67,6 +68,20 @@ def save_bytes(obj: object) -> bytes:
                 _PICKLES[sig] = None
         return ref
     return data
+
+
+def save_streamed(obj: object) -> bytes | Streamed:
+    """`save_bytes`, or for a dict of more than FAST_MAX_BYTES of tensors a `Streamed` torch.save straight into the
+    file (torch's writer hands the tensors' own memory to `f.write`): the same bytes, without torch.save's copy
+    of them into memory (an export of samples of 100+ MB)."""
+    obj = _contiguous(obj)
+    if type(obj) is not dict:
+        return save_bytes(obj)
+    tensors = [v for v in obj.values() if isinstance(v, torch.Tensor)]
+    size = sum(t.nbytes for t in tensors)
+    if size <= FAST_MAX_BYTES:
+        return save_bytes(obj)
+    return Streamed(size + STREAM_SLACK * (len(obj) + 1), lambda f: torch.save(obj, f))
 
 
 def _signature(obj: object) -> tuple | None:

@@ -20,6 +20,7 @@ from builder.errors import DamagedSampleError
 from builder.exchange.export import JOURNAL, ExportOptions, export_build
 from builder.exchange.export_files import file_digest
 from builder.formats import torchfile
+from builder.formats.base import Streamed
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.coordinator import RunOptions, run_build
@@ -146,9 +147,16 @@ def test_read_many_gives_what_each_read_gives(built, tmp_path):
                for it, m in zip(items, raw, strict=True))
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["in-memory", "streamed"])
 @pytest.mark.parametrize("fmt", ["specforge", "modelopt"])
-def test_exported_files_are_torch_saves_bytes(built, tmp_path, fmt):
-    """Each sample file is, byte for byte, torch.save of what it holds (the trainer's own loop would write it)."""
+def test_exported_files_are_torch_saves_bytes(built, tmp_path, fmt, streamed, monkeypatch):
+    """Each sample file is, byte for byte, torch.save of what it holds (the trainer's own loop would write it), and
+    the journal's checksum and size are the file's: made in memory, or (`streamed`: what a sample over
+    FAST_MAX_BYTES is, here every one) torch.save straight into the file, its CRC-32C made as it is written."""
+    if streamed:
+        monkeypatch.setattr(torchfile, "FAST_MAX_BYTES", 0)
+        made = []
+        monkeypatch.setattr(torchfile, "Streamed", lambda size, write: made.append(size) or Streamed(size, write))
     out = tmp_path / "out"
     rep = export_build(built, out, ExportOptions(format=fmt))
     assert rep.complete and rep.exported == 30
@@ -157,6 +165,13 @@ def test_exported_files_are_torch_saves_bytes(built, tmp_path, fmt):
     assert len(files) == 30
     for p in files:
         assert p.read_bytes() == torchfile.torch_save_bytes(torch.load(p, weights_only=True)), p
+    vouched = json.loads((out / JOURNAL).read_text())["files"]
+    for path, _fp, digest, size in vouched.values():
+        assert file_digest(out / path) == digest and (out / path).stat().st_size == size, path
+    assert rep.bytes_written == sum(p.stat().st_size for p in files)
+    if streamed:
+        assert len(made) == 30 and all(s >= p.stat().st_size for s, p in zip(sorted(made), sorted(
+            files, key=lambda p: p.stat().st_size), strict=True))  # (the watermarks counted at least its bytes)
 
 
 def test_an_export_whose_journal_holds_blake2b_sums_is_checked_by_them(built, tmp_path):
@@ -232,3 +247,27 @@ def test_power_cut_mid_export_leaves_every_vouched_file_whole(built, powercut):
         rep = json.loads(r.stdout)
         assert rep["complete"] and not rep["repaired"] and rep["already"] == len(vouched), rep
         assert _files(fs.path(out)) == want, f"cut at {frac:.0%}: the finished export differs from an uncut one"
+
+
+def test_files_under_is_rglob_and_is_file(tmp_path):
+    """`files_under` (what the formats' scans walk OUT with) finds what `sorted(rglob)` + is_file found, in its
+    order: nested and hidden names, a link to a file taken, a linked folder not entered, a broken link, a folder
+    or a fifo by a matching name left out."""
+    import os
+
+    from builder.formats.base import files_under
+
+    root = tmp_path / "out"
+    for rel in ("data_1.ckpt", "rows_0-1000/data_10.ckpt", "rows_0-1000/data_9.ckpt", "rows_0-1000.x/data_2.ckpt",
+                "a/b/c/.data_3.ckpt", "a/data_4.ckpt.gz", "a/other.pt", "a-b/data_5.ckpt", "zz/x.txt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x")
+    (root / "folder_data_6.ckpt").mkdir()
+    os.mkfifo(root / "a" / "data_7.ckpt")
+    (root / "link_data_8.ckpt").symlink_to(root / "a" / "other.pt")
+    (root / "broken_data_9.ckpt").symlink_to(root / "nowhere")
+    (root / "linked").symlink_to(root / "rows_0-1000", target_is_directory=True)
+    for keep in (lambda n: "data_" in n, lambda n: n.endswith(".pt"), lambda n: True):
+        want = sorted(p for p in root.rglob("*") if p.is_file() and keep(p.name))
+        assert files_under(root, keep) == want
+    assert len(files_under(root, lambda n: "data_" in n)) == 8
