@@ -144,7 +144,7 @@ class Reconcile:
             return False
 
     def survey(self, j: dict) -> None:
-        """The journal's entries whose files are where it says, whole: a regular file of its size and blake2b
+        """The journal's entries whose files are where it says, whole: a regular file of its size and checksum
         (a file in doubt: at one of the paths it may be at). The others are written again (`unproven`)."""
         files = j.get("files") if j.get("hsbuild_export") == JOURNAL_VERSION else None
         raw = files if isinstance(files, dict) else {}

@@ -2,7 +2,7 @@
 docs/design.md): what makes a file-per-sample export run at the filesystem's speed.
 
 Each file still goes through `export_files.write_file` (temp name, write, fsync, rename: under its final name a
-file is whole), on one of a few threads: `os.write`, `os.fsync` and blake2b let go of the GIL, and a filesystem
+file is whole), on one of a few threads: `os.write`, `os.fsync` and the CRC-32C let go of the GIL, and a filesystem
 that journals (ext4, xfs) commits the fsyncs of files written side by side together, so N writers pay about one
 journal commit where one writer pays N. The journal of the export still vouches for a file only once its write
 has returned (the file fsynced and renamed) and the folders it was renamed into are fsynced (`Reconcile.save`):
