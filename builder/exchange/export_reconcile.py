@@ -10,7 +10,7 @@ import json
 import os
 import stat
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,7 +60,8 @@ HASH_THREADS = min(8, os.cpu_count() or 1)  # kept files checked side by side on
 TOKEN_CACHE = 1 << 24  # tokens (ids and mask) kept from the first read for the dataset-wide files; beyond: read again
 COUNT_BATCH = 512  # samples whose loss-masked tokens are counted together
 READ_BATCH = 256  # samples read together (SegmentReader.read_many)...
-READ_BYTES = 32 << 20  # ... and about this many bytes of their states
+READ_BYTES = 32 << 20  # ... and about this many bytes of their states, READ_AHEAD batches read ahead
+READ_AHEAD = 2
 TEXT_BYTES_PER_TOKEN = 16  # a format of text (no states, `TrainerFormat.states` False): its files, about, a token
 
 
@@ -342,9 +343,8 @@ class Reconcile:
 
     def _reads(self, entries: list[dict], tokens_only: bool) -> Iterator[tuple[dict, dict | DamagedSampleError]]:
         """Each sample of `entries` with what its stored arrays read as (tensors; numpy tokens and mask only when
-        `tokens_only`), or the damage found, in order: a batch of samples at a time (`SegmentReader.read_many`),
-        at most READ_BATCH samples and about READ_BYTES of states, the next batch read (on a thread of its own)
-        while this one is written."""
+        `tokens_only`), or the damage found, in order: batches of READ_BATCH samples and about READ_BYTES of states
+        (`SegmentReader.read_many`), the next READ_AHEAD read on threads (decoding lets go of the GIL) meanwhile."""
         fields = ("input_ids", "loss_mask") if tokens_only else FIELDS
         per_token = 5 if tokens_only else bytes_per_token(self.info)
         batches: list[list[dict]] = [[]]
@@ -359,13 +359,13 @@ class Reconcile:
         def read(batch: list[dict]) -> list[dict | DamagedSampleError]:
             return self.reader.read_many([(b["segment"], b["token_start"], b["num_tokens"], b["checksums"])
                                           for b in batch], fields=fields, tensors=not tokens_only)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="hsbuild-export-read")
+        pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="hsbuild-export-read")
         try:
-            ahead = pool.submit(read, batches[0])
+            ahead = deque(pool.submit(read, b) for b in batches[:READ_AHEAD])
             for k, batch in enumerate(batches):
-                got = ahead.result()
-                if k + 1 < len(batches):
-                    ahead = pool.submit(read, batches[k + 1])
+                got = ahead.popleft().result()
+                if k + READ_AHEAD < len(batches):
+                    ahead.append(pool.submit(read, batches[k + READ_AHEAD]))
                 yield from zip(batch, got, strict=True)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)

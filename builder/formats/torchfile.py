@@ -43,7 +43,11 @@ def torch_save_bytes(obj: object) -> bytes:
 
 def save_bytes(obj: object) -> bytes:
     """torch.save's bytes of `obj`'s contiguous copy (see the module's docstring for how they are made fast)."""
-    obj = _contiguous(obj)
+    return _save_whole(_contiguous(obj))
+
+
+def _save_whole(obj: object) -> bytes:
+    """`save_bytes` of an `obj` that `_contiguous` gave."""
     sig = _signature(obj)
     if sig is None:
         return torch_save_bytes(obj)
@@ -75,13 +79,11 @@ def save_streamed(obj: object) -> bytes | Streamed:
     file (torch's writer hands the tensors' own memory to `f.write`): the same bytes, without torch.save's copy
     of them into memory (an export of samples of 100+ MB)."""
     obj = _contiguous(obj)
-    if type(obj) is not dict:
-        return save_bytes(obj)
-    tensors = [v for v in obj.values() if isinstance(v, torch.Tensor)]
-    size = sum(t.nbytes for t in tensors)
+    size = sum(v.nbytes for v in obj.values() if isinstance(v, torch.Tensor)) if type(obj) is dict else 0
     if size <= FAST_MAX_BYTES:
-        return save_bytes(obj)
-    return Streamed(size + STREAM_SLACK * (len(obj) + 1), lambda f: torch.save(obj, f))
+        return _save_whole(obj)
+    strings = sum(len(v.encode("utf-8", "surrogatepass")) for v in obj.values() if type(v) is str)  # type: ignore[union-attr]
+    return Streamed(size + strings + STREAM_SLACK * (len(obj) + 1), lambda f: torch.save(obj, f))
 
 
 def _signature(obj: object) -> tuple | None:
@@ -155,10 +157,11 @@ def _contiguous(obj: object, seen: set[int] | None = None) -> object:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         if type(t) is torch.Tensor and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() \
-                and not t.is_neg() and t.storage_offset() == 0 and t.nbytes \
-                and t.untyped_storage().nbytes() == t.nbytes and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            return t
+                and not t.is_neg() and t.storage_offset() == 0 and t.nbytes:
+            st = t.untyped_storage()
+            if st.nbytes() == t.nbytes and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                return t
         return t.contiguous().clone()
     if isinstance(obj, dict):
         return {k: _contiguous(v, seen) for k, v in obj.items()}

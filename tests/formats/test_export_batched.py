@@ -271,3 +271,19 @@ def test_files_under_is_rglob_and_is_file(tmp_path):
         want = sorted(p for p in root.rglob("*") if p.is_file() and keep(p.name))
         assert files_under(root, keep) == want
     assert len(files_under(root, lambda n: "data_" in n)) == 8
+
+
+def test_a_big_sample_is_streamed_as_torch_saves_bytes_within_its_bound():
+    """A dict of more than FAST_MAX_BYTES of tensors is handed over as a `Streamed`: what it writes is torch.save's
+    bytes of a copy of every tensor, no more than the bound the watermarks counted (a long string value too); a
+    smaller one is made in memory."""
+    import io
+
+    big = {"ids": torch.arange(2000), "states": torch.randn(600, 1024).bfloat16(), "conversation_id": "é" * 60000}
+    st = torchfile.save_streamed(big)
+    assert isinstance(st, Streamed)
+    buf = io.BytesIO()
+    st.write(buf)
+    assert buf.getvalue() == torchfile.torch_save_bytes(_copies(big)) and len(buf.getvalue()) <= st.size
+    small = _rec(5, 1, "x")
+    assert torchfile.save_streamed(small) == torchfile.torch_save_bytes(_copies(small))
