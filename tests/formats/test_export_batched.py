@@ -287,3 +287,16 @@ def test_a_big_sample_is_streamed_as_torch_saves_bytes_within_its_bound():
     assert buf.getvalue() == torchfile.torch_save_bytes(_copies(big)) and len(buf.getvalue()) <= st.size
     small = _rec(5, 1, "x")
     assert torchfile.save_streamed(small) == torchfile.torch_save_bytes(_copies(small))
+
+
+def test_batches_read_ahead_give_the_files_of_one_batch(built, tmp_path, monkeypatch):
+    """Read 4 samples a batch (8 batches, READ_AHEAD of them read on threads while one is written), the export is
+    the one read in a single batch: the same files, each sample's at its row's path, the same journal entries."""
+    from builder.exchange import export_reconcile
+
+    one, many = tmp_path / "one", tmp_path / "many"
+    assert export_build(built, one, ExportOptions(format="specforge")).exported == 30
+    monkeypatch.setattr(export_reconcile, "READ_BATCH", 4)
+    assert export_build(built, many, ExportOptions(format="specforge")).exported == 30
+    assert _files(one) == _files(many)
+    assert json.loads((one / JOURNAL).read_text())["files"] == json.loads((many / JOURNAL).read_text())["files"]
