@@ -14,6 +14,9 @@ another, each file fsynced:
   files of this size, one writer; and the same with the export's writer threads (`export_writers.THREADS`);
 - at the seed's shape, MB/s against the same bytes written by `np.ndarray.tofile` + fsync.
 The page cache holds the build (read once before timing); files/s and MB/s (10^6 bytes) are of sample files.
+With --repeat N the export and the loops run N times, interleaved; each row is its median, with the range of the
+export's ratio to it, and the export's CPU a file (this process, all its threads: a figure the machine's other
+load changes less than a rate) and the load average are printed beside them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -157,36 +161,53 @@ def tofile_loop(files: list[Path], dst: Path) -> float:
     return time.perf_counter() - t
 
 
-def measure(build: Path, work: Path, fmt: str, seed_shape: bool) -> list[str]:
+def measure(build: Path, work: Path, fmt: str, seed_shape: bool, repeat: int) -> list[str]:
+    """The export and each loop `repeat` times, interleaved (export, loops, export, loops...): per row its median
+    rate and the range of the export's ratio to it over the repeats, with the export's CPU a file (this process's,
+    every thread) and the load average, since the machine may be shared."""
     try:
         from builder.exchange.export_writers import THREADS  # noqa: PLC0415
     except ImportError:  # (an hsbuild before it: measured against the same baselines)
         THREADS = 8  # noqa: N806
 
-    lines = []
     out = work / f"out-{fmt}"
-    shutil.rmtree(out, ignore_errors=True)
     set_final_state(build, "pre_norm" if fmt == "speculators" else "post_norm")
-    took = timed_export(build, out, fmt)
-    files = sample_files(out, fmt)
-    n, size = len(files), sum(p.stat().st_size for p in files)
-    rows = [("hsbuild export", took)]
-    for name, fn in (("torch.save loop" if fmt != "speculators" else "safetensors loop",
-                      lambda d: save_loop(files, out, d, fmt)),
-                     ("raw create+write+fsync, 1 writer", lambda d: raw_loop(files, out, d)),
-                     (f"raw create+write+fsync, {THREADS} writers", lambda d: raw_loop(files, out, d, THREADS)),
-                     *((("np.tofile + fsync", lambda d: tofile_loop(files, d)),) if seed_shape else ())):
-        dst = work / "plain"
-        shutil.rmtree(dst, ignore_errors=True)
-        dst.mkdir()
-        rows.append((name, fn(dst)))
-        shutil.rmtree(dst, ignore_errors=True)
-    lines.append(f"{fmt}: {n:,} files, {size / n / 1e3:,.1f} kB a file")
-    for name, secs in rows:
-        lines.append(f"  {name:<36} {n / secs:>9,.0f} files/s {size / secs / MB:>9,.1f} MB/s   "
-                     f"export/this {took and secs / took:.2f}x")
+    loops = [("torch.save loop" if fmt != "speculators" else "safetensors loop", lambda f, d: save_loop(f, out, d, fmt)),
+             ("raw create+write+fsync, 1 writer", lambda f, d: raw_loop(f, out, d)),
+             (f"raw create+write+fsync, {THREADS} writers", lambda f, d: raw_loop(f, out, d, THREADS)),
+             *((("np.tofile + fsync", lambda f, d: tofile_loop(f, d)),) if seed_shape else ())]
+    took: dict[str, list[float]] = {"hsbuild export": []}
+    cpu, loads = [], []
+    n = size = 0
+    for _ in range(repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        c = time.process_time()
+        took["hsbuild export"].append(timed_export(build, out, fmt))
+        files = sample_files(out, fmt)
+        n, size = len(files), sum(p.stat().st_size for p in files)
+        cpu.append((time.process_time() - c) / n)
+        loads.append(os.getloadavg()[0])
+        for name, fn in loops:
+            dst = work / "plain"
+            shutil.rmtree(dst, ignore_errors=True)
+            dst.mkdir()
+            took.setdefault(name, []).append(fn(files, dst))
+            shutil.rmtree(dst, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
+    lines = [f"{fmt}: {n:,} files, {size / n / 1e3:,.1f} kB a file; export CPU {_span([c * 1e3 for c in cpu], 3)} ms "
+             f"a file; load average {_span(loads, 1)} (2 cores here); {repeat} repeat(s), medians"]
+    mine = took["hsbuild export"]
+    for name, secs in took.items():
+        med = statistics.median(secs)
+        ratios = [t / e for t, e in zip(secs, mine, strict=True)]
+        lines.append(f"  {name:<36} {n / med:>9,.0f} files/s {size / med / MB:>9,.1f} MB/s   "
+                     f"export/this {_span(ratios, 2)}x")
     return lines
+
+
+def _span(xs: list[float], digits: int) -> str:
+    lo, hi = min(xs), max(xs)
+    return f"{lo:.{digits}f}" if f"{lo:.{digits}f}" == f"{hi:.{digits}f}" else f"{lo:.{digits}f}-{hi:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--format", default="specforge", help="comma-separated file-per-sample formats")
     ap.add_argument("--seed-shape", action="store_true", help="also 6 samples of 2,200 tokens x hidden 7168")
     ap.add_argument("--seed-samples", type=int, default=6)
+    ap.add_argument("--repeat", type=int, default=1, help="the export and the loops this many times, interleaved")
     ap.add_argument("--dir", type=Path, help="work folder (default: a temporary one, removed afterwards)")
     a = ap.parse_args(argv)
     work = a.dir or Path(tempfile.mkdtemp(prefix="hsbuild-bench-export-"))
@@ -209,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nbuild: {samples:,} samples x {tokens[0]}-{tokens[1]} tokens x hidden {hidden} x 4 states (bf16), "
                   f"made in {time.perf_counter() - t:.1f} s", flush=True)
             for fmt in a.format.split(","):
-                for line in measure(build, work, fmt, label == "seed"):
+                for line in measure(build, work, fmt, label == "seed", a.repeat):
                     print(line, flush=True)
             shutil.rmtree(build, ignore_errors=True)
     finally:

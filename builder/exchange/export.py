@@ -11,21 +11,22 @@ invariants").
   file renumbers it: the file is moved, never rewritten (a file's bytes never depend on its number).
 - The journal `OUT/hsbuild-export.json` vouches, per sample, for one file: its path, the sample's fingerprint
   (its source fingerprint and where and what its stored states are: segment, offset, length, CRC-32Cs), and the
-  file's blake2b and size. A re-run keeps a file whose sample's fingerprint is unchanged (its states not read
-  again) and whose bytes still match that blake2b (the file is read once), rewrites the files of changed samples
-  (and, named `repaired`, of unchanged ones whose file is not whole), removes those of samples no longer selected
-  or live, and removes any sample file the journal does not vouch for.
+  file's checksum (CRC-32C; a blake2b in a journal from before it) and size. A re-run keeps a file whose
+  sample's fingerprint is unchanged (its states not read again) and whose bytes still match that checksum (the
+  file is read once), rewrites the files of changed samples (and, named `repaired`, of unchanged ones whose file
+  is not whole), removes those of samples no longer selected or live, and removes any sample file the journal
+  does not vouch for.
 
 Write order, each step safe against `kill -9` (a re-run gives the same files as one uninterrupted export):
-1. survey: each vouched file must exist with its size and blake2b; a file whose move was under way is found by
-   its blake2b among the paths it could be at. Temp files are removed, and the journal is rewritten (not finished; vouching
-   for what the survey found, no more) before anything else is written.
+1. survey: each vouched file must exist with its size and checksum; a file whose move was under way is found by
+   its checksum among the paths it could be at. Temp files are removed, and the journal is rewritten (not
+   finished; vouching for what the survey found, no more) before anything else is written.
 2. the kept samples' tokens and masks are read (checked: a damaged one leaves the export) for the dataset-wide
    files; then each new or changed sample is read through its checksums (a batch at a time) and its file written
-   (temp, fsync, rename; on 8 threads: export_writers.py) to its final path if the journal vouches for nothing
-   there, else under `.hsbuild-staging/`; every few seconds the directories are fsynced and the journal rewritten
-   (atomically) to vouch for the files whose writes have returned.
-   Before each file the target volume's watermarks are checked.
+   (temp, fsync, rename; on 8 threads: export_writers.py; a big one torch.saved straight into its temp file) to
+   its final path if the journal vouches for nothing there, else under `.hsbuild-staging/`; every few seconds
+   the directories are fsynced and the journal rewritten (atomically) to vouch for the files whose writes have
+   returned. Before each file the target volume's watermarks are checked.
 3. layout: the journal first drops the samples leaving and marks each file about to move as in doubt; then the
    leaving and unvouched files are removed, the moving ones renamed through `.hsbuild-staging/` to their rows'
    paths, the directories fsynced and the journal rewritten; then every empty folder under OUT is removed

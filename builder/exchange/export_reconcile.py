@@ -10,7 +10,7 @@ import json
 import os
 import stat
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,7 +42,7 @@ from builder.exchange.export_files import (
     write_file,
 )
 from builder.exchange.export_space import bytes_per_token, preflight
-from builder.exchange.export_writers import Writers, Written
+from builder.exchange.export_writers import Writers, Written, size_of
 from builder.formats.base import BuildView, Exported, Rejected, Sample, TrainerFormat
 from builder.formats.build_info import BuildInfo
 from builder.fsutil import fsync_path, fsync_paths
@@ -60,7 +60,8 @@ HASH_THREADS = min(8, os.cpu_count() or 1)  # kept files checked side by side on
 TOKEN_CACHE = 1 << 24  # tokens (ids and mask) kept from the first read for the dataset-wide files; beyond: read again
 COUNT_BATCH = 512  # samples whose loss-masked tokens are counted together
 READ_BATCH = 256  # samples read together (SegmentReader.read_many)...
-READ_BYTES = 32 << 20  # ... and about this many bytes of their states
+READ_BYTES = 32 << 20  # ... and about this many bytes of their states, READ_AHEAD batches read ahead
+READ_AHEAD = 2
 TEXT_BYTES_PER_TOKEN = 16  # a format of text (no states, `TrainerFormat.states` False): its files, about, a token
 
 
@@ -134,17 +135,17 @@ class Reconcile:
         self.next_save = time.monotonic() + max(SAVE_EVERY_S, 10 * self.save_cost)
 
     def _holds(self, rel: str, size: int, checksum: object) -> bool:
-        """The file at `rel` is the one vouched for: a regular file of `size` bytes whose blake2b is `checksum`
-        (read whole: a re-run reads each file it keeps once)."""
+        """The file at `rel` is the one vouched for: a regular file of `size` bytes whose checksum is `checksum`
+        (`export_files.digest`'s; read whole: a re-run reads each file it keeps once)."""
         path = self.out / rel
         try:
             st = os.stat(path)
-            return stat.S_ISREG(st.st_mode) and st.st_size == size and file_digest(path) == checksum
+            return stat.S_ISREG(st.st_mode) and st.st_size == size and file_digest(path, str(checksum)) == checksum
         except OSError:
             return False
 
     def survey(self, j: dict) -> None:
-        """The journal's entries whose files are where it says, whole: a regular file of its size and blake2b
+        """The journal's entries whose files are where it says, whole: a regular file of its size and checksum
         (a file in doubt: at one of the paths it may be at). The others are written again (`unproven`)."""
         files = j.get("files") if j.get("hsbuild_export") == JOURNAL_VERSION else None
         raw = files if isinstance(files, dict) else {}
@@ -287,7 +288,7 @@ class Reconcile:
                     continue
                 target = fmt.sample_path(index, sid)
                 rel = target if target not in occupied else staged_path(sid, fps[sid])
-                rep.pauses += export_space.wait_for_space(out, len(data), self.wm, self.opts, self.progress,
+                rep.pauses += export_space.wait_for_space(out, size_of(data), self.wm, self.opts, self.progress,
                                                           writers.pending_bytes, writers.drain)
                 occupied.add(rel)
                 writers.submit((sid, s.num_tokens), rel, data)
@@ -342,9 +343,8 @@ class Reconcile:
 
     def _reads(self, entries: list[dict], tokens_only: bool) -> Iterator[tuple[dict, dict | DamagedSampleError]]:
         """Each sample of `entries` with what its stored arrays read as (tensors; numpy tokens and mask only when
-        `tokens_only`), or the damage found, in order: a batch of samples at a time (`SegmentReader.read_many`),
-        at most READ_BATCH samples and about READ_BYTES of states, the next batch read (on a thread of its own)
-        while this one is written."""
+        `tokens_only`), or the damage found, in order: batches of READ_BATCH samples and about READ_BYTES of states
+        (`SegmentReader.read_many`), the next READ_AHEAD read on threads (decoding lets go of the GIL) meanwhile."""
         fields = ("input_ids", "loss_mask") if tokens_only else FIELDS
         per_token = 5 if tokens_only else bytes_per_token(self.info)
         batches: list[list[dict]] = [[]]
@@ -359,13 +359,13 @@ class Reconcile:
         def read(batch: list[dict]) -> list[dict | DamagedSampleError]:
             return self.reader.read_many([(b["segment"], b["token_start"], b["num_tokens"], b["checksums"])
                                           for b in batch], fields=fields, tensors=not tokens_only)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="hsbuild-export-read")
+        pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="hsbuild-export-read")
         try:
-            ahead = pool.submit(read, batches[0])
+            ahead = deque(pool.submit(read, b) for b in batches[:READ_AHEAD])
             for k, batch in enumerate(batches):
-                got = ahead.result()
-                if k + 1 < len(batches):
-                    ahead = pool.submit(read, batches[k + 1])
+                got = ahead.popleft().result()
+                if k + READ_AHEAD < len(batches):
+                    ahead.append(pool.submit(read, batches[k + READ_AHEAD]))
                 yield from zip(batch, got, strict=True)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -397,7 +397,7 @@ class Reconcile:
 
     def _sample_files_on_disk(self) -> set[str]:
         """Every file under OUT that the trainer would read as a sample, and every staged file."""
-        found = {p.relative_to(self.out).as_posix() for p in self.fmt.scan(self.out)} if self.out.is_dir() else set()
+        found = {str(p)[len(str(self.out)) + 1:] for p in self.fmt.scan(self.out)} if self.out.is_dir() else set()
         staging = self.out / STAGING
         if staging.is_dir():
             found |= {p.relative_to(self.out).as_posix() for p in staging.iterdir() if p.is_file()}
@@ -448,8 +448,8 @@ class Reconcile:
         self.save()
 
     def _finish_key(self, rows: list[dict], fps: dict[str, str]) -> str:
-        return digest(json.dumps([[e["sample_id"], fps[e["sample_id"]]] for e in rows]
-                                  + [self.opts.draft_vocab_size]).encode())
+        key = json.dumps([[e["sample_id"], fps[e["sample_id"]]] for e in rows] + [self.opts.draft_vocab_size])
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def _finish(self, rows: list[dict], freq: Counter[int]) -> None:
         """The dataset-wide files: token frequencies over loss-masked tokens (what every trainer builds its

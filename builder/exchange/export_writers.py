@@ -2,7 +2,7 @@
 docs/design.md): what makes a file-per-sample export run at the filesystem's speed.
 
 Each file still goes through `export_files.write_file` (temp name, write, fsync, rename: under its final name a
-file is whole), on one of a few threads: `os.write`, `os.fsync` and blake2b let go of the GIL, and a filesystem
+file is whole), on one of a few threads: `os.write`, `os.fsync` and the CRC-32C let go of the GIL, and a filesystem
 that journals (ext4, xfs) commits the fsyncs of files written side by side together, so N writers pay about one
 journal commit where one writer pays N. The journal of the export still vouches for a file only once its write
 has returned (the file fsynced and renamed) and the folders it was renamed into are fsynced (`Reconcile.save`):
@@ -18,20 +18,28 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.exchange.export_files import digest, write_file
+from builder.exchange.export_files import digest, write_file, write_streamed
+from builder.formats.base import Streamed
 
 THREADS = 8  # files written at once
 IN_FLIGHT = 4 * THREADS  # files handed over and not yet back, at most
 IN_FLIGHT_BYTES = 512 << 20  # ... and about this many bytes (one file, however big, always goes)
 
 
+def size_of(data: bytes | Streamed) -> int:
+    """The bytes a file will take: its length, or at most a `Streamed`'s bound."""
+    return data.size if isinstance(data, Streamed) else len(data)
+
+
 @dataclass
 class Written:
-    """One file handed to the writers (`key`: the caller's), and once back: its blake2b and size."""
+    """One file handed to the writers (`key`: the caller's) and the bytes it counts for while in flight (`bound`),
+    and once back: its checksum (export_files.digest) and size."""
 
     key: object
     rel: str
-    size: int
+    bound: int
+    size: int = 0
     sum: str = ""
 
 
@@ -49,21 +57,25 @@ class Writers:
     def pending_paths(self) -> set[str]:
         return {w.rel for w, _ in self.queue}
 
-    def submit(self, key: object, rel: str, data: bytes) -> None:
-        """Hand over one file (waiting while too many are in flight); raises the first failed write (OSError)."""
-        while self.queue and (len(self.queue) >= IN_FLIGHT or self.pending_bytes + len(data) > IN_FLIGHT_BYTES):
+    def submit(self, key: object, rel: str, data: bytes | Streamed) -> None:
+        """Hand over one file, its bytes or a `Streamed` that writes them (waiting while too many are in flight);
+        raises the first failed write (OSError)."""
+        bound = size_of(data)
+        while self.queue and (len(self.queue) >= IN_FLIGHT or self.pending_bytes + bound > IN_FLIGHT_BYTES):
             self._finish_one()
         if self.pool is None:
             self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="hsbuild-export")
-        w = Written(key, rel, len(data))
+        w = Written(key, rel, bound)
         self.queue.append((w, self.pool.submit(self._write, self.out / rel, data)))
-        self.pending_bytes += len(data)
+        self.pending_bytes += bound
         self.collect()
 
     @staticmethod
-    def _write(path: Path, data: bytes) -> str:
+    def _write(path: Path, data: bytes | Streamed) -> tuple[str, int]:
+        if isinstance(data, Streamed):
+            return write_streamed(path, data)
         write_file(path, data)
-        return digest(data)
+        return digest(data), len(data)
 
     def collect(self) -> None:
         """Take back the files whose writes returned (in order, up to the first still running)."""
@@ -72,8 +84,8 @@ class Writers:
 
     def _finish_one(self) -> None:
         w, fut = self.queue.popleft()
-        self.pending_bytes -= w.size
-        w.sum = fut.result()  # (a failed write raises here: its temp file is gone, nothing vouched for)
+        self.pending_bytes -= w.bound
+        w.sum, w.size = fut.result()  # (a failed write raises here: its temp file is gone, nothing vouched for)
         self.done(w)
 
     def drain(self) -> None:

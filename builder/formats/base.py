@@ -15,14 +15,47 @@ numbering, final state before or after the norm), each checked against the train
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, BinaryIO, ClassVar, Protocol
 
 if TYPE_CHECKING:  # (torch: imported by the methods that make or read a tensor, never by importing a format)
     import torch
+
+
+def files_under(root: Path, keep: Callable[[str], bool]) -> list[Path]:
+    """The files under `root` whose name `keep` takes: what `sorted(p for p in root.rglob("*") if p.is_file() and
+    keep(p.name))` gives (links to files taken, linked folders not entered, an unreadable folder skipped), walked
+    with os.scandir: no stat of a file that is not a link, no Path made before the end (an export's layout scans
+    OUT after writing a file for every sample)."""
+    found: list[str] = []
+    stack = [os.fspath(root)]
+    while stack:
+        try:
+            it = os.scandir(stack.pop())
+        except PermissionError:
+            continue
+        with it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif keep(e.name) and e.is_file():
+                    found.append(e.path)
+    found.sort(key=lambda path: path.split(os.sep))  # (Path's own order: part by part)
+    return [Path(path) for path in found]
+
+
+@dataclass
+class Streamed:
+    """A sample file too big to make in memory first (`TrainerFormat.sample_bytes`): `write(f)` writes its bytes
+    to `f` (a binary file object: `write` and `flush` only), at most `size` bytes (what the export's watermarks
+    count before it is written). The same bytes as in memory, without their copy there."""
+
+    size: int
+    write: Callable[[BinaryIO], None]
 
 
 @dataclass
@@ -182,9 +215,10 @@ class TrainerFormat:
         every run: the export moves a file when its sample's row changes)."""
         raise NotImplementedError(f"{self.name}: an import-only format")
 
-    def sample_bytes(self, s: Sample) -> bytes:
-        """The bytes of the sample's file (at `sample_path(s.index, s.sample_id)`). They never depend on
-        `s.index`: a file renumbered by a later export is moved, never written again."""
+    def sample_bytes(self, s: Sample) -> bytes | Streamed:
+        """The bytes of the sample's file (at `sample_path(s.index, s.sample_id)`), or for a big one a `Streamed`
+        that writes them to the file. They never depend on `s.index`: a file renumbered by a later export is
+        moved, never written again."""
         raise NotImplementedError(f"{self.name}: an import-only format")
 
     def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,

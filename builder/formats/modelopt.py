@@ -28,7 +28,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote
 
-from builder.formats.base import DocRow, Exported, Loaded, Rejected, Sample, TrainerFormat
+from builder.formats.base import (
+    DocRow,
+    Exported,
+    Loaded,
+    Rejected,
+    Sample,
+    Streamed,
+    TrainerFormat,
+    files_under,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -95,12 +104,12 @@ class ModelOpt(TrainerFormat):
     def sample_path(self, index: int, sample_id: str) -> str:  # noqa: ARG002
         return self.file_name(sample_id)
 
-    def sample_bytes(self, s: Sample) -> bytes:
-        from builder.formats.torchfile import save_bytes  # noqa: PLC0415
+    def sample_bytes(self, s: Sample) -> bytes | Streamed:
+        from builder.formats.torchfile import save_streamed  # noqa: PLC0415
 
         rec = {"input_ids": s.input_ids, "hidden_states": s.final, "aux_hidden_states": s.aux,
                "loss_mask": s.loss_mask, "conversation_id": s.sample_id}
-        return save_bytes(rec)
+        return save_streamed(rec)
 
     def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,  # noqa: ARG002
                      draft_vocab_size: int | None) -> dict[str, bytes]:
@@ -114,7 +123,7 @@ class ModelOpt(TrainerFormat):
         return files
 
     def scan(self, root: Path) -> list[Path]:
-        return sorted(p for p in root.rglob("*.pt") if p.is_file())
+        return files_under(root, lambda name: name.endswith(".pt"))
 
     def named_sample(self, path: Path) -> str:
         return unquote(path.name.split(".")[0])

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
-from builder.formats.base import DocRow, Loaded, Rejected, TrainerFormat
+from builder.formats.base import DocRow, Loaded, Rejected, TrainerFormat, files_under
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ class PlainPt(TrainerFormat):
     final_state = "post_norm"  # what files that do not say hold (`hsbuild import --dump-final-state`)
 
     def scan(self, root: Path) -> list[Path]:
-        return sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
+        return files_under(root, lambda name: name.endswith(SUFFIXES))
 
     def named_sample(self, path: Path) -> str:
         return unquote(path.name.split(".")[0])

@@ -26,7 +26,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from builder.formats.base import DocRow, Exported, Loaded, Rejected, Sample, TrainerFormat
+from builder.formats.base import (
+    DocRow,
+    Exported,
+    Loaded,
+    Rejected,
+    Sample,
+    Streamed,
+    TrainerFormat,
+    files_under,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -86,17 +95,16 @@ class SpecForge(TrainerFormat):
     def sample_path(self, index: int, sample_id: str) -> str:  # noqa: ARG002
         return self.path_for(index, gz=self.compress is not None)
 
-    def sample_bytes(self, s: Sample) -> bytes:
+    def sample_bytes(self, s: Sample) -> bytes | Streamed:
         import gzip  # noqa: PLC0415
 
-        from builder.formats.torchfile import save_bytes  # noqa: PLC0415
+        from builder.formats.torchfile import save_bytes, save_streamed  # noqa: PLC0415
 
         rec = {"input_ids": s.input_ids, "loss_mask": s.loss_mask,
                "aux_hidden_state": s.aux.unsqueeze(0), "hidden_state": s.final.unsqueeze(0)}
-        data = save_bytes(rec)
-        if self.compress is not None:
-            data = gzip.compress(data, compresslevel=self.compress, mtime=0)
-        return data
+        if self.compress is None:
+            return save_streamed(rec)
+        return gzip.compress(save_bytes(rec), compresslevel=self.compress, mtime=0)
 
     def finish_files(self, out: Path, rows: Iterable[Exported], freq: Counter[int], vocab_size: int,
                      draft_vocab_size: int | None) -> dict[str, bytes]:
@@ -117,7 +125,7 @@ class SpecForge(TrainerFormat):
         return files
 
     def scan(self, root: Path) -> list[Path]:
-        return sorted(p for p in root.rglob("*") if p.is_file() and NAME.search(p.name))
+        return files_under(root, lambda name: NAME.search(name) is not None)
 
     def tokens(self, path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
         from builder.formats.torchfile import int_1d, load_file  # noqa: PLC0415

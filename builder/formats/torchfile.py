@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from builder.formats.base import Rejected
+from builder.formats.base import Rejected, Streamed
 
 FAST_MAX_BYTES = 1 << 20  # a dict of more tensor bytes is saved by torch.save itself (its pickling costs nothing next
 # to copying the bytes, and checking a kept pickle would cost a second save)
+STREAM_SLACK = 1 << 14  # a bound on torch.save's bytes besides a tensor's own (its pickle, zip records, alignment)
 _PICKLES: dict[tuple, tuple[bytes, int] | None] = {}  # signature -> (pickle, where the string goes) or None
 _CHECKED: set[tuple] = set()  # signatures whose fast bytes were found equal to torch.save's
 _LOCK = threading.Lock()
@@ -42,7 +43,11 @@ def torch_save_bytes(obj: object) -> bytes:
 
 def save_bytes(obj: object) -> bytes:
     """torch.save's bytes of `obj`'s contiguous copy (see the module's docstring for how they are made fast)."""
-    obj = _contiguous(obj)
+    return _save_whole(_contiguous(obj))
+
+
+def _save_whole(obj: object) -> bytes:
+    """`save_bytes` of an `obj` that `_contiguous` gave."""
     sig = _signature(obj)
     if sig is None:
         return torch_save_bytes(obj)
@@ -67,6 +72,18 @@ def save_bytes(obj: object) -> bytes:
                 _PICKLES[sig] = None
         return ref
     return data
+
+
+def save_streamed(obj: object) -> bytes | Streamed:
+    """`save_bytes`, or for a dict of more than FAST_MAX_BYTES of tensors a `Streamed` torch.save straight into the
+    file (torch's writer hands the tensors' own memory to `f.write`): the same bytes, without torch.save's copy
+    of them into memory (an export of samples of 100+ MB)."""
+    obj = _contiguous(obj)
+    size = sum(v.nbytes for v in obj.values() if isinstance(v, torch.Tensor)) if type(obj) is dict else 0
+    if size <= FAST_MAX_BYTES:
+        return _save_whole(obj)
+    strings = sum(len(v.encode("utf-8", "surrogatepass")) for v in obj.values() if type(v) is str)  # type: ignore[union-attr]
+    return Streamed(size + strings + STREAM_SLACK * (len(obj) + 1), lambda f: torch.save(obj, f))
 
 
 def _signature(obj: object) -> tuple | None:
@@ -131,11 +148,23 @@ def _fast(kept: tuple[bytes, int], obj: dict) -> bytes:
     return buf.getvalue()
 
 
-def _contiguous(obj: object) -> object:
+def _contiguous(obj: object, seen: set[int] | None = None) -> object:
+    """`obj` with each tensor as a contiguous tensor that is the whole of a storage of its own: torch.save's bytes of
+    the result are those of a copy of every tensor. A tensor that already is that (contiguous, the whole of its
+    storage, a storage no other tensor of `obj` uses: what an export's arrays mostly are) is taken as it is (its
+    bytes are what its copy's would be), sparing a copy of every array of every file."""
+    seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        return obj.detach().contiguous().clone()
+        t = obj.detach()
+        if type(t) is torch.Tensor and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() \
+                and not t.is_neg() and t.storage_offset() == 0 and t.nbytes:
+            st = t.untyped_storage()
+            if st.nbytes() == t.nbytes and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                return t
+        return t.contiguous().clone()
     if isinstance(obj, dict):
-        return {k: _contiguous(v) for k, v in obj.items()}
+        return {k: _contiguous(v, seen) for k, v in obj.items()}
     return obj
 
 

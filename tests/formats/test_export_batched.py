@@ -20,6 +20,7 @@ from builder.errors import DamagedSampleError
 from builder.exchange.export import JOURNAL, ExportOptions, export_build
 from builder.exchange.export_files import file_digest
 from builder.formats import torchfile
+from builder.formats.base import Streamed
 from builder.layout import layout
 from builder.log.events import EventLog
 from builder.run.coordinator import RunOptions, run_build
@@ -43,8 +44,38 @@ def test_save_bytes_are_torch_saves_bytes():
     for i in range(12):
         for obj in (_rec(3 + i % 3, i), _rec(5, i, "conv-" + "é" * i), _rec(0, i), {"d2t": torch.arange(i)},
                     {str(k): k for k in range(i)}, {"a": torch.arange(4)[1:]}, {"x": [torch.ones(2)]}):
-            assert torchfile.save_bytes(obj) == torchfile.torch_save_bytes(torchfile._contiguous(obj)), (i, obj)
+            assert torchfile.save_bytes(obj) == torchfile.torch_save_bytes(_copies(obj)), (i, obj)
     assert len(torchfile._CHECKED) >= before + 6
+
+
+def _copies(obj: object) -> object:
+    """`obj` with every tensor a contiguous copy of its own: what an export saved before it took whole tensors as
+    they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().contiguous().clone()
+    return {k: _copies(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
+
+
+def test_tensors_taken_as_they_are_give_the_bytes_of_copies():
+    """`save_bytes` copies only the tensors whose bytes would differ uncopied (a view into a bigger storage, a
+    transposed one, a storage two values share): its bytes are those of a copy of every tensor, for the fast way
+    and torch.save's alike. The whole tensors are not copied (the point: no copy of every array of every file)."""
+    import numpy as np
+
+    base = torch.arange(24, dtype=torch.int32)
+    arr = np.arange(40, dtype=np.int16)
+    whole = torch.randn(3, 4)
+    shapes = [{"whole": whole, "again": whole, "view": whole.unsqueeze(0)},  # one storage, three values
+              {"slice": base[4:10], "t": base.view(4, 6).t(), "head": base[:6]},  # views of a bigger storage
+              {"np": torch.from_numpy(arr[8:16]).view(torch.bfloat16), "np2": torch.from_numpy(arr[8:16])},
+              {"big": torch.randn(300, 1024).bfloat16(), "ids": torch.arange(300)},  # over FAST_MAX_BYTES: torch.save
+              {"empty": torch.empty(0), "empty2": torch.empty(0, 3), "conj": torch.randn(2, dtype=torch.cfloat).conj()}]
+    for _ in range(3):  # first of its signature (torch.save's), checked, then the kept pickle
+        for obj in shapes:
+            assert torchfile.save_bytes(obj) == torchfile.torch_save_bytes(_copies(obj)), obj
+    taken = torchfile._contiguous(shapes[0])
+    assert taken["whole"].data_ptr() == whole.data_ptr()  # (not copied)
+    assert taken["again"].data_ptr() != whole.data_ptr() and taken["view"].data_ptr() != whole.data_ptr()
 
 
 def test_a_kept_pickle_that_differs_goes_back_to_torch_save(monkeypatch):
@@ -116,9 +147,16 @@ def test_read_many_gives_what_each_read_gives(built, tmp_path):
                for it, m in zip(items, raw, strict=True))
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["in-memory", "streamed"])
 @pytest.mark.parametrize("fmt", ["specforge", "modelopt"])
-def test_exported_files_are_torch_saves_bytes(built, tmp_path, fmt):
-    """Each sample file is, byte for byte, torch.save of what it holds (the trainer's own loop would write it)."""
+def test_exported_files_are_torch_saves_bytes(built, tmp_path, fmt, streamed, monkeypatch):
+    """Each sample file is, byte for byte, torch.save of what it holds (the trainer's own loop would write it), and
+    the journal's checksum and size are the file's: made in memory, or (`streamed`: what a sample over
+    FAST_MAX_BYTES is, here every one) torch.save straight into the file, its CRC-32C made as it is written."""
+    if streamed:
+        monkeypatch.setattr(torchfile, "FAST_MAX_BYTES", 0)
+        made = []
+        monkeypatch.setattr(torchfile, "Streamed", lambda size, write: made.append(size) or Streamed(size, write))
     out = tmp_path / "out"
     rep = export_build(built, out, ExportOptions(format=fmt))
     assert rep.complete and rep.exported == 30
@@ -127,6 +165,41 @@ def test_exported_files_are_torch_saves_bytes(built, tmp_path, fmt):
     assert len(files) == 30
     for p in files:
         assert p.read_bytes() == torchfile.torch_save_bytes(torch.load(p, weights_only=True)), p
+    vouched = json.loads((out / JOURNAL).read_text())["files"]
+    for path, _fp, digest, size in vouched.values():
+        assert file_digest(out / path) == digest and (out / path).stat().st_size == size, path
+    assert rep.bytes_written == sum(p.stat().st_size for p in files)
+    if streamed:
+        assert len(made) == 30 and all(s >= p.stat().st_size for s, p in zip(sorted(made), sorted(
+            files, key=lambda p: p.stat().st_size), strict=True))  # (the watermarks counted at least its bytes)
+
+
+def test_an_export_whose_journal_holds_blake2b_sums_is_checked_by_them(built, tmp_path):
+    """A journal written before the CRC-32C (each file's checksum a blake2b-128) is read as it was: a re-run keeps
+    every whole file (not read again for its states, not rewritten), finds the one damaged since by its blake2b
+    and writes it again (repaired), and vouches for the new file by its CRC-32C."""
+    import hashlib
+
+    out = tmp_path / "out"
+    assert export_build(built, out, ExportOptions(format="specforge")).exported == 30
+    j = json.loads((out / JOURNAL).read_text())
+    for en in j["files"].values():
+        en[2] = hashlib.blake2b((out / en[0]).read_bytes(), digest_size=16).hexdigest()
+    for rel, v in j["finish"]["files"].items():
+        v[0] = hashlib.blake2b((out / rel).read_bytes(), digest_size=16).hexdigest()
+    (out / JOURNAL).write_text(json.dumps(j))
+    sid, (path, *_) = sorted(j["files"].items())[3]
+    data = bytearray((out / path).read_bytes())
+    data[-100] ^= 0xFF  # (inside the zip's central directory: same size, other bytes)
+    (out / path).write_bytes(bytes(data))
+    inodes = {p: p.stat().st_ino for p in out.rglob("*") if p.is_file() and p.name != JOURNAL}
+
+    rep = export_build(built, out, ExportOptions(format="specforge"))
+    assert rep.complete and rep.repaired == [sid] and rep.exported == 1 and rep.already == 29, rep
+    assert [p for p, ino in inodes.items() if p.stat().st_ino != ino] == [out / path]  # the one file rewritten
+    files = json.loads((out / JOURNAL).read_text())["files"]
+    assert files[sid][2] == file_digest(out / path) and files[sid][2].startswith("crc32c:")
+    assert all(len(en[2]) == 32 for k, en in files.items() if k != sid)  # (the kept entries as they were)
 
 
 # -- a power cut in the middle ------------------------------------------------------------------------------------
@@ -146,7 +219,7 @@ def _files(out: Path) -> dict[str, bytes]:
 
 def test_power_cut_mid_export_leaves_every_vouched_file_whole(built, powercut):
     """lazyfs --dirs strict, power cut after a chosen number of writes in the middle of an export whose journal is
-    saved often: every file the journal vouches for is there, whole (size and blake2b); the same command then
+    saved often: every file the journal vouches for is there, whole (size and checksum); the same command then
     finishes the export, repairing nothing, and OUT holds the bytes of an export that was never cut."""
     fs = powercut("strict")
     args = ["export", built, "OUT0", "--format", "specforge", "--no-progress", "--json"]
@@ -174,3 +247,56 @@ def test_power_cut_mid_export_leaves_every_vouched_file_whole(built, powercut):
         rep = json.loads(r.stdout)
         assert rep["complete"] and not rep["repaired"] and rep["already"] == len(vouched), rep
         assert _files(fs.path(out)) == want, f"cut at {frac:.0%}: the finished export differs from an uncut one"
+
+
+def test_files_under_is_rglob_and_is_file(tmp_path):
+    """`files_under` (what the formats' scans walk OUT with) finds what `sorted(rglob)` + is_file found, in its
+    order: nested and hidden names, a link to a file taken, a linked folder not entered, a broken link, a folder
+    or a fifo by a matching name left out."""
+    import os
+
+    from builder.formats.base import files_under
+
+    root = tmp_path / "out"
+    for rel in ("data_1.ckpt", "rows_0-1000/data_10.ckpt", "rows_0-1000/data_9.ckpt", "rows_0-1000.x/data_2.ckpt",
+                "a/b/c/.data_3.ckpt", "a/data_4.ckpt.gz", "a/other.pt", "a-b/data_5.ckpt", "zz/x.txt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x")
+    (root / "folder_data_6.ckpt").mkdir()
+    os.mkfifo(root / "a" / "data_7.ckpt")
+    (root / "link_data_8.ckpt").symlink_to(root / "a" / "other.pt")
+    (root / "broken_data_9.ckpt").symlink_to(root / "nowhere")
+    (root / "linked").symlink_to(root / "rows_0-1000", target_is_directory=True)
+    for keep in (lambda n: "data_" in n, lambda n: n.endswith(".pt"), lambda n: True):
+        want = sorted(p for p in root.rglob("*") if p.is_file() and keep(p.name))
+        assert files_under(root, keep) == want
+    assert len(files_under(root, lambda n: "data_" in n)) == 8
+
+
+def test_a_big_sample_is_streamed_as_torch_saves_bytes_within_its_bound():
+    """A dict of more than FAST_MAX_BYTES of tensors is handed over as a `Streamed`: what it writes is torch.save's
+    bytes of a copy of every tensor, no more than the bound the watermarks counted (a long string value too); a
+    smaller one is made in memory."""
+    import io
+
+    big = {"ids": torch.arange(2000), "states": torch.randn(600, 1024).bfloat16(), "conversation_id": "é" * 60000}
+    st = torchfile.save_streamed(big)
+    assert isinstance(st, Streamed)
+    buf = io.BytesIO()
+    st.write(buf)
+    assert buf.getvalue() == torchfile.torch_save_bytes(_copies(big)) and len(buf.getvalue()) <= st.size
+    small = _rec(5, 1, "x")
+    assert torchfile.save_streamed(small) == torchfile.torch_save_bytes(_copies(small))
+
+
+def test_batches_read_ahead_give_the_files_of_one_batch(built, tmp_path, monkeypatch):
+    """Read 4 samples a batch (8 batches, READ_AHEAD of them read on threads while one is written), the export is
+    the one read in a single batch: the same files, each sample's at its row's path, the same journal entries."""
+    from builder.exchange import export_reconcile
+
+    one, many = tmp_path / "one", tmp_path / "many"
+    assert export_build(built, one, ExportOptions(format="specforge")).exported == 30
+    monkeypatch.setattr(export_reconcile, "READ_BATCH", 4)
+    assert export_build(built, many, ExportOptions(format="specforge")).exported == 30
+    assert _files(one) == _files(many)
+    assert json.loads((one / JOURNAL).read_text())["files"] == json.loads((many / JOURNAL).read_text())["files"]
