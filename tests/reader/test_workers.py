@@ -91,7 +91,7 @@ def test_what_a_worker_sends_arrives_as_the_same_plain_dict_whatever_its_tensors
     import pickle  # noqa: PLC0415
     from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
 
-    from builder.reader.shipping import SHIP_BYTES, Shipped  # noqa: PLC0415
+    from builder.reader.shipping import SHIP_BYTES, Shipped, ShippedList  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(3)
     small = {"sample_id": "s0001", "input_ids": torch.arange(7), "bf16": torch.randn(7, 64, generator=g).bfloat16(),
@@ -111,3 +111,18 @@ def test_what_a_worker_sends_arrives_as_the_same_plain_dict_whatever_its_tensors
         carried = [v for v in got.values() if isinstance(v, torch.Tensor) and v.is_contiguous()]
         assert len({v.untyped_storage().data_ptr() for v in carried if v.numel()}) == len([v for v in carried
                                                                                           if v.numel()])
+    # a group (HiddenStateDataset.loader): one buffer for all its dicts' tensors (up to SHIP_BYTES), a plain list
+    other = {k: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+             for k, v in small.items()}  # (the same values in other tensors, as two items read are)
+    for group in ([Shipped(small), "s0002", Shipped(other), {"plain": torch.arange(3)}], [Shipped(small), Shipped(big)]):
+        got = pickle.loads(ForkingPickler.dumps(ShippedList(group)))
+        assert type(got) is list and len(got) == len(group)
+        for g, w in zip(got, group, strict=True):
+            assert type(g) is type(w) if not isinstance(w, Shipped) else type(g) is dict
+            if isinstance(w, dict):
+                assert list(g) == list(w) and all(
+                    torch.equal(g[k].detach(), v.detach()) and g[k].dtype == v.dtype if isinstance(v, torch.Tensor)
+                    else g[k] == v for k, v in w.items())
+        tensors = [v for g in got if isinstance(g, dict) for v in g.values()
+                   if isinstance(v, torch.Tensor) and v.is_contiguous() and v.numel()]
+        assert len({v.untyped_storage().data_ptr() for v in tensors}) == len(tensors)  # each its own
