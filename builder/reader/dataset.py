@@ -4,7 +4,8 @@ The index is a snapshot of the `samples` view (taken from the live owner during 
 only samples whose `written` event committed are ever returned, whatever else sits on disk. It is columns of
 numbers (builder/reader/index.py, about 70 B a sample), kept in a file of the user's cache folder that every
 process maps, made once per state of the log (builder/reader/snapshot.py): DataLoader workers, forked or
-spawned, read the parent's index and never make their own.
+spawned, read the parent's index and never make their own. `ds.loader(...)` is the DataLoader of the same
+arguments whose workers send a group of items or batches a message (builder/reader/loader.py).
 
 Every item is read checked: each chunk file the sample needs must be present (Zarr would return zeros for a
 missing one) and, unless `verify_checksums=False`, each field's CRC-32C must match the sample's `written`
