@@ -70,6 +70,10 @@ def test_batches_and_items_from_workers_are_the_items_read_one_by_one_for_every_
         assert len(got) == len(order) and all(same(g, w[FORMATS.index(fmt)])
                                                for g, w in zip(got, [want[i] for i in order], strict=True))
         assert all(type(g) is dict for g in got)  # (the training process's own reads: plain dicts)
+        twice = [got[3], got[4]]  # (entry 3 asked twice: read once, never the same tensors given twice)
+        assert all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                   for a, b in zip(*[[v for v in t.values() if isinstance(v, torch.Tensor) and v.numel()]
+                                     for t in twice], strict=True)), fmt
     both = StackDataset(*dss)  # each item: the items of every format (StackDataset calls each one's __getitems__)
     for context in ("fork", "spawn"):
         batches = list(DataLoader(both, sampler=order, batch_size=4, collate_fn=list, num_workers=2,
