@@ -15,8 +15,9 @@ maps it) and its peak. `cached`: a second dataset of the same state of the log (
 `to a worker`: pickling the dataset and unpickling it, as a spawned DataLoader worker receives it.
 
 Items (`items`): a real build (built-in model, hidden 64, 8-32 tokens a sample), every item read once through a
-DataLoader with 0, 2 (forked, spawned) or 4 (forked) workers, one item at a time in order (`batch_size=None`)
-and as a training job reads, in shuffled batches of 8 and 32 (`collate_concat`): items/s once every worker
+DataLoader (`DataLoader(ds, ...)`, and `ds.loader(...)`: its workers send groups) with 0, 2 (forked, spawned) or
+4 (forked) workers, one item at a time (`batch_size=None`) in order and shuffled, and as a training job reads,
+in shuffled batches of 8 and 32 (`collate_concat`): items/s once every worker
 delivered four (the steady rate: a spawned worker first imports torch, seconds; the time to the first is
 shown), and over the whole pass, with workers against none in the same run; CPU microseconds an item in the
 main process and in the workers (a machine shared with others moves wall times, CPU time much less). Each case
@@ -133,16 +134,22 @@ def child_construct(build: str, impl: str) -> dict:
     return out
 
 
-def child_items(build: str, impl: str, workers: int, context: str, batch: int) -> dict:
+def child_items(build: str, impl: str, workers: int, context: str, mode: str) -> dict:
+    """One pass over the build through `DataLoader(ds, ...)` (impl "index" or "legacy") or `ds.loader(...)`
+    ("loader"); mode: "one" (one item at a time, in order), "one-shuffled", or a batch size (shuffled batches,
+    `collate_concat`)."""
     import torch  # noqa: PLC0415
     from torch.utils.data import DataLoader  # noqa: PLC0415
 
     from builder.reader import collate_concat  # noqa: PLC0415
 
     ds = dataset(build, impl)
+    batch = 0 if mode.startswith("one") else int(mode)
     kw: dict = {"num_workers": workers, "batch_size": batch or None}
     if batch:  # as a training job reads: shuffled batches
-        kw.update(collate_fn=collate_concat, shuffle=True, generator=torch.Generator().manual_seed(1))
+        kw.update(collate_fn=collate_concat)
+    if batch or mode == "one-shuffled":
+        kw.update(shuffle=True, generator=torch.Generator().manual_seed(1))
     if workers:
         kw["multiprocessing_context"] = context
     n = len(ds)
@@ -150,12 +157,14 @@ def child_items(build: str, impl: str, workers: int, context: str, batch: int) -
     c0, w0 = time.process_time(), time.perf_counter()
     arrivals = []  # (seconds, items so far) at each batch (or item)
     got = 0
-    for b in DataLoader(ds, **kw):
+    for b in (ds.loader(**kw) if impl == "loader" else DataLoader(ds, **kw)):
         got += len(b["sample_id"]) if batch else 1
         arrivals.append((time.perf_counter() - w0, got))
     wall = time.perf_counter() - w0
     first = arrivals[0][0]
-    since, items = arrivals[min(4 * max(workers, 1), len(arrivals)) - 1]  # once every worker delivered a few
+    # once every worker delivered a few (a group of ds.loader's: up to 32 items)
+    warm = 4 * max(workers, 1) * (32 if impl == "loader" and not batch else 1)
+    since, items = arrivals[min(warm, len(arrivals)) - 1]
     main = time.process_time() - c0
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # (the workers, joined at the end of the pass)
     kids = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
@@ -263,30 +272,36 @@ def marginal(a: dict, b: dict, rows: list) -> None:
         rows.append((f"  a sample more, {impl} ({x['n']:,} -> {y['n']:,})", "", ", ".join(parts)))
 
 
-def measure_items(build: str, rows: list, repeat: int) -> None:
-    """Each case for the legacy reader and the index; for each way of batching, every case's runs interleaved
-    with the others' (no workers, 2, 4: the machine's load drifts), the best of `repeat` kept."""
+MODES = {"one": "one at a time, in order", "one-shuffled": "one at a time, shuffled", "8": "shuffled batches of 8",
+         "32": "shuffled batches of 32"}
+
+
+def measure_items(build: str, rows: list, repeat: int, impls: tuple[str, ...]) -> None:
+    """Each case for each reader (`DataLoader(ds, ...)` over the legacy reader or the index, and `ds.loader(...)`);
+    for each way of reading, every case's runs interleaved with the others' (no workers, 2, 4: the machine's
+    load drifts), the best of `repeat` kept; each against no workers (a plain DataLoader) in the same run."""
     loaders = ((0, "-"), (2, "fork"), (2, "spawn"), (4, "fork"))
-    for batch in (0, 8, 32):
+    cases = [(w, c, impl) for w, c in loaders for impl in impls if w or impl != "loader"]  # (no workers: a DataLoader)
+    for mode, said in MODES.items():
         best: dict = {}
         for _ in range(repeat):
-            for workers, ctx in loaders:
-                for impl in ("legacy", "index"):
-                    r = run_child(["items", build, impl, str(workers), ctx, str(batch)])
-                    key = (workers, ctx, impl)
-                    if key not in best or r["steady_s"] > best[key]["steady_s"]:
-                        best[key] = r
-        for workers, ctx in loaders:
-            for impl in ("legacy", "index"):
-                r = best[(workers, ctx, impl)]
-                what = (f"items {impl}, {'one at a time' if not batch else f'shuffled batches of {batch}'}, "
-                        + (f"{workers} workers ({ctx})" if workers else "no workers"))
-                ratio = f" ({r['steady_s'] / best[(0, '-', impl)]['steady_s']:.2f}x no workers)" if workers else ""
-                if impl == "index":
-                    ratio += f" ({r['steady_s'] / best[(workers, ctx, 'legacy')]['steady_s']:.2f}x legacy)"
-                rows.append((what, f"{r['steady_s']:,.0f}/s",
-                             f"steady{ratio}; first after {r['first']:.2f} s; whole pass {r['items_s']:,.0f}/s; "
-                             f"cpu/item main {r['main_us']:.0f} us, workers {r['workers_us']:.0f} us"))
+            for key in cases:
+                workers, ctx, impl = key
+                r = run_child(["items", build, impl, str(workers), ctx, mode])
+                if key not in best or r["steady_s"] > best[key]["steady_s"]:
+                    best[key] = r
+        for key in cases:
+            workers, ctx, impl = key
+            r = best[key]
+            base = best[(0, "-", "legacy" if impl == "legacy" else "index")]
+            name = {"loader": "ds.loader", "index": "DataLoader", "legacy": "DataLoader, legacy"}[impl]
+            what = f"items, {said}: {name}, " + (f"{workers} workers ({ctx})" if workers else "no workers")
+            ratio = f" ({r['steady_s'] / base['steady_s']:.2f}x no workers)" if workers else ""
+            if impl == "loader":
+                ratio += f" ({r['steady_s'] / best[(workers, ctx, 'index')]['steady_s']:.2f}x DataLoader)"
+            rows.append((what, f"{r['steady_s']:,.0f}/s",
+                         f"steady{ratio}; first after {r['first']:.2f} s; whole pass {r['items_s']:,.0f}/s; "
+                         f"cpu/item main {r['main_us']:.0f} us, workers {r['workers_us']:.0f} us"))
 
 
 def main() -> None:
@@ -294,6 +309,8 @@ def main() -> None:
     ap.add_argument("--samples", default="100000,1000000", help="sizes of the synthetic builds (index)")
     ap.add_argument("--items", type=int, default=10000, help="samples of the real build read through a DataLoader")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--readers", default="index,loader",
+                    help="items: DataLoader over the index (index), ds.loader (loader), the legacy reader (legacy)")
     ap.add_argument("--keep", type=Path, help="work directory to keep (builds there are re-used)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -302,10 +319,11 @@ def main() -> None:
         if kind == "construct":
             res = child_construct(*rest)
         else:
-            build, impl, workers, ctx, batch = rest
-            res = child_items(build, impl, int(workers), ctx, int(batch))
+            build, impl, workers, ctx, mode = rest
+            res = child_items(build, impl, int(workers), ctx, mode)
         print(json.dumps(res))
         return
+    load = os.getloadavg()
     work = a.keep or Path(tempfile.mkdtemp(prefix="bench-reader-"))
     work.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, str, str]] = []
@@ -316,11 +334,14 @@ def main() -> None:
         if len(sizes) >= 2:
             marginal(sizes[0], sizes[-1], rows)
         if a.items:
-            measure_items(real(work, a.items), rows, a.repeat)
+            measure_items(real(work, a.items), rows, a.repeat, tuple(a.readers.split(",")))
     finally:
         if a.keep is None:
             shutil.rmtree(work, ignore_errors=True)
     print_rows(rows)
+    end = os.getloadavg()
+    print(f"load average (1 min / 15 min) on {os.cpu_count()} cores: {load[0]:.1f} / {load[2]:.1f} at the start, "
+          f"{end[0]:.1f} / {end[2]:.1f} at the end")
 
 
 def print_rows(rows: list[tuple[str, str, str]]) -> None:

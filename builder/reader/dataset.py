@@ -4,7 +4,8 @@ The index is a snapshot of the `samples` view (taken from the live owner during 
 only samples whose `written` event committed are ever returned, whatever else sits on disk. It is columns of
 numbers (builder/reader/index.py, about 70 B a sample), kept in a file of the user's cache folder that every
 process maps, made once per state of the log (builder/reader/snapshot.py): DataLoader workers, forked or
-spawned, read the parent's index and never make their own.
+spawned, read the parent's index and never make their own. `ds.loader(...)` is the DataLoader of the same
+arguments whose workers send a group of items or batches a message (builder/reader/loader.py).
 
 Every item is read checked: each chunk file the sample needs must be present (Zarr would return zeros for a
 missing one) and, unless `verify_checksums=False`, each field's CRC-32C must match the sample's `written`
@@ -27,6 +28,7 @@ from builder.formats.build_info import BuildInfo
 from builder.layout import layout
 from builder.log.query import run_query
 from builder.reader.index import ReaderIndex
+from builder.reader.loader import ITEMS_PER_MESSAGE, make_loader
 from builder.reader.shipping import Shipped
 from builder.reader.snapshot import load_index
 from builder.store.reader import SegmentReader
@@ -93,44 +95,56 @@ class HiddenStateDataset(Dataset):
             self._lossy = summarize(self.info, run_query(self.lay, ERRORS_SQL)[1], self.index.sample_ids(), want)
         return self._lossy
 
-    def _read(self, i: int) -> tuple[int, dict]:
-        """(entry position, the sample's tensors), read checked."""
+    def _reader_here(self) -> SegmentReader:
         if self._reader is None:  # opened lazily: one per DataLoader worker process
             self._reader = SegmentReader(self.lay.data, verify_checksums=self.verify_checksums)
+        return self._reader
+
+    def _read(self, i: int) -> tuple[int, dict]:
+        """(entry position, the sample's tensors), read checked."""
         n = len(self.index)
         if not -n <= i < n:
             raise IndexError(f"index {i} out of range for {n} samples")
         i = int(i) % n
         try:
-            return i, self._reader.read(*self.index.location(i))
+            return i, self._reader_here().read(*self.index.location(i))
         except DamagedSampleError as err:
             raise err.with_context(sample_id=self.index.sample_id(i), build=str(self.lay.root)) from err.__cause__
 
-    def sample(self, i: int, final_state: str | None = None):
-        """Item i as a trainer format's `Sample` (the final state in `final_state`, default the format's)."""
+    def _sample(self, i, j: int, t: dict, final_state: str | None = None):
+        """Item i (entry j, its tensors `t`) as a trainer format's `Sample`."""
         from builder.formats.base import Sample  # noqa: PLC0415
 
-        j, t = self._read(i)
         want = final_state or (self.format.final_state if self.format is not None else self.info.final_state)
         return Sample(self.index.sample_id(j), int(self.index.row_idx[j]), i, t["input_ids"].long(),
                       t["loss_mask"].long(), t["aux_hidden_state"], self.info.final(t["hidden_state"], want))
 
-    def item(self, i: int) -> dict:
-        """Item i (what `ds[i]` gives in the training process)."""
+    def _item(self, i, j: int, t: dict) -> dict:
+        """Item i (entry j, its tensors `t`)."""
         if self.format is not None:
-            return self.format.item(self.sample(i))
-        j, t = self._read(i)
+            return self.format.item(self._sample(i, j, t))
         return {"sample_id": self.index.sample_id(j), "input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
                 "hidden_state": t["hidden_state"], "aux_hidden_state": t["aux_hidden_state"]}
 
+    def sample(self, i: int, final_state: str | None = None):
+        """Item i as a trainer format's `Sample` (the final state in `final_state`, default the format's)."""
+        j, t = self._read(i)
+        return self._sample(i, j, t, final_state)
+
+    def item(self, i: int) -> dict:
+        """Item i (what `ds[i]` gives in the training process)."""
+        j, t = self._read(i)
+        return self._item(i, j, t)
+
     def __getitem__(self, i: int) -> dict:
-        item = self.item(i)
         # in a DataLoader worker: a dict sent to the training process as one buffer (builder/reader/shipping.py)
-        return Shipped(item) if get_worker_info() is not None else item
+        return _sent(self.item(i))
 
     def __getitems__(self, indices: list[int]) -> list[dict]:
-        """Items `indices` (what a DataLoader with a batch_size asks of each worker): read in the order they lie
-        in the build (segment, first token), returned in the order asked, each as `ds[i]` gives it."""
+        """Items `indices` (what a DataLoader with a batch_size asks of each worker), each as `ds[i]` gives it, in
+        the order asked: read together (`SegmentReader.read_many`: in the order they lie in the build, samples
+        that lie one after another read at once, each checked against its own checksums). Where one cannot be
+        read, they are read one by one in the order asked, and the first error raised is the one `ds[i]` raises."""
         n = len(self.index)
         try:
             pos = np.asarray([operator.index(i) for i in indices], dtype=np.int64)
@@ -139,13 +153,30 @@ class HiddenStateDataset(Dataset):
         if n == 0 or not np.all((-n <= pos) & (pos < n)):
             return [self[i] for i in indices]  # (the IndexError ds[i] raises)
         pos %= n
-        out: list[dict | None] = [None] * len(indices)
         try:
-            for k in np.lexsort((self.index.token_start[pos], self.index.segment[pos])).tolist():
-                out[k] = self[indices[k]]
-        except Exception:  # noqa: BLE001 - a damaged sample: the error ds[i] raises first in the order asked
-            return [self[i] for i in indices]
-        return out  # type: ignore[return-value]
+            once = list(dict.fromkeys(pos.tolist()))  # (an entry asked twice: read once, its tensors copied)
+            got = dict(zip(once, self._reader_here().read_many([self.index.location(j) for j in once]), strict=True))
+            if not any(isinstance(t, Exception) for t in got.values()):
+                out, seen = [], set()
+                for i, j in zip(indices, pos.tolist(), strict=True):
+                    t = got[j] if j not in seen else {f: v.clone() for f, v in got[j].items()}
+                    seen.add(j)
+                    out.append(_sent(self._item(i, j, t)))
+                return out
+        except Exception:  # noqa: BLE001 - (a location the log left NULL...): one by one, below
+            pass
+        return [self[i] for i in indices]  # a damaged sample: the error ds[i] raises first in the order asked
+
+    def loader(self, batch_size: int | None = 1, *, items_per_message: int = ITEMS_PER_MESSAGE, **kwargs):
+        """`DataLoader(self, batch_size, **kwargs)` (any of its arguments), whose workers send a group of
+        consecutive items or batches a message (up to `items_per_message` items, about 1 MiB), read in storage
+        order: it yields exactly what that DataLoader yields, item by item or batch by batch, in the same order
+        (builder/reader/loader.py); `batch_size=None` reads one item at a time. With no workers it is that
+        DataLoader."""
+        info = self.info
+        bytes_per_token = 16 + (1 + len(info.aux_layers)) * info.hidden_size * (4 if info.dtype == "float32" else 2)
+        return make_loader(self, bytes_per_token, self.index.num_tokens, items_per_message, batch_size=batch_size,
+                           **kwargs)
 
     def by_row(self) -> dict[int, int]:
         """Source row -> item index (the live samples only). A dict of every row: `index.position_of_row(row)`
@@ -154,6 +185,11 @@ class HiddenStateDataset(Dataset):
 
     def by_id(self) -> dict[str, int]:
         return dict(zip(self.index.sample_ids(), range(len(self.index)), strict=True))
+
+
+def _sent(item: dict) -> dict:
+    """The item as it leaves this process: in a DataLoader worker, a `Shipped` dict (one buffer)."""
+    return Shipped(item) if get_worker_info() is not None else item
 
 
 def collate_concat(items: list[dict]) -> dict:

@@ -10,7 +10,8 @@ items above SHIP_BYTES (where one copy through shared memory is cheaper) go torc
 
 A collate function that copies the item (`default_convert`, `default_collate`) keeps it a `Shipped` dict, and
 `collate_concat` makes its batch one in a worker; a collate function that makes a dict of its own sends it
-torch's way.
+torch's way. A `ShippedList` (a group of items or batches, `HiddenStateDataset.loader`) carries every tensor of
+its `Shipped` dicts in one buffer, up to SHIP_BYTES in all.
 """
 
 from __future__ import annotations
@@ -40,26 +41,59 @@ class Shipped(dict):
         return Shipped(self)
 
     def __reduce__(self):
-        plain = (dict, (), None, None, iter(self.items()))  # torch's way
-        tensors = {k: v for k, v in self.items() if _shippable(v)}
-        total = sum(v.nbytes for v in tensors.values())
-        if not tensors or total > SHIP_BYTES:
-            return plain
-        data = bytearray(total)
-        buf = np.frombuffer(data, dtype=np.uint8)
-        layout, at = [], 0
-        try:
-            for k, v in self.items():
+        packed = _pack([self])
+        if packed is None:
+            return dict, (), None, None, iter(self.items())  # torch's way
+        (layout,), data = packed
+        return _unship, (layout, data)
+
+
+class ShippedList(list):
+    """A list made in a DataLoader worker (builder/reader/loader.py: a group of items or batches): every tensor of
+    its `Shipped` dicts in one buffer; it arrives as a plain list of plain dicts (its other elements pickled as
+    they are)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        packed = _pack(list(self))
+        if packed is None:
+            return list, (list(self),)  # each element its own way
+        return _unship_list, packed
+
+
+def _pack(values: list) -> tuple[list, bytearray] | None:
+    """(each value's layout: a `Shipped` dict's, or None for a value pickled as it is; the buffer) or None where
+    nothing is to be packed or the buffer would pass SHIP_BYTES."""
+    plans = []
+    for v in values:
+        tensors = {k: t for k, t in v.items() if _shippable(t)} if type(v) is Shipped else {}
+        plans.append(tensors)
+    total = sum(t.nbytes for tensors in plans for t in tensors.values())
+    if not any(plans) or total > SHIP_BYTES:
+        return None
+    data = bytearray(total)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    layouts: list = []
+    at = 0
+    try:
+        for v, tensors in zip(values, plans, strict=True):
+            if not tensors:
+                layouts.append((None, v))
+                continue
+            layout = []
+            for k, t in v.items():
                 if k in tensors:
-                    n = v.nbytes
-                    buf[at:at + n] = _bytes_of(v)
-                    layout.append((k, v.dtype, tuple(v.shape), at))
+                    n = t.nbytes
+                    buf[at:at + n] = _bytes_of(t)
+                    layout.append((k, t.dtype, tuple(t.shape), at))
                     at += n
                 else:
-                    layout.append((k, None, v, 0))  # pickled as it is (torch's way for a tensor)
-        except Exception:  # noqa: BLE001 - (a tensor whose bytes numpy cannot view): torch's way
-            return plain
-        return _unship, (layout, data)
+                    layout.append((k, None, t, 0))  # pickled as it is (torch's way for a tensor)
+            layouts.append(layout)
+    except Exception:  # noqa: BLE001 - (a tensor whose bytes numpy cannot view): torch's way
+        return None
+    return layouts, data
 
 
 def _unship(layout: list, data: bytearray) -> dict:
@@ -73,4 +107,15 @@ def _unship(layout: list, data: bytearray) -> dict:
         t = torch.empty(shape, dtype=dtype)
         _bytes_of(t)[:] = src[at:at + t.nbytes]
         out[k] = t
+    return out
+
+
+def _unship_list(layouts: list, data: bytearray) -> list:
+    """The plain list of a `ShippedList`, in the training process."""
+    out = []
+    for layout in layouts:
+        if isinstance(layout, tuple):  # (None, the value as it was pickled)
+            out.append(layout[1])
+        else:
+            out.append(_unship(layout, data))
     return out

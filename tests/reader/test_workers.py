@@ -70,6 +70,10 @@ def test_batches_and_items_from_workers_are_the_items_read_one_by_one_for_every_
         assert len(got) == len(order) and all(same(g, w[FORMATS.index(fmt)])
                                                for g, w in zip(got, [want[i] for i in order], strict=True))
         assert all(type(g) is dict for g in got)  # (the training process's own reads: plain dicts)
+        twice = [got[3], got[4]]  # (entry 3 asked twice: read once, never the same tensors given twice)
+        assert all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                   for a, b in zip(*[[v for v in t.values() if isinstance(v, torch.Tensor) and v.numel()]
+                                     for t in twice], strict=True)), fmt
     both = StackDataset(*dss)  # each item: the items of every format (StackDataset calls each one's __getitems__)
     for context in ("fork", "spawn"):
         batches = list(DataLoader(both, sampler=order, batch_size=4, collate_fn=list, num_workers=2,
@@ -91,7 +95,7 @@ def test_what_a_worker_sends_arrives_as_the_same_plain_dict_whatever_its_tensors
     import pickle  # noqa: PLC0415
     from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
 
-    from builder.reader.shipping import SHIP_BYTES, Shipped  # noqa: PLC0415
+    from builder.reader.shipping import SHIP_BYTES, Shipped, ShippedList  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(3)
     small = {"sample_id": "s0001", "input_ids": torch.arange(7), "bf16": torch.randn(7, 64, generator=g).bfloat16(),
@@ -111,3 +115,18 @@ def test_what_a_worker_sends_arrives_as_the_same_plain_dict_whatever_its_tensors
         carried = [v for v in got.values() if isinstance(v, torch.Tensor) and v.is_contiguous()]
         assert len({v.untyped_storage().data_ptr() for v in carried if v.numel()}) == len([v for v in carried
                                                                                           if v.numel()])
+    # a group (HiddenStateDataset.loader): one buffer for all its dicts' tensors (up to SHIP_BYTES), a plain list
+    other = {k: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+             for k, v in small.items()}  # (the same values in other tensors, as two items read are)
+    for group in ([Shipped(small), "s0002", Shipped(other), {"plain": torch.arange(3)}], [Shipped(small), Shipped(big)]):
+        got = pickle.loads(ForkingPickler.dumps(ShippedList(group)))
+        assert type(got) is list and len(got) == len(group)
+        for g, w in zip(got, group, strict=True):
+            assert type(g) is type(w) if not isinstance(w, Shipped) else type(g) is dict
+            if isinstance(w, dict):
+                assert list(g) == list(w) and all(
+                    torch.equal(g[k].detach(), v.detach()) and g[k].dtype == v.dtype if isinstance(v, torch.Tensor)
+                    else g[k] == v for k, v in w.items())
+        tensors = [v for g in got if isinstance(g, dict) for v in g.values()
+                   if isinstance(v, torch.Tensor) and v.is_contiguous() and v.numel()]
+        assert len({v.untyped_storage().data_ptr() for v in tensors}) == len(tensors)  # each its own
