@@ -272,13 +272,18 @@ def measure(root: Path, jobs_list: list[int | None], repeat: int, quick: bool = 
     fulls, quicks = [], []
     sweeps: dict[int | None, list] = {j: [] for j in jobs_list}
     qsweeps: list = []
-    for _ in range(repeat):
+    for k in range(repeat):
         fulls.append(plain_full(root, rows))
         for jobs in jobs_list:
             sweeps[jobs].append(timed_sweep(root, jobs=jobs))
         if quick:
             quicks.append(plain_quick(root, rows))
             qsweeps.append(timed_sweep(root, quick=True))
+        said = [f"plain {fulls[-1][1]:.2f} s"] + [f"{'default' if j is None else f'--jobs {j}'} {sweeps[j][-1][1]:.2f} s "
+                                                 f"({fulls[-1][1] / sweeps[j][-1][1]:.2f}x)" for j in jobs_list]
+        if quick:
+            said.append(f"quick: plain {quicks[-1][0]:.2f} s, sweep {qsweeps[-1][1]:.2f} s")
+        print(f"round {k + 1}: " + ", ".join(said) + f"; load {_load()}", file=sys.stderr, flush=True)
     raw, secs, ok = min(fulls, key=lambda r: r[1])
     plain = raw / secs / MB
     ptimes = [f[1] for f in fulls]
