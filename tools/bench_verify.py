@@ -14,6 +14,10 @@ Baselines, measured in the same run over the same files (one thread, no bookkeep
 Both sides read from the page cache (the build is read once before timing): the figures compare CPU cost.
 The sweep is timed whole (`run_sweep`: the lock, selection, orphan scan, reading, events committed, the log
 closed) and its reading phase alone; each ratio is the plain loop's time over the sweep's. MB/s are of uncompressed bytes checked (10^6 bytes); us/sample are wall microseconds per sample.
+The headline row is `hsbuild verify` as a user runs it, without --jobs (the row names the readers it picked);
+`--jobs N` rows beside it (`--jobs default,1,2`). Rounds are interleaved (the plain loop, then each sweep); each
+row gives the ratio of the best times and, per round, the best and median of that round's ratios, and the load
+average before and after is printed: on a shared machine the load moves both sides.
 """
 
 from __future__ import annotations
