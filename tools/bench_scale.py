@@ -350,9 +350,9 @@ def measure_verify(n: int) -> None:
     for label, args in ((f"{n:,} samples of 8-32 tokens, hidden 64",
                          ["--samples", str(max(n // 10, 1)), "--replicate", str(min(n, 10)), "--tokens", "8-32",
                           "--hidden", "64", "--chunk-tokens", "16", "--codec", "blosc-lz4-bitshuffle:5",
-                          "--jobs", "1,2", "--repeat", "1"]),
+                          "--jobs", "default,1,2", "--repeat", "1"]),
                         ("the seed's shape: 12 samples of 2,200 tokens x hidden 7168",
-                         ["--samples", "12", "--tokens", "2200", "--hidden", "7168", "--jobs", "1,2", "--repeat", "3"])):
+                         ["--samples", "12", "--tokens", "2200", "--hidden", "7168", "--jobs", "default,1,2", "--repeat", "3"])):
         print(f"\nverify, {label}:", flush=True)
         bv.main(args)
 

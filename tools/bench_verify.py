@@ -14,6 +14,10 @@ Baselines, measured in the same run over the same files (one thread, no bookkeep
 Both sides read from the page cache (the build is read once before timing): the figures compare CPU cost.
 The sweep is timed whole (`run_sweep`: the lock, selection, orphan scan, reading, events committed, the log
 closed) and its reading phase alone; each ratio is the plain loop's time over the sweep's. MB/s are of uncompressed bytes checked (10^6 bytes); us/sample are wall microseconds per sample.
+The headline row is `hsbuild verify` as a user runs it, without --jobs (the row names the readers it picked);
+`--jobs N` rows beside it (`--jobs default,1,2`). Rounds are interleaved (the plain loop, then each sweep); each
+row gives the ratio of the best times and, per round, the best and median of that round's ratios, and the load
+average before and after is printed: on a shared machine the load moves both sides.
 """
 
 from __future__ import annotations
@@ -244,42 +248,79 @@ def timed_sweep(root: Path, **kw: object):
     return s, time.perf_counter() - t0
 
 
-def measure(root: Path, jobs_list: list[int], repeat: int, quick: bool = True) -> list[str]:
-    """The figures, each against its baseline from the same run (interleaved, best of `repeat`)."""
+def sweep_jobs(root: Path, sweep_id: str) -> int:
+    """The readers a sweep used (its `verify_started` records them)."""
+    with EventLog(layout(root).events, read_only=True) as log:
+        rows = log.query_dicts("SELECT detail FROM events WHERE kind = 'verify_started' AND run_id = ?", [sweep_id])
+    return int(json.loads(rows[0]["detail"])["jobs"])
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _ratios(plain: list[float], sweep: list[float]) -> str:
+    """Each repeat's plain-loop time over the sweep's (same repeat): best and median."""
+    r = sorted(p / w for p, w in zip(plain, sweep, strict=True))
+    return f"{r[-1]:.2f}x best, {float(np.median(r)):.2f}x median"
+
+
+def measure(root: Path, jobs_list: list[int | None], repeat: int, quick: bool = True) -> list[str]:
+    """The figures, each against its baseline from the same run: `repeat` interleaved rounds (plain loop, then
+    each sweep), so drift in the machine's speed hits both sides alike; the best times and, per round, the ratio
+    to that round's plain loop (best and median). `None` in `jobs_list`: the default (no --jobs)."""
     rows = _live_rows(root)
     n = len(rows)
+    load0 = _load()
     plain_full(root, rows)  # warm the page cache for both sides
     fulls, quicks = [], []
-    sweeps: dict[int, list] = {j: [] for j in jobs_list}
+    sweeps: dict[int | None, list] = {j: [] for j in jobs_list}
     qsweeps: list = []
-    for _ in range(repeat):  # interleaved, so drift in the machine's speed hits both sides alike
+    for k in range(repeat):
         fulls.append(plain_full(root, rows))
         for jobs in jobs_list:
             sweeps[jobs].append(timed_sweep(root, jobs=jobs))
         if quick:
             quicks.append(plain_quick(root, rows))
             qsweeps.append(timed_sweep(root, quick=True))
+        said = [f"plain {fulls[-1][1]:.2f} s"] + [f"{'default' if j is None else f'--jobs {j}'} {sweeps[j][-1][1]:.2f} s "
+                                                 f"({fulls[-1][1] / sweeps[j][-1][1]:.2f}x)" for j in jobs_list]
+        if quick:
+            said.append(f"quick: plain {quicks[-1][0]:.2f} s, sweep {qsweeps[-1][1]:.2f} s")
+        print(f"round {k + 1}: " + ", ".join(said) + f"; load {_load()}", file=sys.stderr, flush=True)
     raw, secs, ok = min(fulls, key=lambda r: r[1])
     plain = raw / secs / MB
-    out = [f"{n:,} samples, {raw / MB:,.1f} MB uncompressed ({raw / n:,.0f} B a sample)",
+    ptimes = [f[1] for f in fulls]
+    out = [f"{n:,} samples, {raw / MB:,.1f} MB uncompressed ({raw / n:,.0f} B a sample); {repeat} interleaved "
+           f"round(s); load average (1/5/15 min) {load0} before, {_load()} after",
            f"plain full loop (read + decode + crc32c, 1 thread): {plain:9.1f} MB/s {secs / n * 1e6:9.1f} us/sample"
-           f"  ({secs:.2f} s; checksums {'match' if ok else 'DO NOT match'})"]
+           f"  ({secs:.2f} s best, {float(np.median(ptimes)):.2f} s median; checksums "
+           f"{'match' if ok else 'DO NOT match'})"]
     for jobs in jobs_list:
         s, wall = min(sweeps[jobs], key=lambda r: r[1])
         assert s.ok == n and not s.damaged, s.as_dict()
-        out.append(f"hsbuild verify --jobs {jobs}:{' ' * (27 - len(str(jobs)))}{s.raw_bytes / wall / MB:9.1f} MB/s "
-                   f"{wall / n * 1e6:9.1f} us/sample  ({wall:.2f} s whole, reading {s.seconds:.2f} s)  "
-                   f"ratio {secs / wall:.2f}x plain loop (reading alone {secs / s.seconds:.2f}x)")
+        walls, reads = [r[1] for r in sweeps[jobs]], [r[0].seconds for r in sweeps[jobs]]
+        name = (f"hsbuild verify (default: {sweep_jobs(root, s.sweep_id)} reader(s)):" if jobs is None
+                else f"hsbuild verify --jobs {jobs}:")
+        out.append(f"{name:<50}{s.raw_bytes / wall / MB:9.1f} MB/s {wall / n * 1e6:9.1f} us/sample  ({wall:.2f} s "
+                   f"whole, reading {s.seconds:.2f} s)  ratio {secs / wall:.2f}x plain loop (reading alone "
+                   f"{secs / s.seconds:.2f}x); per round: whole {_ratios(ptimes, walls)}, reading "
+                   f"{_ratios(ptimes, reads)}")
     if quick:
         qsecs, qok = min(quicks, key=lambda r: r[0])
         s, wall = min(qsweeps, key=lambda r: r[1])
         assert s.ok == n and not s.damaged, s.as_dict()
         out.append(f"plain quick loop (sizes + shard indexes, 1 thread):{' ' * 15}{qsecs / n * 1e6:9.1f} us/sample"
                    f"  ({qsecs:.2f} s; sizes {'match' if qok else 'DO NOT match'})")
-        out.append(f"hsbuild verify --quick:{' ' * 43}{wall / n * 1e6:9.1f} us/sample  ({wall:.2f} s whole, "
-                   f"reading {s.seconds:.2f} s)  ratio {qsecs / wall:.2f}x plain loop (reading alone "
-                   f"{qsecs / s.seconds:.2f}x)")
+        out.append(f"hsbuild verify --quick (default: {sweep_jobs(root, s.sweep_id)} reader(s)):{' ' * 19}"
+                   f"{wall / n * 1e6:9.1f} us/sample  ({wall:.2f} s whole, reading {s.seconds:.2f} s)  ratio "
+                   f"{qsecs / wall:.2f}x plain loop (reading alone {qsecs / s.seconds:.2f}x); per round: whole "
+                   f"{_ratios([q[0] for q in quicks], [r[1] for r in qsweeps])}")
     return out
+
+
+def parse_jobs_list(s: str) -> list[int | None]:
+    return [None if j == "default" else int(j) for j in s.split(",") if j]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -291,8 +332,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--codec", default="zstd:1")
     ap.add_argument("--group", type=int, default=256, help="samples a group (shared shard files), as a run's")
-    ap.add_argument("--jobs", default="1,4", help="comma-separated --jobs values to measure")
-    ap.add_argument("--repeat", type=int, default=3, help="best of N timings (interleaved)")
+    ap.add_argument("--jobs", default="default,1,2", help="comma-separated --jobs values to measure; 'default': "
+                    "no --jobs (what `hsbuild verify` picks), the headline")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of timings (interleaved): best and median")
     ap.add_argument("--no-quick", action="store_true", help="skip the --quick measurement")
     ap.add_argument("--build", type=Path, help="measure this existing build (copied first: sweeps add events)")
     ap.add_argument("--link", action="store_true", help="with --build: hard-link its data instead of copying "
@@ -323,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
             n = replicate(root, args.replicate)
             print(f"replicated {args.replicate} times (hard links, events copied): {n:,} samples, log "
                   f"{layout(root).events.stat().st_size / MB:.1f} MB, in {time.perf_counter() - t0:.1f}s")
-        for line in measure(root, [int(j) for j in args.jobs.split(",") if j], args.repeat, not args.no_quick):
+        for line in measure(root, parse_jobs_list(args.jobs), args.repeat, not args.no_quick):
             print(line)
     finally:
         if not args.dir:

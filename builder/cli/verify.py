@@ -34,7 +34,8 @@ def add_commands(sub, out) -> None:
                    help="only samples not verified since TIME (ISO timestamp, UTC), e.g. 2025-05-01T12:00:00Z")
     p.add_argument("--segment", action="append", metavar="S", help="only samples stored in segment S (repeatable)")
     p.add_argument("--max-rate", metavar="MB/s", help="read at most this many MB (10^6 bytes) of chunk files a second")
-    p.add_argument("--jobs", metavar="N", help="parallel readers (default: min(4, CPUs))")
+    p.add_argument("--jobs", metavar="N", help="parallel readers (default: 1 for a full sweep of samples averaging "
+                   "under 32 kB compressed, else min(4, CPUs))")
     p.add_argument("--continue", dest="resume", action="store_true",
                    help="continue the last interrupted sweep, skipping what it already checked")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

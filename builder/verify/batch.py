@@ -19,8 +19,9 @@ not read (layout 1, a codec hsbuild does not decode itself) are checked sample b
 
 from __future__ import annotations
 
+import ctypes
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +185,28 @@ def _check_shard(u: _Unit, path: Path, shard: int, lay: FieldLayout, ids: list[i
             u.raw_bytes[i] += (b - a) * row_bytes
 
 
+def _blosc_decompress_ctx() -> Callable[[int, int, int, int], int] | None:
+    """c-blosc's `blosc_decompress_ctx(src, dest, destsize, nthreads)` from numcodecs' own extension, called
+    without numcodecs' Python wrapper: for a chunk of a few kB its argument checks (two array coercions and a
+    look at the current process, 20-30 us) cost several times the decoding. The same C function numcodecs calls
+    in a thread that is not the main one, and like it run without the GIL (ctypes releases it). None where the
+    symbol cannot be found: numcodecs then decodes."""
+    try:
+        fn = ctypes.CDLL(numcodecs.blosc.__file__).blosc_decompress_ctx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+BLOSC_DECOMPRESS = _blosc_decompress_ctx()
+
+
+def _address(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
+
+
 def _decoded(fh, path: Path, idx: np.ndarray, need: np.ndarray, lay: FieldLayout, segment: str,
              fld: str) -> np.ndarray:
     """Inner chunks `need` (positions in the shard, ascending) decoded, one row each, exactly a chunk's bytes
@@ -194,16 +217,22 @@ def _decoded(fh, path: Path, idx: np.ndarray, need: np.ndarray, lay: FieldLayout
     out = np.empty((len(need), chunk_bytes), dtype=np.uint8)
     chunks = _read_chunks(fh, idx, need.tolist())
     codec = lay.codec
-    fast = (numcodecs.blosc.decompress if isinstance(codec, numcodecs.Blosc)
+    blosc = isinstance(codec, numcodecs.Blosc)
+    raw = BLOSC_DECOMPRESS if blosc else None
+    fast = (numcodecs.blosc.decompress if blosc
             else numcodecs.zstd.decompress if isinstance(codec, numcodecs.Zstd) else None)
+    out_at = out.ctypes.data
     for row, k in enumerate(need.tolist()):
-        src = chunks[k]
+        src, src_at = chunks[k]
         if codec is None:
             if len(src) != chunk_bytes:
                 raise ShardIndexError(f"a chunk is not {chunk_bytes} bytes long")
             out[row] = np.frombuffer(src, dtype=np.uint8)
         elif fast is not None and declared_size(codec, src) == chunk_bytes:
-            fast(src, out[row])
+            if raw is None:
+                fast(src, out[row])
+            elif raw(src_at, out_at + row * chunk_bytes, chunk_bytes, 1) != chunk_bytes:  # (the header's cbytes
+                raise ShardIndexError("a chunk does not decode")  # is the chunk's length: declared_size)
         else:
             err = _decode(codec, src, out[row], path.relative_to(path.parent.parent), segment, fld)
             if err is not None:
@@ -211,10 +240,10 @@ def _decoded(fh, path: Path, idx: np.ndarray, need: np.ndarray, lay: FieldLayout
     return out
 
 
-def _read_chunks(fh, idx: np.ndarray, need: list[int]) -> dict[int, memoryview]:
-    """The encoded bytes of inner chunks `need` (positions in the shard), with one read per run of chunks that lie
-    less than MERGE_GAP apart."""
-    out: dict[int, memoryview] = {}
+def _read_chunks(fh, idx: np.ndarray, need: list[int]) -> dict[int, tuple[memoryview, int]]:
+    """The encoded bytes of inner chunks `need` (positions in the shard) and their address in memory, with one read
+    per run of chunks that lie less than MERGE_GAP apart."""
+    out: dict[int, tuple[memoryview, int]] = {}
     spans = sorted((int(idx[k, 0]), int(idx[k, 0] + idx[k, 1]), k) for k in need)
     i = 0
     while i < len(spans):
@@ -222,9 +251,10 @@ def _read_chunks(fh, idx: np.ndarray, need: list[int]) -> dict[int, memoryview]:
         while j < len(spans) and spans[j][0] - end <= MERGE_GAP:
             end = max(end, spans[j][1])
             j += 1
-        data = memoryview(_pread_exact(fh, end - start, start))
+        buf = _pread_exact(fh, end - start, start)
+        data, at = memoryview(buf), _address(buf)
         for s, e, k in spans[i:j]:
-            out[k] = data[s - start : e - start]
+            out[k] = data[s - start : e - start], at + s - start
         i = j
     return out
 

@@ -64,9 +64,36 @@ def parse_rate(s: float | str) -> float:
     return r
 
 
-def parse_jobs(s: int | str | None) -> int:
+MAX_DEFAULT_JOBS = 4  # readers a sweep starts without --jobs, at most
+PARALLEL_FROM_BYTES = 32 << 10  # mean compressed bytes a sample from which a full sweep reads in parallel
+
+
+def default_jobs(quick: bool, mean_sample_bytes: float, cpus: int) -> int:
+    """The readers a sweep starts without `--jobs`. A reader holds the GIL for its bookkeeping (about 100 us a
+    sample, whatever its size) and lets go of it only to read, decompress and checksum, which grow with the
+    sample's bytes: a third of a unit's time for samples of 9 kB compressed (8-32 tokens, hidden 64), three
+    quarters at 100 kB, over nine tenths from 400 kB. Below PARALLEL_FROM_BYTES a sample (the mean `written`
+    nbytes of the samples the sweep selected) readers mostly wait for each other's GIL, and one reads faster
+    than two, on any number of cores (docs/verify.md, "Throughput"). Otherwise, and in a quick sweep (it reads
+    no chunk data: it waits on file metadata, which readers overlap), a reader a CPU, at most MAX_DEFAULT_JOBS."""
+    most = max(1, min(MAX_DEFAULT_JOBS, cpus))
+    if not quick and mean_sample_bytes < PARALLEL_FROM_BYTES:
+        return 1
+    return most
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def parse_jobs(s: int | str | None) -> int | None:
+    """`--jobs`: a number of readers, or None (not given: `default_jobs` decides once the samples are known)."""
     if s is None:
-        return max(1, min(4, os.cpu_count() or 1))
+        return None
     try:
         j = int(s)
     except ValueError:

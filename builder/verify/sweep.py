@@ -61,11 +61,19 @@ from builder.store.readback import (
 from builder.verify.batch import check_unit
 from builder.verify.findings import MB, Damage, NotChecked, SweepSummary, find_overlaps
 from builder.verify.gc import scan_orphans
-from builder.verify.selection import Selection, SweepOptions, parse_jobs, parse_rate
+from builder.verify.selection import (
+    Selection,
+    SweepOptions,
+    default_jobs,
+    parse_jobs,
+    parse_rate,
+    usable_cpus,
+)
 from builder.verify.targets import Target, Targets, select
 
 SWEEP_DETAIL = detail(mode="sweep")
 FLUSH_EVENTS = 8192  # verdicts committed at least every 0.5 s (FLUSH_SECONDS), or once this many are pending  # a sweep's `verified` events'
+INFLIGHT_UNITS = 8  # units queued per reader: they keep reading while the main thread waits for a commit
 STOP_WHAT = "stopping the sweep (Ctrl-C again to exit at once; continue later with --continue)"
 
 
@@ -108,7 +116,8 @@ class Sweep:
         if self.opts.resume and self.opts.quick:
             raise UsageError("--continue: takes the interrupted sweep's mode; do not combine it with --quick")
         self.selection = Selection.from_options(self.opts)  # validates the flags before anything is locked
-        self.jobs = parse_jobs(self.opts.jobs)
+        self.jobs_given = parse_jobs(self.opts.jobs)
+        self.jobs = self.jobs_given or 1  # (without --jobs: `default_jobs`, once the samples are selected)
         self.rate = parse_rate(self.opts.max_rate) * MB if self.opts.max_rate is not None else None
         self.sweep_id = uuid.uuid4().hex
         self.stop = threading.Event()  # the session's stop event once the sweep owns the build
@@ -157,6 +166,8 @@ class Sweep:
             self.selection = Selection.from_detail(prev.get("selection", {}))
             self.echo(f"continuing sweep {continues[:8]} of {prev['ts']} ({self.selection.describe()})")
         targets, skipped = self._select(chain)
+        if self.jobs_given is None:
+            self.jobs = default_jobs(self.selection.mode == "quick", targets.mean_nbytes(), usable_cpus())
         s = self.summary = SweepSummary(self.sweep_id, self.selection.mode, self.selection,
                                         dt.datetime.now(dt.UTC).replace(tzinfo=None, microsecond=0), continues,
                                         selected=len(targets) + skipped, skipped=skipped)
@@ -277,34 +288,38 @@ class Sweep:
         t0 = time.monotonic()
         todo: Iterator[tuple[int, int]] = targets.units(lambda seg: self._direct(seg, reader))
         inflight: dict[Future, list[Target]] = {}
+        pool = ThreadPoolExecutor(self.jobs, thread_name_prefix="hsbuild-verify")
         try:
-            with ThreadPoolExecutor(self.jobs, thread_name_prefix="hsbuild-verify") as pool:
-                while True:
-                    while not self.stop.is_set() and len(inflight) < 2 * self.jobs:
-                        span = next(todo, None)
-                        if span is None:
-                            break
-                        batch = targets.take(*span)
-                        inflight[pool.submit(self._check_unit, batch, reader, limiter)] = batch
-                    if not inflight:
+            while True:
+                if self.stop.is_set():  # units not begun are left to --continue: the stop comes at once
+                    for fut in [f for f in inflight if f.cancel()]:
+                        del inflight[fut]
+                while not self.stop.is_set() and len(inflight) < INFLIGHT_UNITS * self.jobs:
+                    span = next(todo, None)
+                    if span is None:
                         break
-                    self._announce_stop()
-                    done, _ = wait(list(inflight), timeout=0.2, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        batch = inflight.pop(fut)
-                        results = fut.result()
-                        tokens = nbytes = 0
-                        for t, res in zip(batch, results, strict=True):
-                            self._record(t, res)
-                            tokens += t.num_tokens
-                            nbytes += res.file_bytes
-                        bar.update(len(batch), tokens, nbytes)
-                    self.flush()
-                    bar.update()
+                    batch = targets.take(*span)
+                    inflight[pool.submit(self._check_unit, batch, reader, limiter)] = batch
+                if not inflight:
+                    break
+                self._announce_stop()
+                done, _ = wait(list(inflight), timeout=0.2, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    batch = inflight.pop(fut)
+                    results = fut.result()
+                    tokens = nbytes = 0
+                    for t, res in zip(batch, results, strict=True):
+                        self._record(t, res)
+                        tokens += t.num_tokens
+                        nbytes += res.file_bytes
+                    bar.update(len(batch), tokens, nbytes)
+                self.flush()
+                bar.update()
         except BaseException:
             self.stop.set()  # wake paced readers so the pool shuts down at once
             raise
         finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # (units not begun are not begun)
             s.seconds = time.monotonic() - t0
             bar.close()
 

@@ -73,6 +73,10 @@ class Targets:
     def __len__(self) -> int:
         return self.table.num_rows
 
+    def mean_nbytes(self) -> float:
+        """The selected samples' mean compressed bytes (their `written` nbytes; 0 when none are selected)."""
+        return float(self.nbytes.mean()) if len(self) else 0.0
+
     def take(self, a: int, b: int) -> list[Target]:
         rows = self.table.slice(a, b - a).to_pydict()
         return [Target(*r) for r in zip(*(rows[c] for c in self.table.column_names), strict=True)]
