@@ -30,7 +30,7 @@ SELECT = ("SELECT s.sample_id, s.segment, s.token_start, s.num_tokens, s.nbytes,
 
 @dataclass
 class Target:
-    """One sample to check: its live location and what its `written` event recorded."""
+    """One sample to check: its live location and what its `written` event recorded (TARGET_COLUMNS)."""
 
     sample_id: str
     segment: str
@@ -39,7 +39,9 @@ class Target:
     nbytes: int | None
     checksums: str | None  # (None in a quick sweep: it reads no data)
     written_seq: int
-    verified_at: dt.datetime | None
+
+
+TARGET_COLUMNS = ("sample_id", "segment", "token_start", "num_tokens", "nbytes", "checksums", "written_seq")
 
 
 def fetch(log: EventLog, sql: str) -> pa.Table:
@@ -78,8 +80,8 @@ class Targets:
         return float(self.nbytes.mean()) if len(self) else 0.0
 
     def take(self, a: int, b: int) -> list[Target]:
-        rows = self.table.slice(a, b - a).to_pydict()
-        return [Target(*r) for r in zip(*(rows[c] for c in self.table.column_names), strict=True)]
+        part = self.table.slice(a, b - a)  # (not verified_at: the selection's, and the slowest to convert)
+        return [Target(*r) for r in zip(*(part.column(c).to_pylist() for c in TARGET_COLUMNS), strict=True)]
 
     def units(self, direct: Callable[[str], dict[str, FieldLayout] | None]) -> Iterator[tuple[int, int]]:
         """[start, end) ranges of samples that start in one shard of a segment read directly (`direct(segment)`),
