@@ -206,10 +206,8 @@ def _check_shard(u: _Unit, path: Path, shard: int, lay: FieldLayout, ids: np.nda
         if not keep.any():
             return
         lo, hi, ids = lo[keep], hi[keep], ids[keep]
-        marks = np.zeros(lay.shard_chunks + 1, dtype=np.int64)  # the union of the samples' chunk ranges
-        np.add.at(marks, lo, 1)
-        np.add.at(marks, hi + 1, -1)
-        need = np.flatnonzero(np.cumsum(marks[:-1]) > 0)
+        m = lay.shard_chunks + 1  # the union of the samples' chunk ranges
+        need = np.flatnonzero(np.cumsum(np.bincount(lo, minlength=m) - np.bincount(hi + 1, minlength=m))[:-1] > 0)
         flat = _decoded(fh, path, idx, need, lay, segment, fld)
     # each sample's chunks are consecutive rows of `flat` (need is sorted and holds all of lo..hi): its bytes here
     # are one span of it
@@ -245,10 +243,13 @@ def _blosc_decompress_ctx() -> Callable[[int, int, int, int], int] | None:
 BLOSC_DECOMPRESS = _blosc_decompress_ctx()
 
 
-def _u32(buf: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """The little-endian uint32 at each offset `at` of `buf` (uint8)."""
-    b = buf[at[:, None] + np.arange(4)].astype(np.int64)
-    return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+_HEADER_AT = np.arange(BLOSC_HEADER.size)
+
+
+def _blosc_sizes(buf: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The `nbytes` and `cbytes` of the blosc headers at offsets `at` of `buf` (uint8; BLOSC_HEADER)."""
+    h = buf[at[:, None] + _HEADER_AT].view("<u4")
+    return h[:, 1], h[:, 3]
 
 
 def _decoded(fh, path: Path, idx: np.ndarray, need: np.ndarray, lay: FieldLayout, segment: str,
@@ -275,9 +276,10 @@ def _decoded(fh, path: Path, idx: np.ndarray, need: np.ndarray, lay: FieldLayout
     if blosc:
         if (size < BLOSC_HEADER.size).any():
             raise ShardIndexError("a blosc chunk shorter than its header")
-        if (_u32(buf, pos + 12) != size).any():  # c-blosc trusts its header's compressed size
+        said, cbytes = _blosc_sizes(buf, pos)
+        if (cbytes != size).any():  # c-blosc trusts its header's compressed size
             raise ShardIndexError("a blosc chunk whose header says another length")
-        slow = _u32(buf, pos + 4) != chunk_bytes
+        slow = said != chunk_bytes
     raw = BLOSC_DECOMPRESS if blosc else None
     fast = (numcodecs.blosc.decompress if blosc
             else numcodecs.zstd.decompress if isinstance(codec, numcodecs.Zstd) else None)
@@ -307,6 +309,11 @@ def _read_chunks(fh, idx: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.
     that lie less than MERGE_GAP apart, in one buffer, and where each chunk starts in it."""
     start = idx[need, 0].astype(np.int64)
     end = start + idx[need, 1].astype(np.int64)
+    first, stop = int(start.min()), int(end.max())
+    if stop - first - int((end - start).sum()) <= MERGE_GAP:  # no gap between them is wider: one run
+        buf = np.empty(stop - first, dtype=np.uint8)
+        _pread_exact(fh, memoryview(buf), first)
+        return buf, start - first
     order = np.argsort(start, kind="stable")
     s, e = start[order], end[order]
     reach = np.maximum.accumulate(e)  # a run goes on while the next chunk starts within MERGE_GAP of its end
