@@ -3,11 +3,12 @@
 Small samples share shard files (a group of them is written as one set of shards, builder/store/segment.py), so
 checking them one by one opens, reads and checks every shard's index once per sample, and the segment's metadata
 files five times per sample. A *unit* here is a run of the sweep's samples (in segment and token order) that
-start in the same shard: `check_unit` probes the segment's metadata files once, then for each field opens each
-shard file the unit needs once, checks its index once (`store.shard.read_index`: its CRC-32C, and that it
-accounts for exactly the file's bytes), and, in a full sweep, reads the unit's chunks with one read per run of
-consecutive chunks, decodes each chunk once, exactly as hsbuild's reader does (`store.direct`: a chunk must
-decode to exactly its chunk's bytes), and chains the CRC-32C of each sample's rows, field by field.
+start in the same shard, or the samples of a few consecutive shards (`verify.targets.Targets.units`):
+`check_unit` probes the segment's metadata files once, then for each field opens each shard file the unit needs
+once, checks its index once (`store.shard.read_index`: its CRC-32C, and that it accounts for exactly the file's
+bytes), and, in a full sweep, reads the unit's chunks with one read per run of consecutive chunks, decodes each
+chunk once, exactly as hsbuild's reader does (`store.direct`: a chunk must decode to exactly its chunk's bytes),
+and chains the CRC-32C of each sample's rows, field by field.
 
 This path only ever *passes* a sample. Anything else it meets (a file missing, empty or damaged, an index
 that fails, a chunk that does not decode, a checksum that differs, an error of the I/O path) sends the samples

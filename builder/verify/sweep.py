@@ -286,7 +286,7 @@ class Sweep:
         bar.start(len(targets), "verify" if s.mode == "full" else "verify --quick")
         limiter = RateLimiter(self.rate, self.stop) if self.rate and s.mode == "full" else None
         t0 = time.monotonic()
-        todo: Iterator[tuple[int, int]] = targets.units(lambda seg: self._direct(seg, reader))
+        todo: Iterator[tuple[int, int]] = targets.units(lambda seg: self._direct(seg, reader), join=limiter is None)
         inflight: dict[Future, list[Target]] = {}
         pool = ThreadPoolExecutor(self.jobs, thread_name_prefix="hsbuild-verify")
         try:
