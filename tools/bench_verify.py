@@ -17,7 +17,9 @@ closed) and its reading phase alone; each ratio is the plain loop's time over th
 The headline row is `hsbuild verify` as a user runs it, without --jobs (the row names the readers it picked);
 `--jobs N` rows beside it (`--jobs default,1,2`). Rounds are interleaved (the plain loop, then each sweep); each
 row gives the ratio of the best times and, per round, the best and median of that round's ratios, and the load
-average before and after is printed: on a shared machine the load moves both sides.
+average before and after is printed: on a shared machine the load moves both sides. Under each full row, the
+process CPU a sample of each round (every thread's) and the plain loop's CPU over it, round by round: CPU moves
+far less with the load than wall time, and a sweep of tiny samples is bound by its own CPU.
 """
 
 from __future__ import annotations
@@ -242,10 +244,30 @@ def plain_quick(root: Path, rows: list[dict]) -> tuple[float, bool]:
     return time.perf_counter() - t0, ok
 
 
-def timed_sweep(root: Path, **kw: object):
-    t0 = time.perf_counter()
+CPU: dict[str, list[float]] = {}  # process CPU seconds of each timed run, by name (see `cpu_line`)
+
+
+def timed_sweep(root: Path, name: str = "sweep", **kw: object):
+    t0, c0 = time.perf_counter(), time.process_time()
     s = run_sweep(root, SweepOptions(**kw), echo=lambda m: None)
+    CPU.setdefault(name, []).append(time.process_time() - c0)
     return s, time.perf_counter() - t0
+
+
+def timed_plain(root: Path, rows: list[dict]) -> tuple[int, float, bool]:
+    c0 = time.process_time()
+    out = plain_full(root, rows)
+    CPU.setdefault("plain", []).append(time.process_time() - c0)
+    return out
+
+
+def cpu_line(name: str, n: int) -> str:
+    """CPU a sample (the process's, every thread's: the reader's, the log's), per round, and its ratio to the
+    plain loop's in the same round: on a loaded machine wall times move with the load, CPU far less."""
+    mine, plain = CPU[name], CPU["plain"]
+    per = "/".join(f"{c / n * 1e6:.1f}" for c in mine)
+    ratio = "/".join(f"{p / c:.2f}" for p, c in zip(plain, mine, strict=True))
+    return f"    CPU {per} us/sample by round; the plain loop's over it: {ratio}x"
 
 
 def sweep_jobs(root: Path, sweep_id: str) -> int:
@@ -277,9 +299,9 @@ def measure(root: Path, jobs_list: list[int | None], repeat: int, quick: bool = 
     sweeps: dict[int | None, list] = {j: [] for j in jobs_list}
     qsweeps: list = []
     for k in range(repeat):
-        fulls.append(plain_full(root, rows))
+        fulls.append(timed_plain(root, rows))
         for jobs in jobs_list:
-            sweeps[jobs].append(timed_sweep(root, jobs=jobs))
+            sweeps[jobs].append(timed_sweep(root, f"jobs {jobs}", jobs=jobs))
         if quick:
             quicks.append(plain_quick(root, rows))
             qsweeps.append(timed_sweep(root, quick=True))
@@ -289,13 +311,15 @@ def measure(root: Path, jobs_list: list[int | None], repeat: int, quick: bool = 
             said.append(f"quick: plain {quicks[-1][0]:.2f} s, sweep {qsweeps[-1][1]:.2f} s")
         print(f"round {k + 1}: " + ", ".join(said) + f"; load {_load()}", file=sys.stderr, flush=True)
     raw, secs, ok = min(fulls, key=lambda r: r[1])
+    plain_cpu = "/".join(f"{c / n * 1e6:.1f}" for c in CPU["plain"])
     plain = raw / secs / MB
     ptimes = [f[1] for f in fulls]
     out = [f"{n:,} samples, {raw / MB:,.1f} MB uncompressed ({raw / n:,.0f} B a sample); {repeat} interleaved "
            f"round(s); load average (1/5/15 min) {load0} before, {_load()} after",
            f"plain full loop (read + decode + crc32c, 1 thread): {plain:9.1f} MB/s {secs / n * 1e6:9.1f} us/sample"
            f"  ({secs:.2f} s best, {float(np.median(ptimes)):.2f} s median; checksums "
-           f"{'match' if ok else 'DO NOT match'})"]
+           f"{'match' if ok else 'DO NOT match'})",
+           f"    CPU {plain_cpu} us/sample by round"]
     for jobs in jobs_list:
         s, wall = min(sweeps[jobs], key=lambda r: r[1])
         assert s.ok == n and not s.damaged, s.as_dict()
@@ -306,6 +330,7 @@ def measure(root: Path, jobs_list: list[int | None], repeat: int, quick: bool = 
                    f"whole, reading {s.seconds:.2f} s)  ratio {secs / wall:.2f}x plain loop (reading alone "
                    f"{secs / s.seconds:.2f}x); per round: whole {_ratios(ptimes, walls)}, reading "
                    f"{_ratios(ptimes, reads)}")
+        out.append(cpu_line(f"jobs {jobs}", n))
     if quick:
         qsecs, qok = min(quicks, key=lambda r: r[0])
         s, wall = min(qsweeps, key=lambda r: r[1])

@@ -199,6 +199,11 @@ class Verdicts:
         self.by_segment.setdefault(segment, {}).setdefault(verdict, []).append(int(token_start))
         self.count += 1
 
+    def extend(self, segment: str, token_starts: list[int], verdict: str) -> None:
+        """`add` for samples of one segment with one verdict."""
+        self.by_segment.setdefault(segment, {}).setdefault(verdict, []).extend(map(int, token_starts))
+        self.count += len(token_starts)
+
     def write(self, data_root: Path, sweep_id: str, mode: str) -> HistoryRecord | None:
         """The sweep's record (none when it judged nothing)."""
         if not self.count:

@@ -3,11 +3,12 @@
 Small samples share shard files (a group of them is written as one set of shards, builder/store/segment.py), so
 checking them one by one opens, reads and checks every shard's index once per sample, and the segment's metadata
 files five times per sample. A *unit* here is a run of the sweep's samples (in segment and token order) that
-start in the same shard: `check_unit` probes the segment's metadata files once, then for each field opens each
-shard file the unit needs once, checks its index once (`store.shard.read_index`: its CRC-32C, and that it
-accounts for exactly the file's bytes), and, in a full sweep, reads the unit's chunks with one read per run of
-consecutive chunks, decodes each chunk once, exactly as hsbuild's reader does (`store.direct`: a chunk must
-decode to exactly its chunk's bytes), and chains the CRC-32C of each sample's rows, field by field.
+start in the same shard, or the samples of a few consecutive shards (`verify.targets.Targets.units`):
+`check_unit` probes the segment's metadata files once, then for each field opens each shard file the unit needs
+once, checks its index once (`store.shard.read_index`: its CRC-32C, and that it accounts for exactly the file's
+bytes), and, in a full sweep, reads the unit's chunks with one read per run of consecutive chunks, decodes each
+chunk once, exactly as hsbuild's reader does (`store.direct`: a chunk must decode to exactly its chunk's bytes),
+and chains the CRC-32C of each sample's rows, field by field.
 
 This path only ever *passes* a sample. Anything else it meets (a file missing, empty or damaged, an index
 that fails, a chunk that does not decode, a checksum that differs, an error of the I/O path) sends the samples
@@ -33,7 +34,7 @@ import numpy as np
 
 from builder.errors import DamagedSampleError
 from builder.store import reader as store_reader
-from builder.store.codec import declared_size
+from builder.store.codec import BLOSC_HEADER, declared_size
 from builder.store.direct import FieldLayout, _decode
 from builder.store.readback import SampleCheck, is_transient
 from builder.store.segment import FIELDS
@@ -56,23 +57,26 @@ Outcome = SampleCheck | Redo
 
 
 class _Unit:
-    """The state of one unit's check: per sample, its outcome so far, bytes and running checksums."""
+    """The state of one unit's check, as arrays over its samples: who failed (and the Redo each got first), bytes
+    and running checksums."""
 
     def __init__(self, targets: Sequence, quick: bool):
         self.targets = targets
         self.quick = quick
         n = len(targets)
-        self.redo: list[Redo | None] = [None] * n
-        self.file_bytes = [0] * n
-        self.raw_bytes = [0] * n
-        self.start = np.array([t.token_start for t in targets], dtype=np.int64)
-        self.count = np.array([t.num_tokens for t in targets], dtype=np.int64)
+        self.failed = np.zeros(n, dtype=bool)
+        self.redo: dict[int, Redo] = {}
+        self.file_bytes = np.zeros(n, dtype=np.int64)
+        self.raw_bytes = np.zeros(n, dtype=np.int64)
+        self.start = np.fromiter((t.token_start for t in targets), dtype=np.int64, count=n)
+        self.count = np.fromiter((t.num_tokens for t in targets), dtype=np.int64, count=n)
 
-    def fail(self, idx: Sequence[int], err: BaseException | None) -> None:
+    def fail(self, idx: Sequence[int] | np.ndarray, err: BaseException | None) -> None:
         """These samples go to the per-sample check (`err`: what stopped the group check, if anything)."""
         first = err if err is not None and is_transient(err) else None
-        for i in idx:
-            if self.redo[i] is None:
+        for i in np.asarray(idx, dtype=np.int64).tolist():
+            if not self.failed[i]:
+                self.failed[i] = True
                 self.redo[i] = Redo(first)
 
 
@@ -81,23 +85,22 @@ def check_unit(data_root: Path, segment: str, lays: dict[str, FieldLayout], targ
     """Check `targets` (one segment, ascending token_start; each has token_start, num_tokens, nbytes, checksums)
     whose fields are all read directly (`lays`). Returns per target a passing SampleCheck or a `Redo`."""
     u = _Unit(targets, quick)
-    everyone = range(len(targets))
+    n = len(targets)
     try:
         store_reader.probe_metadata(data_root, segment)
     except (DamagedSampleError, OSError, MemoryError) as e:
-        u.fail(everyone, None if isinstance(e, DamagedSampleError) else e)
-        return [u.redo[i] for i in everyone]  # type: ignore[misc]
-    want = [None] * len(targets) if quick else [_wanted(t.checksums) for t in targets]
+        u.fail(np.arange(n), None if isinstance(e, DamagedSampleError) else e)
+        return [u.redo[i] for i in range(n)]
+    want, wok = (None, None) if quick else _wanted_all([t.checksums for t in targets])
     seg_dir = data_root / segment
-    for fld in FIELDS:
-        _check_field(u, seg_dir, segment, fld, lays[fld], want)
-    out: list[Outcome] = []
-    for i, t in enumerate(targets):
-        r = u.redo[i]
-        if r is None and quick and t.nbytes is not None and u.file_bytes[i] != t.nbytes:
-            r = Redo()  # the per-sample check words the difference
-        out.append(r if r is not None else SampleCheck(None, u.file_bytes[i], u.raw_bytes[i]))
-    return out
+    for f, fld in enumerate(FIELDS):
+        _check_field(u, seg_dir, segment, fld, lays[fld], None if want is None else want[:, f],
+                     None if wok is None else wok[:, f])
+    if quick:
+        said = np.fromiter((-1 if t.nbytes is None else t.nbytes for t in targets), dtype=np.int64, count=n)
+        u.fail(np.flatnonzero(~u.failed & (said >= 0) & (said != u.file_bytes)), None)  # the per-sample check
+    redo, fb, rb = u.redo, u.file_bytes.tolist(), u.raw_bytes.tolist()  # words the difference
+    return [redo[i] if i in redo else SampleCheck(None, fb[i], rb[i]) for i in range(n)]
 
 
 def _wanted(checksums: str | dict | None) -> dict[str, int] | None:
@@ -109,29 +112,65 @@ def _wanted(checksums: str | dict | None) -> dict[str, int] | None:
         return None
 
 
-def _check_field(u: _Unit, seg_dir: Path, segment: str, fld: str, lay: FieldLayout,
-                 want: list[dict[str, int] | None]) -> None:
+# the `written` event's checksums as a run writes them (json.dumps, sort_keys): parsed for a whole unit at once
+_TEMPLATE = json.dumps({f: "crc32c:" + "0" * 8 for f in FIELDS}, sort_keys=True).encode()
+_HEX_AT = np.array([_TEMPLATE.index(f'"{f}": "crc32c:'.encode()) + len(f) + 12 for f in FIELDS], dtype=np.int64)
+_HEX_POS = (_HEX_AT[:, None] + np.arange(8)).reshape(-1)  # where the 4 x 8 hex digits are, in field order
+_FIXED = np.ones(len(_TEMPLATE), dtype=bool)
+_FIXED[_HEX_POS] = False
+_HEX = np.full(256, 255, dtype=np.uint8)
+_HEX[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16, dtype=np.uint8)
+
+
+def _wanted_all(sums: list) -> tuple[np.ndarray, np.ndarray]:
+    """Every target's checksums as a (samples, fields) array of integers and whether each is known (`_wanted`:
+    a field with a crc32c checksum; none of a sample whose checksums do not parse). Those written as a run writes
+    them are parsed together with numpy; any other goes through `_wanted`."""
+    n, width = len(sums), len(_TEMPLATE)
+    want = np.zeros((n, len(FIELDS)), dtype=np.int64)
+    wok = np.zeros((n, len(FIELDS)), dtype=bool)
+    fast = np.zeros(n, dtype=bool)
+    cand = np.fromiter((type(s) is str and len(s) == width for s in sums), dtype=bool, count=n)
+    if cand.any():
+        at = np.flatnonzero(cand)
+        raw = "".join([sums[i] for i in at.tolist()]).encode("utf-8", "replace")
+        if len(raw) == at.size * width:  # (every one ASCII)
+            rows = np.frombuffer(raw, dtype=np.uint8).reshape(at.size, width)
+            digits = _HEX[rows[:, _HEX_POS]].reshape(at.size, len(FIELDS), 8)
+            tmpl = np.frombuffer(_TEMPLATE, dtype=np.uint8)
+            good = (rows[:, _FIXED] == tmpl[_FIXED]).all(axis=1) & (digits != 255).all(axis=(1, 2))
+            shifts = np.arange(28, -1, -4, dtype=np.int64)
+            want[at[good]] = (digits[good].astype(np.int64) << shifts).sum(axis=2)
+            wok[at[good]] = True
+            fast[at[good]] = True
+    for i in np.flatnonzero(~fast).tolist():
+        d = _wanted(sums[i])
+        if d is not None:
+            for f, fld in enumerate(FIELDS):
+                if fld in d:
+                    want[i, f], wok[i, f] = d[fld], True
+    return want, wok
+
+
+def _check_field(u: _Unit, seg_dir: Path, segment: str, fld: str, lay: FieldLayout, want: np.ndarray | None,
+                 wok: np.ndarray | None) -> None:
     c, sc = lay.inner, lay.shard_chunks
-    live = [i for i in range(len(u.targets)) if u.redo[i] is None]
-    if not u.quick:
-        bad = [i for i in live if want[i] is None or fld not in want[i]]  # type: ignore[operator]
-        if bad:
-            u.fail(bad, None)
-            live = [i for i in live if u.redo[i] is None]
-    if not live:
+    if wok is not None:
+        u.fail(np.flatnonzero(~u.failed & ~wok), None)
+    live = np.flatnonzero(~u.failed)
+    if not live.size:
         return
     first = u.start[live] // c
     last = (u.start[live] + np.maximum(u.count[live], 1) - 1) // c
-    shards: dict[int, list[int]] = {}  # shard -> positions in `live` of the samples with chunks in it
-    for j, (a, b) in enumerate(zip((first // sc).tolist(), (last // sc).tolist(), strict=True)):
-        for s in range(a, b + 1):
-            shards.setdefault(s, []).append(j)
-    crc = dict.fromkeys(live, 0)
-    for s, members in sorted(shards.items()):
-        js = np.asarray(members)
-        lo = np.maximum(first[js], s * sc) - s * sc  # the members' first and last chunk in this shard
-        hi = np.minimum(last[js], (s + 1) * sc - 1) - s * sc
-        ids = [live[j] for j in members]
+    s_first, s_last = first // sc, last // sc
+    crc = [0] * len(u.targets)
+    for s in range(int(s_first.min()), int(s_last.max()) + 1):
+        inside = (s_first <= s) & (s_last >= s)
+        if not inside.any():
+            continue
+        ids = live[inside]
+        lo = np.maximum(first[inside], s * sc) - s * sc  # the members' first and last chunk in this shard
+        hi = np.minimum(last[inside], (s + 1) * sc - 1) - s * sc
         try:
             _check_shard(u, shard_path(seg_dir, fld, lay.dims, s), s, lay, ids, lo, hi, crc, segment, fld)
         except (DamagedSampleError, ShardIndexError):  # the per-sample check finds and words it
@@ -140,12 +179,14 @@ def _check_field(u: _Unit, seg_dir: Path, segment: str, fld: str, lay: FieldLayo
             u.fail(ids, e)
         except Exception:  # noqa: BLE001 - whatever else this path meets, the per-sample check decides and words
             u.fail(ids, None)
-    if not u.quick:
-        u.fail([i for i in live if u.redo[i] is None and crc[i] != want[i][fld]], None)  # type: ignore[index]
+    if want is not None:
+        ok = live[~u.failed[live]]
+        got = np.fromiter((crc[i] for i in ok.tolist()), dtype=np.int64, count=ok.size)
+        u.fail(ok[got != want[ok]], None)
 
 
-def _check_shard(u: _Unit, path: Path, shard: int, lay: FieldLayout, ids: list[int], lo: np.ndarray,
-                 hi: np.ndarray, crc: dict[int, int], segment: str, fld: str) -> None:
+def _check_shard(u: _Unit, path: Path, shard: int, lay: FieldLayout, ids: np.ndarray, lo: np.ndarray,
+                 hi: np.ndarray, crc: list[int], segment: str, fld: str) -> None:
     """One shard file of the unit: probed (as every reader does first, `store.reader.probe_file`), opened once
     (through pathlib, as Zarr's store opens it), its index checked (`read_index`), the chunks of samples `ids`
     (positions `lo`..`hi` in the shard) present; in a full sweep read, decoded and checksummed into `crc`."""
@@ -153,36 +194,36 @@ def _check_shard(u: _Unit, path: Path, shard: int, lay: FieldLayout, ids: list[i
         raise ShardIndexError("empty")
     with path.open("rb", buffering=0) as fh:
         idx = read_index(fh.fileno(), lay.shard_chunks)
-        absent = np.concatenate(([0], np.cumsum(idx[:, 0] == EMPTY)))
-        sizes = np.concatenate(([0], np.cumsum(np.where(idx[:, 0] == EMPTY, 0, idx[:, 1]))))
+        empty = idx[:, 0] == EMPTY
+        absent = np.concatenate(([0], np.cumsum(empty)))
+        sizes = np.concatenate(([0], np.cumsum(np.where(empty, 0, idx[:, 1]).astype(np.int64))))
         gone = (absent[hi + 1] - absent[lo]) > 0
         if gone.any():
-            u.fail([i for i, g in zip(ids, gone.tolist(), strict=True) if g], None)
-        for i, n in zip(ids, (sizes[hi + 1] - sizes[lo]).tolist(), strict=True):
-            u.file_bytes[i] += n
+            u.fail(ids[gone], None)
+        u.file_bytes[ids] += sizes[hi + 1] - sizes[lo]  # (ids: distinct)
         if u.quick:
             return
-        keep = [j for j, i in enumerate(ids) if u.redo[i] is None]
-        if not keep:
+        keep = ~u.failed[ids]
+        if not keep.any():
             return
-        lo, hi = lo[keep], hi[keep]
-        ids = [ids[j] for j in keep]
-        need = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(lo.tolist(), hi.tolist(),
-                                                                            strict=True)]))
+        lo, hi, ids = lo[keep], hi[keep], ids[keep]
+        m = lay.shard_chunks + 1  # the union of the samples' chunk ranges
+        need = np.flatnonzero(np.cumsum(np.bincount(lo, minlength=m) - np.bincount(hi + 1, minlength=m))[:-1] > 0)
         flat = _decoded(fh, path, idx, need, lay, segment, fld)
-    # each sample's chunks are consecutive rows of `flat` (need is sorted and holds all of lo..hi)
+    # each sample's chunks are consecutive rows of `flat` (need is sorted and holds all of lo..hi): its bytes here
+    # are one span of it
     c = lay.inner
     row_bytes = (lay.width or 1) * lay.dtype.itemsize
-    row_of = np.searchsorted(need, lo)
     base = (shard * lay.shard_chunks + lo) * c  # the first token of each sample's first chunk here
+    a = np.maximum(u.start[ids] - base, 0)
+    b = np.minimum(u.start[ids] + u.count[ids] - base, (hi - lo + 1) * c)
+    at = np.searchsorted(need, lo) * c
+    has = b > a
+    ids, a, b, at = ids[has], a[has], b[has], at[has]
+    u.raw_bytes[ids] += (b - a) * row_bytes
     view = memoryview(flat).cast("B")
-    for i, b0, r0, h in zip(ids, base.tolist(), row_of.tolist(), (hi - lo + 1).tolist(), strict=True):
-        t = u.targets[i]
-        a = max(t.token_start - b0, 0)
-        b = min(t.token_start + t.num_tokens - b0, h * c)
-        if b > a:
-            crc[i] = crc32c.crc32c(view[(r0 * c + a) * row_bytes : (r0 * c + b) * row_bytes], crc[i])
-            u.raw_bytes[i] += (b - a) * row_bytes
+    for i, x, y in zip(ids.tolist(), ((at + a) * row_bytes).tolist(), ((at + b) * row_bytes).tolist(), strict=True):
+        crc[i] = crc32c.crc32c(view[x:y], crc[i])
 
 
 def _blosc_decompress_ctx() -> Callable[[int, int, int, int], int] | None:
@@ -203,8 +244,13 @@ def _blosc_decompress_ctx() -> Callable[[int, int, int, int], int] | None:
 BLOSC_DECOMPRESS = _blosc_decompress_ctx()
 
 
-def _address(buf: bytearray) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
+_HEADER_AT = np.arange(BLOSC_HEADER.size)
+
+
+def _blosc_sizes(buf: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The `nbytes` and `cbytes` of the blosc headers at offsets `at` of `buf` (uint8; BLOSC_HEADER)."""
+    h = buf[at[:, None] + _HEADER_AT].view("<u4")
+    return h[:, 1], h[:, 3]
 
 
 def _decoded(fh, path: Path, idx: np.ndarray, need: np.ndarray, lay: FieldLayout, segment: str,
@@ -212,27 +258,46 @@ def _decoded(fh, path: Path, idx: np.ndarray, need: np.ndarray, lay: FieldLayout
     """Inner chunks `need` (positions in the shard, ascending) decoded, one row each, exactly a chunk's bytes
     (`store.direct`'s decode: a chunk that decodes to any other size is damage). A chunk whose header says it
     is exactly a chunk's size is decoded straight into its row by the codec's own function (what the codec's
-    `decode(buf, out=row)` calls, without its checks of the arguments); any other goes through `store.direct`."""
+    `decode(buf, out=row)` calls, without its checks of the arguments); any other goes through `store.direct`.
+    Blosc headers are read for all the chunks at once (`codec.declared_size`'s rule: the header's compressed size
+    must be the chunk's length)."""
     chunk_bytes = lay.inner * (lay.width or 1) * lay.dtype.itemsize
     out = np.empty((len(need), chunk_bytes), dtype=np.uint8)
-    chunks = _read_chunks(fh, idx, need.tolist())
+    buf, pos = _read_chunks(fh, idx, need)
+    size = idx[need, 1].astype(np.int64)
     codec = lay.codec
+    if codec is None:
+        if (size != chunk_bytes).any():
+            raise ShardIndexError(f"a chunk is not {chunk_bytes} bytes long")
+        for row, p in enumerate(pos.tolist()):
+            out[row] = buf[p : p + chunk_bytes]
+        return out
     blosc = isinstance(codec, numcodecs.Blosc)
+    slow = np.zeros(len(need), dtype=bool)  # blosc chunks whose header says another size: through store.direct
+    if blosc:
+        if (size < BLOSC_HEADER.size).any():
+            raise ShardIndexError("a blosc chunk shorter than its header")
+        said, cbytes = _blosc_sizes(buf, pos)
+        if (cbytes != size).any():  # c-blosc trusts its header's compressed size
+            raise ShardIndexError("a blosc chunk whose header says another length")
+        slow = said != chunk_bytes
     raw = BLOSC_DECOMPRESS if blosc else None
     fast = (numcodecs.blosc.decompress if blosc
             else numcodecs.zstd.decompress if isinstance(codec, numcodecs.Zstd) else None)
-    out_at = out.ctypes.data
-    for row, k in enumerate(need.tolist()):
-        src, src_at = chunks[k]
-        if codec is None:
-            if len(src) != chunk_bytes:
-                raise ShardIndexError(f"a chunk is not {chunk_bytes} bytes long")
-            out[row] = np.frombuffer(src, dtype=np.uint8)
-        elif fast is not None and declared_size(codec, src) == chunk_bytes:
-            if raw is None:
-                fast(src, out[row])
-            elif raw(src_at, out_at + row * chunk_bytes, chunk_bytes, 1) != chunk_bytes:  # (the header's cbytes
-                raise ShardIndexError("a chunk does not decode")  # is the chunk's length: declared_size)
+    view = memoryview(buf)
+    if raw is not None:
+        base, out_at = buf.ctypes.data, out.ctypes.data
+        rows = np.flatnonzero(~slow)
+        for src_at, dst_at in zip((pos[rows] + base).tolist(), (rows * chunk_bytes + out_at).tolist(), strict=True):
+            if raw(src_at, dst_at, chunk_bytes, 1) != chunk_bytes:
+                raise ShardIndexError("a chunk does not decode")
+        todo = np.flatnonzero(slow).tolist()
+    else:
+        todo = range(len(need))
+    for row, p, m in zip(todo, pos[todo].tolist(), size[todo].tolist(), strict=True):
+        src = view[p : p + m]
+        if fast is not None and not slow[row] and (blosc or declared_size(codec, src) == chunk_bytes):
+            fast(src, out[row])
         else:
             err = _decode(codec, src, out[row], path.relative_to(path.parent.parent), segment, fld)
             if err is not None:
@@ -240,28 +305,36 @@ def _decoded(fh, path: Path, idx: np.ndarray, need: np.ndarray, lay: FieldLayout
     return out
 
 
-def _read_chunks(fh, idx: np.ndarray, need: list[int]) -> dict[int, tuple[memoryview, int]]:
-    """The encoded bytes of inner chunks `need` (positions in the shard) and their address in memory, with one read
-    per run of chunks that lie less than MERGE_GAP apart."""
-    out: dict[int, tuple[memoryview, int]] = {}
-    spans = sorted((int(idx[k, 0]), int(idx[k, 0] + idx[k, 1]), k) for k in need)
-    i = 0
-    while i < len(spans):
-        start, end, j = spans[i][0], spans[i][1], i + 1
-        while j < len(spans) and spans[j][0] - end <= MERGE_GAP:
-            end = max(end, spans[j][1])
-            j += 1
-        buf = _pread_exact(fh, end - start, start)
-        data, at = memoryview(buf), _address(buf)
-        for s, e, k in spans[i:j]:
-            out[k] = data[s - start : e - start], at + s - start
-        i = j
-    return out
-
-
-def _pread_exact(fh, n: int, offset: int) -> bytearray:
-    buf = bytearray(n)
+def _read_chunks(fh, idx: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The encoded bytes of inner chunks `need` (positions in the shard), read with one read per run of chunks
+    that lie less than MERGE_GAP apart, in one buffer, and where each chunk starts in it."""
+    start = idx[need, 0].astype(np.int64)
+    end = start + idx[need, 1].astype(np.int64)
+    first, stop = int(start.min()), int(end.max())
+    if stop - first - int((end - start).sum()) <= MERGE_GAP:  # no gap between them is wider: one run
+        buf = np.empty(stop - first, dtype=np.uint8)
+        _pread_exact(fh, memoryview(buf), first)
+        return buf, start - first
+    order = np.argsort(start, kind="stable")
+    s, e = start[order], end[order]
+    reach = np.maximum.accumulate(e)  # a run goes on while the next chunk starts within MERGE_GAP of its end
+    new = np.concatenate(([True], s[1:] - reach[:-1] > MERGE_GAP))
+    run = np.cumsum(new) - 1
+    run_start = s[new]
+    run_end = np.maximum.reduceat(e, np.flatnonzero(new))
+    lens = run_end - run_start
+    at = np.concatenate(([0], np.cumsum(lens)))  # where each run lies in the buffer
+    buf = np.empty(int(at[-1]), dtype=np.uint8)
     view = memoryview(buf)
+    for r, (a, n) in enumerate(zip(run_start.tolist(), lens.tolist(), strict=True)):
+        _pread_exact(fh, view[int(at[r]) : int(at[r]) + n], a)
+    pos = np.empty(len(need), dtype=np.int64)
+    pos[order] = at[run] + s - run_start[run]
+    return buf, pos
+
+
+def _pread_exact(fh, view: memoryview, offset: int) -> None:
+    n = len(view)
     done = 0
     while done < n:
         fh.seek(offset + done)
@@ -269,4 +342,3 @@ def _pread_exact(fh, n: int, offset: int) -> bytearray:
         if not got:
             raise ShardIndexError(f"read {done} of {n} bytes")
         done += got
-    return buf

@@ -286,7 +286,7 @@ class Sweep:
         bar.start(len(targets), "verify" if s.mode == "full" else "verify --quick")
         limiter = RateLimiter(self.rate, self.stop) if self.rate and s.mode == "full" else None
         t0 = time.monotonic()
-        todo: Iterator[tuple[int, int]] = targets.units(lambda seg: self._direct(seg, reader))
+        todo: Iterator[tuple[int, int]] = targets.units(lambda seg: self._direct(seg, reader), join=limiter is None)
         inflight: dict[Future, list[Target]] = {}
         pool = ThreadPoolExecutor(self.jobs, thread_name_prefix="hsbuild-verify")
         try:
@@ -307,12 +307,14 @@ class Sweep:
                 for fut in done:
                     batch = inflight.pop(fut)
                     results = fut.result()
-                    tokens = nbytes = 0
-                    for t, res in zip(batch, results, strict=True):
-                        self._record(t, res)
-                        tokens += t.num_tokens
-                        nbytes += res.file_bytes
-                    bar.update(len(batch), tokens, nbytes)
+                    if all(r.finding is None and r.error is None for r in results):
+                        nbytes = self._record_passed(batch, results)
+                    else:
+                        nbytes = 0
+                        for t, res in zip(batch, results, strict=True):
+                            self._record(t, res)
+                            nbytes += res.file_bytes
+                    bar.update(len(batch), sum(t.num_tokens for t in batch), nbytes)
                 self.flush()
                 bar.update()
         except BaseException:
@@ -328,6 +330,26 @@ class Sweep:
         names them, as resume reads it)."""
         _, rows = self.log.query("SELECT fingerprint, attempt FROM events WHERE seq = ?", [t.written_seq])
         return rows[0] if rows else (None, None)
+
+    def _record_passed(self, batch: list[Target], results: list[SampleCheck]) -> int:
+        """`_record` for a unit whose samples all passed (a unit is of one segment), at once. Returns the bytes
+        read."""
+        s = self.summary
+        assert s is not None
+        file_bytes = [r.file_bytes for r in results]
+        nbytes = sum(file_bytes)
+        s.checked += len(batch)
+        s.ok += len(batch)
+        s.bytes_read += nbytes if s.mode == "full" else 0
+        s.raw_bytes += sum(r.raw_bytes for r in results)
+        if s.mode == "full":
+            emit, kind = self.emit, EventKind.VERIFIED
+            for t, n in zip(batch, file_bytes, strict=True):
+                emit(Event(kind, sample_id=t.sample_id, segment=t.segment, token_start=t.token_start,
+                           num_tokens=t.num_tokens, nbytes=n, detail=SWEEP_DETAIL))
+            for seg in dict.fromkeys(t.segment for t in batch):
+                self.verdicts.extend(seg, [t.token_start for t in batch if t.segment == seg], "verified")
+        return nbytes
 
     def _record(self, t: Target, res: SampleCheck) -> None:
         s = self.summary

@@ -30,7 +30,7 @@ SELECT = ("SELECT s.sample_id, s.segment, s.token_start, s.num_tokens, s.nbytes,
 
 @dataclass
 class Target:
-    """One sample to check: its live location and what its `written` event recorded."""
+    """One sample to check: its live location and what its `written` event recorded (TARGET_COLUMNS)."""
 
     sample_id: str
     segment: str
@@ -39,7 +39,9 @@ class Target:
     nbytes: int | None
     checksums: str | None  # (None in a quick sweep: it reads no data)
     written_seq: int
-    verified_at: dt.datetime | None
+
+
+TARGET_COLUMNS = ("sample_id", "segment", "token_start", "num_tokens", "nbytes", "checksums", "written_seq")
 
 
 def fetch(log: EventLog, sql: str) -> pa.Table:
@@ -78,12 +80,15 @@ class Targets:
         return float(self.nbytes.mean()) if len(self) else 0.0
 
     def take(self, a: int, b: int) -> list[Target]:
-        rows = self.table.slice(a, b - a).to_pydict()
-        return [Target(*r) for r in zip(*(rows[c] for c in self.table.column_names), strict=True)]
+        part = self.table.slice(a, b - a)  # (not verified_at: the selection's, and the slowest to convert)
+        return [Target(*r) for r in zip(*(part.column(c).to_pylist() for c in TARGET_COLUMNS), strict=True)]
 
-    def units(self, direct: Callable[[str], dict[str, FieldLayout] | None]) -> Iterator[tuple[int, int]]:
-        """[start, end) ranges of samples that start in one shard of a segment read directly (`direct(segment)`),
-        at most UNIT_SAMPLES of them and about UNIT_BYTES; a sample of a segment read otherwise is a unit alone."""
+    def units(self, direct: Callable[[str], dict[str, FieldLayout] | None],
+              join: bool = True) -> Iterator[tuple[int, int]]:
+        """[start, end) ranges of samples of a segment read directly (`direct(segment)`) that start in one shard or,
+        with `join`, in a few consecutive ones (whole shards' samples, so a shard is visited by as few units as may
+        be), at most UNIT_SAMPLES of them and about UNIT_BYTES; a sample of a segment read otherwise is a unit
+        alone. (A paced sweep keeps one shard a unit: its rate is charged a unit at a time.)"""
         n = len(self)
         if not n:
             return
@@ -96,8 +101,16 @@ class Targets:
         key = np.where(span > 0, self.token_start // np.maximum(span, 1), np.arange(n))
         cut = np.flatnonzero((np.diff(self.seg_code) != 0) | (np.diff(key) != 0) | (span[1:] == 0)) + 1
         bounds = [0, *cut.tolist(), n]
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            while b - a > 0:  # a run in one shard, cut by count and bytes
+        before = np.concatenate(([0], np.cumsum(self.nbytes)))
+        code, merged = self.seg_code.tolist(), [0]
+        for a, b in zip(bounds[1:-1], bounds[2:], strict=True):  # runs in one shard joined while they fit
+            c = merged[-1]
+            if not (join and span[a] > 0 and span[c] > 0 and code[a] == code[c] and b - c <= UNIT_SAMPLES
+                    and before[b] - before[c] <= UNIT_BYTES):
+                merged.append(a)
+        merged.append(n)
+        for a, b in zip(merged[:-1], merged[1:], strict=True):
+            while b - a > 0:  # a run of whole shards, or one shard's cut by count and bytes
                 size = np.cumsum(self.nbytes[a : min(b, a + UNIT_SAMPLES)])
                 end = a + max(1, int(np.searchsorted(size, UNIT_BYTES, side="right")))
                 end = min(end, b, a + UNIT_SAMPLES)
