@@ -343,9 +343,9 @@ class Sweep:
         s.bytes_read += nbytes if s.mode == "full" else 0
         s.raw_bytes += sum(r.raw_bytes for r in results)
         if s.mode == "full":
-            emit, kind = self.emit, EventKind.VERIFIED
+            emit = self.emit
             for t, n in zip(batch, file_bytes, strict=True):
-                emit(Event(kind, sample_id=t.sample_id, segment=t.segment, token_start=t.token_start,
+                emit(Event(EventKind.VERIFIED, sample_id=t.sample_id, segment=t.segment, token_start=t.token_start,
                            num_tokens=t.num_tokens, nbytes=n, detail=SWEEP_DETAIL))
             for seg in dict.fromkeys(t.segment for t in batch):
                 self.verdicts.extend(seg, [t.token_start for t in batch if t.segment == seg], "verified")
