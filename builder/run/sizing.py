@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from builder.config import AUTO_WORKERS
 from builder.extract.backends import registry as backends
 from builder.extract.spec import BuiltinSpec, is_builtin
+from builder.procfs import CGROUP, quota_cpus, usable_cpus  # noqa: F401 - (named here too)
 from builder.store.dtypes import itemsize
 
 if TYPE_CHECKING:
@@ -57,31 +58,6 @@ class WorkerCount:
     workers: int
     why: str | None  # one line: what decided it (None: a count given)
     threads: int = 1  # each worker's intra-op threads: the usable CPUs shared among them
-
-
-CGROUP = Path("/sys/fs/cgroup")  # cgroup v2's mount: this process's limits where it runs in a container
-
-
-def quota_cpus(cgroup: Path = CGROUP) -> int | None:
-    """CPUs a cgroup v2 CPU quota allows (`cpu.max`: "200000 100000" is 2, rounded up), or None where there is
-    no quota ("max") or no such file. A container often sees every core of its host and is throttled to a few."""
-    try:
-        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if not quota.isdigit() or not period.isdigit() or int(period) == 0:
-        return None
-    return max(1, -(-int(quota) // int(period)))
-
-
-def usable_cpus(cgroup: Path = CGROUP) -> int:
-    """CPUs this process may use: its affinity mask, lowered to its cgroup's CPU quota where that is smaller."""
-    try:
-        cpus = max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        cpus = max(1, os.cpu_count() or 1)
-    quota = quota_cpus(cgroup)
-    return min(cpus, quota) if quota is not None else cpus
 
 
 def _read_int(path: Path) -> int | None:

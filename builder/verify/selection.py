@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import os
 import random
 from dataclasses import dataclass
 
@@ -80,14 +79,6 @@ def default_jobs(quick: bool, mean_sample_bytes: float, cpus: int) -> int:
     if not quick and mean_sample_bytes < PARALLEL_FROM_BYTES:
         return 1
     return most
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def parse_jobs(s: int | str | None) -> int | None:

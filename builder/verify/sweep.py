@@ -44,6 +44,7 @@ from builder.log.events import Event, EventLog, detail
 from builder.log.kinds import EventKind
 from builder.log.lock import BuildLock
 from builder.log.session import OwnerSession
+from builder.procfs import usable_cpus
 from builder.progress import Echo, NoProgress, quiet
 from builder.store.direct import FieldLayout
 from builder.store.history import Verdicts
@@ -67,7 +68,6 @@ from builder.verify.selection import (
     default_jobs,
     parse_jobs,
     parse_rate,
-    usable_cpus,
 )
 from builder.verify.targets import Target, Targets, select
 
