@@ -1,6 +1,7 @@
 """What /proc says about a process: its command line, its parent and ancestors, and which processes listen on a
 TCP port. The readers every layer shares (doctor's process descriptions, an engine's identity check of the local
-server it talks to); each never raises for a process that is gone or invisible (another PID namespace)."""
+server it talks to); each never raises for a process that is gone or invisible (another PID namespace). And the CPUs this
+process may use (its affinity mask and its cgroup's CPU quota)."""
 
 from __future__ import annotations
 
