@@ -281,6 +281,7 @@ def measure_items(build: str, rows: list, repeat: int, impls: tuple[str, ...]) -
     for each way of reading, every case's runs interleaved with the others' (no workers, 2, 4: the machine's
     load drifts), the best of `repeat` kept; each against no workers (a plain DataLoader) in the same run."""
     loaders = ((0, "-"), (2, "fork"), (2, "spawn"), (4, "fork"))
+    impls = tuple(dict.fromkeys(("index", *impls) if "loader" in impls else impls))  # (ds.loader is against it)
     cases = [(w, c, impl) for w, c in loaders for impl in impls if w or impl != "loader"]  # (no workers: a DataLoader)
     for mode, said in MODES.items():
         best: dict = {}
@@ -329,7 +330,7 @@ def main() -> None:
     rows: list[tuple[str, str, str]] = []
     try:
         sizes = []
-        for n in [int(x) for x in a.samples.split(",") if x]:
+        for n in [int(x) for x in a.samples.split(",") if x and int(x) > 0]:  # (--samples 0 or "": items only)
             sizes.append(measure_construct(synthetic(work, n), rows, a.repeat))
         if len(sizes) >= 2:
             marginal(sizes[0], sizes[-1], rows)
