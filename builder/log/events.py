@@ -35,6 +35,7 @@ from builder.errors import (
     is_no_space,
 )
 from builder.fsutil import fsync_path
+from builder.log.checksums import check as check_checksums
 from builder.log.checksums import compact
 from builder.log.holders import locked_error
 from builder.log.kinds import EventKind
@@ -80,7 +81,7 @@ class Event:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:  # the code's mistake: said where the event is made, before anything is written
             raise ValueError(f"event kind {self.kind!r} is not one of builder.log.kinds.EventKind")
-        compact(self.checksums)  # checksums the log would read back as another text: refused here too
+        check_checksums(self.checksums)  # checksums the log would read back as another text: refused here too
 
 
 COLUMNS = ["seq", "ts", "kind", "run_id", "sample_id", "fingerprint", "attempt", "worker", "segment", "token_start",
