@@ -161,20 +161,16 @@ class _Sink:
 def write_streamed(path: Path, streamed: Streamed) -> tuple[str, int]:
     """`write_file` of a `Streamed` (temp name, fsync, rename; a failed write leaves no temp file), its checksum
     made as it is written: the file's `digest` and size."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sink = _Sink(-1)
+
+    def write(tmp: Path) -> None:
+        sink.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            sink = _Sink(fd)
             streamed.write(sink)  # type: ignore[arg-type]
-            os.fsync(fd)
         finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+            os.close(sink.fd)
+
+    write_file(path, write)
     return f"{CRC32C}{sink.crc:08x}", sink.size
 
 
